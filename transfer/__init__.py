@@ -7,3 +7,21 @@ Producers and the daemon share a mapping table of segments addressed by
 from __future__ import annotations
 
 __version__ = "0.1.0"
+
+from ._checksum import checksum64
+from .addressing import make_va, split_va
+from .client import Client, DeviceBuffer, HostSegment, Pending, connect
+from .errors import *  # noqa: F403  (the whole hierarchy is public)
+from .errors import __all__ as _errors_all
+
+__all__ = [
+    "connect",
+    "Client",
+    "HostSegment",
+    "DeviceBuffer",
+    "Pending",
+    "checksum64",
+    "make_va",
+    "split_va",
+    *_errors_all,
+]

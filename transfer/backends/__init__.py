@@ -1,0 +1,28 @@
+"""Device backends behind one small interface (see _base.Backend)."""
+
+from __future__ import annotations
+
+from ._base import Backend, Span
+from ._numpy import NumpyBackend
+
+__all__ = ["Backend", "Span", "NumpyBackend", "make_backend"]
+
+
+def make_backend(name: str = "auto", devices: int = 1) -> Backend:
+    """`numpy`, `cupy`, or `auto` (CuPy only if a device actually allocates)."""
+    if name == "numpy":
+        return NumpyBackend(devices)
+    if name in ("cupy", "auto"):
+        try:
+            from ._cupy import CupyBackend  # lazy: importing CuPy is slow and may lack a driver
+        except ImportError as exc:
+            if name == "cupy":
+                raise RuntimeError(f"--backend cupy needs CuPy (pip install 'transfer[gpu]'): {exc}") from None
+            return NumpyBackend(devices)
+        usable, why = CupyBackend.probe()
+        if usable:
+            return CupyBackend()
+        if name == "cupy":
+            raise RuntimeError(f"--backend cupy: no usable CUDA device ({why})")
+        return NumpyBackend(devices)
+    raise ValueError(f"unknown backend {name!r} (choose auto, cupy or numpy)")

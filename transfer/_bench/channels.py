@@ -1,0 +1,418 @@
+"""One producer/consumer channel per method.
+
+Every channel gives the producer a writable uint8 ``buffer`` of
+``cell.buffer_bytes`` (``depth`` slots of ``batch`` items of ``size`` bytes)
+and moves one *group* (one slot: ``batch`` items) per ``submit``. The consumer
+side (absent for ``transfer``: the daemon is the consumer) hands the generic
+consumer loop uint8 views of the received items; the loop copies them into a
+"device" buffer and checksums them exactly as the daemon does for
+``transfer``. Completions come back as ``(group, ok)``.
+
+Plumbing (endpoints, pipes, queues) is created by the coordinator with
+:func:`make_plumbing` and passed to the processes as arguments.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import struct
+from typing import Any
+
+import numpy as np
+
+from .common import Cell
+
+VERIFY = 1
+BYE = 2
+
+HDR = struct.Struct("<iqii")  # producer index, group, slot, flags; then batch x u64 expected
+ACK = struct.Struct("<qi")  # group, ok
+
+
+def pack_header(idx: int, g: int, slot: int, flags: int, expected) -> bytes:
+    h = HDR.pack(idx, g, slot, flags)
+    if expected:
+        h += struct.pack(f"<{len(expected)}Q", *expected)
+    return h
+
+
+def unpack_header(b) -> tuple[int, int, int, int, tuple[int, ...] | None]:
+    idx, g, slot, flags = HDR.unpack_from(b, 0)
+    n = (len(b) - HDR.size) // 8
+    expected = struct.unpack_from(f"<{n}Q", b, HDR.size) if n else None
+    return idx, g, slot, flags, expected
+
+
+def make_plumbing(cell: Cell, ctx, run_dir: str, run_id: str, endpoint: str | None):
+    """(consumer_spec or None, [producer_spec, ...]) for ``cell``; all picklable."""
+    P = cell.producers
+    m = cell.method
+    if m == "transfer":
+        if endpoint is None:
+            raise RuntimeError("transfer method needs a daemon endpoint")
+        return None, [{"endpoint": endpoint} for _ in range(P)]
+    if m in ("zmq-copy", "zmq-zerocopy"):
+        data = f"ipc://{run_dir}/zd"
+        acks = [f"ipc://{run_dir}/za{i}" for i in range(P)]
+        copy = m == "zmq-copy"
+        return ({"data": data, "acks": acks, "copy": copy},
+                [{"data": data, "ack": acks[i], "copy": copy} for i in range(P)])
+    if m == "mp-queue":
+        q = ctx.Queue()
+        acks = [ctx.Pipe(duplex=False) for _ in range(P)]  # (reader, writer)
+        return ({"queue": q, "acks": [w for _, w in acks]},
+                [{"queue": q, "ack": r} for r, _ in acks])
+    if m == "mp-pipe":
+        pipes = [ctx.Pipe(duplex=True) for _ in range(P)]
+        return ({"conns": [b for _, b in pipes]}, [{"conn": a} for a, _ in pipes])
+    if m == "shm-pipe":
+        note_r, note_w = ctx.Pipe(duplex=False)
+        acks = [ctx.Pipe(duplex=False) for _ in range(P)]
+        paths = [f"/dev/shm/{run_id}-shm{i}" for i in range(P)]
+        return ({"notify": note_r, "acks": [w for _, w in acks], "paths": paths},
+                [{"notify": note_w, "ack": acks[i][0], "path": paths[i]} for i in range(P)])
+    raise ValueError(f"unknown method {m!r}")
+
+
+# --------------------------------------------------------------------------- producers
+
+
+class _AckMixin:
+    """Completions over a multiprocessing Connection carrying ACK records."""
+
+    ack_conn: Any
+
+    def poll(self, block: bool) -> list[tuple[int, bool]]:
+        out = []
+        if block:
+            out.append(ACK.unpack(self.ack_conn.recv_bytes()))
+        while self.ack_conn.poll(0):
+            out.append(ACK.unpack(self.ack_conn.recv_bytes()))
+        return [(g, bool(ok)) for g, ok in out]
+
+
+class ZmqProducer:
+    def __init__(self, cell: Cell, idx: int, spec: dict) -> None:
+        import zmq
+
+        self.zmq = zmq
+        self.idx = idx
+        self.copy = spec["copy"]
+        self.ctx = zmq.Context()
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.connect(spec["data"])
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.bind(spec["ack"])
+        self.buffer = np.zeros(cell.buffer_bytes, np.uint8)
+        self.slots = _slot_items(self.buffer, cell)
+
+    def submit(self, g, slot, verify, expected) -> None:
+        hdr = pack_header(self.idx, g, slot, VERIFY if verify else 0, expected)
+        self.push.send_multipart([hdr, *self.slots[slot]], copy=self.copy)
+
+    def poll(self, block: bool) -> list[tuple[int, bool]]:
+        out = []
+        if block:
+            out.append(ACK.unpack(self.pull.recv()))
+        while True:
+            try:
+                out.append(ACK.unpack(self.pull.recv(self.zmq.NOBLOCK)))
+            except self.zmq.Again:
+                break
+        return [(g, bool(ok)) for g, ok in out]
+
+    def bye(self) -> None:
+        self.push.send(pack_header(self.idx, -1, 0, BYE, None))
+
+    def close(self) -> None:
+        self.push.close(linger=5000)
+        self.pull.close(linger=0)
+        self.ctx.term()
+
+
+class QueueProducer(_AckMixin):
+    def __init__(self, cell: Cell, idx: int, spec: dict) -> None:
+        self.idx = idx
+        self.q = spec["queue"]
+        self.ack_conn = spec["ack"]
+        self.buffer = np.zeros(cell.buffer_bytes, np.uint8)
+        self.slots = _slot_items(self.buffer, cell)
+
+    def submit(self, g, slot, verify, expected) -> None:
+        # The feeder thread pickles later; the slot is not rewritten before its ack.
+        self.q.put((self.idx, g, slot, VERIFY if verify else 0, expected, self.slots[slot]))
+
+    def bye(self) -> None:
+        self.q.put((self.idx, -1, 0, BYE, None, []))
+
+    def close(self) -> None:
+        self.q.close()
+        self.q.join_thread()
+
+
+class PipeProducer:
+    def __init__(self, cell: Cell, idx: int, spec: dict) -> None:
+        self.idx = idx
+        self.conn = spec["conn"]
+        self.ack_conn = self.conn
+        self.buffer = np.zeros(cell.buffer_bytes, np.uint8)
+        self.slots = _slot_items(self.buffer, cell)
+
+    def submit(self, g, slot, verify, expected) -> None:
+        bufs: list[pickle.PickleBuffer] = []
+        meta = pickle.dumps((self.idx, g, slot, VERIFY if verify else 0, expected, self.slots[slot]),
+                            protocol=5, buffer_callback=bufs.append)
+        self.conn.send_bytes(struct.pack("<i", len(bufs)) + meta)
+        for b in bufs:
+            self.conn.send_bytes(b.raw())
+
+    poll = _AckMixin.poll
+
+    def bye(self) -> None:
+        meta = pickle.dumps((self.idx, -1, 0, BYE, None, []), protocol=5)
+        self.conn.send_bytes(struct.pack("<i", 0) + meta)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class ShmProducer(_AckMixin):
+    """The best a user could write by hand: shared memory + a small pipe message per group."""
+
+    def __init__(self, cell: Cell, idx: int, spec: dict) -> None:
+        self.idx = idx
+        self.path = spec["path"]
+        self.notify = spec["notify"]
+        self.ack_conn = spec["ack"]
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, cell.buffer_bytes)
+            self.mm = mmap.mmap(fd, cell.buffer_bytes)
+        finally:
+            os.close(fd)
+        self.buffer = np.frombuffer(self.mm, np.uint8)
+        self.buffer[:] = 0
+
+    def submit(self, g, slot, verify, expected) -> None:
+        self.notify.send_bytes(pack_header(self.idx, g, slot, VERIFY if verify else 0, expected))
+
+    def bye(self) -> None:
+        self.notify.send_bytes(pack_header(self.idx, -1, 0, BYE, None))
+
+    def close(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class TransferProducer:
+    """``transfer``: the batch is written into a HostSegment; only VAs and sizes travel.
+
+    ``local`` mode: one ``copy`` (segment -> DeviceBuffer) per item, plus one
+    ``checksum`` per item on verified groups (the daemon reads the segment in
+    place). ``compute`` mode: one ``checksum`` per item, always. A group's
+    requests leave in one frame (``c.batch()``; ``copy_many`` for the copies
+    when a group has several items).
+    """
+
+    def __init__(self, cell: Cell, idx: int, spec: dict) -> None:
+        import transfer
+
+        self.cell = cell
+        self.client = transfer.connect(spec["endpoint"])
+        self.seg = self.client.segment(cell.buffer_bytes)
+        self.buffer = self.seg.ndarray((cell.buffer_bytes,), np.uint8)
+        self.buffer[:] = 0
+        self.dev = self.client.alloc(cell.buffer_bytes) if cell.mode == "local" else None
+        self.inflight: list[tuple[int, list, list, Any]] = []  # FIFO of (g, pendings, cks, expected)
+        S, K = cell.size, cell.batch
+        self._offsets = np.arange(K, dtype=np.uint64) * np.uint64(S)
+        self._sizes = np.full(K, S, dtype=np.uint64)
+        self._use_many = K > 1 and hasattr(self.client, "copy_many")
+
+    def submit(self, g, slot, verify, expected) -> None:
+        c, cell = self.client, self.cell
+        S, K = cell.size, cell.batch
+        base = slot * cell.slot_bytes
+        src0 = self.seg.va + base
+        pend: list = []
+        cks: list = []
+        with c.batch():
+            if self.dev is not None:
+                dst0 = self.dev.va + base
+                if self._use_many:
+                    pend.append(c.copy_many(np.uint64(dst0) + self._offsets,
+                                            np.uint64(src0) + self._offsets, self._sizes))
+                else:
+                    pend.extend(c.copy(dst0 + i * S, src0 + i * S, S) for i in range(K))
+            if verify or self.dev is None:
+                cks.extend(c.checksum(src0 + i * S, S) for i in range(K))
+        self.inflight.append((g, pend, cks, expected))
+
+    def poll(self, block: bool) -> list[tuple[int, bool]]:
+        out = []
+        while self.inflight:
+            g, pend, cks, expected = self.inflight[0]
+            if not block and not all(p.done() for p in pend + cks):
+                break
+            for p in pend:
+                p.result()
+            got = [p.result() for p in cks]
+            ok = expected is None or list(got) == list(expected)
+            self.inflight.pop(0)
+            out.append((g, ok))
+            block = False
+        return out
+
+    def bye(self) -> None:
+        self.client.fence()
+
+    def close(self) -> None:
+        self.client.close()
+
+
+PRODUCERS = {
+    "transfer": TransferProducer,
+    "zmq-copy": ZmqProducer,
+    "zmq-zerocopy": ZmqProducer,
+    "mp-queue": QueueProducer,
+    "mp-pipe": PipeProducer,
+    "shm-pipe": ShmProducer,
+}
+
+
+def _slot_items(buf: np.ndarray, cell: Cell) -> list[list[np.ndarray]]:
+    S, K = cell.size, cell.batch
+    return [[buf[(d * K + i) * S:(d * K + i + 1) * S] for i in range(K)] for d in range(cell.depth)]
+
+
+# --------------------------------------------------------------------------- consumers
+# recv() -> (idx, group, slot, flags, expected, [uint8 views]); ack(idx, group, ok)
+
+
+class ZmqConsumer:
+    def __init__(self, cell: Cell, spec: dict) -> None:
+        import zmq
+
+        self.copy = spec["copy"]
+        self.ctx = zmq.Context()
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.bind(spec["data"])
+        self.pushes = []
+        for ep in spec["acks"]:
+            s = self.ctx.socket(zmq.PUSH)
+            s.connect(ep)
+            self.pushes.append(s)
+
+    def recv(self):
+        frames = self.pull.recv_multipart(copy=self.copy)
+        if self.copy:
+            hdr, items = frames[0], [np.frombuffer(f, np.uint8) for f in frames[1:]]
+        else:
+            hdr, items = frames[0].bytes, [np.frombuffer(f.buffer, np.uint8) for f in frames[1:]]
+        return (*unpack_header(hdr), items)
+
+    def ack(self, idx, g, ok) -> None:
+        self.pushes[idx].send(ACK.pack(g, ok))
+
+    def close(self) -> None:
+        for s in self.pushes:
+            s.close(linger=1000)
+        self.pull.close(linger=0)
+        self.ctx.term()
+
+
+class QueueConsumer:
+    def __init__(self, cell: Cell, spec: dict) -> None:
+        self.q = spec["queue"]
+        self.acks = spec["acks"]
+
+    def recv(self):
+        return self.q.get()
+
+    def ack(self, idx, g, ok) -> None:
+        self.acks[idx].send_bytes(ACK.pack(g, ok))
+
+    def close(self) -> None:
+        self.q.close()
+
+
+class PipeConsumer:
+    def __init__(self, cell: Cell, spec: dict) -> None:
+        from multiprocessing.connection import wait
+
+        self._wait = wait
+        self.conns = list(spec["conns"])
+        self.live = list(self.conns)
+        self.ready: list = []
+        self.S = cell.size
+        self.staging = np.zeros(cell.slot_bytes, np.uint8)
+        self.mv = memoryview(self.staging)
+
+    def recv(self):
+        while not self.ready:
+            self.ready = list(self._wait(self.live))
+        conn = self.ready.pop(0)
+        first = conn.recv_bytes()
+        (n,) = struct.unpack_from("<i", first)
+        bufs = []
+        for i in range(n):
+            m = self.mv[i * self.S:(i + 1) * self.S]
+            conn.recv_bytes_into(m)
+            bufs.append(m)
+        idx, g, slot, flags, expected, items = pickle.loads(first[4:], buffers=bufs)
+        if flags & BYE:
+            self.live.remove(conn)
+        return idx, g, slot, flags, expected, items
+
+    def ack(self, idx, g, ok) -> None:
+        self.conns[idx].send_bytes(ACK.pack(g, ok))
+
+    def close(self) -> None:
+        for c in self.conns:
+            c.close()
+
+
+class ShmConsumer:
+    def __init__(self, cell: Cell, spec: dict) -> None:
+        self.cell = cell
+        self.notify = spec["notify"]
+        self.acks = spec["acks"]
+        self.paths = spec["paths"]
+        self.maps: dict[int, list[list[np.ndarray]]] = {}
+
+    def _slots(self, idx: int):
+        s = self.maps.get(idx)
+        if s is None:
+            fd = os.open(self.paths[idx], os.O_RDWR)
+            try:
+                mm = mmap.mmap(fd, self.cell.buffer_bytes)
+            finally:
+                os.close(fd)
+            os.unlink(self.paths[idx])  # both sides hold the mapping; nothing to leak
+            s = self.maps[idx] = _slot_items(np.frombuffer(mm, np.uint8), self.cell)
+        return s
+
+    def recv(self):
+        idx, g, slot, flags, expected = unpack_header(self.notify.recv_bytes())
+        if flags & BYE:
+            return idx, g, slot, flags, expected, []
+        return idx, g, slot, flags, expected, self._slots(idx)[slot]
+
+    def ack(self, idx, g, ok) -> None:
+        self.acks[idx].send_bytes(ACK.pack(g, ok))
+
+    def close(self) -> None:
+        pass
+
+
+CONSUMERS = {
+    "zmq-copy": ZmqConsumer,
+    "zmq-zerocopy": ZmqConsumer,
+    "mp-queue": QueueConsumer,
+    "mp-pipe": PipeConsumer,
+    "shm-pipe": ShmConsumer,
+}

@@ -1,0 +1,137 @@
+"""Shared definitions: sizes, cell configuration, fresh batch contents, checksum."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from typing import Callable
+
+import numpy as np
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+#: Clock used by every process (CLOCK_MONOTONIC on Linux: comparable across processes).
+now = time.perf_counter
+
+#: Words (uint64) between two stamped words when a producer writes fresh contents:
+#: one word per 4 KiB page, so every page of every batch changes.
+STAMP_STRIDE_WORDS = 512
+
+METHODS_ALL = ("transfer", "zmq-copy", "zmq-zerocopy", "mp-queue", "mp-pipe", "shm-pipe")
+METHODS_QUICK = ("transfer", "zmq-copy", "zmq-zerocopy")
+MODES_ALL = ("local", "compute", "remote", "gpu")
+
+METHOD_LABELS = {
+    "transfer": "transfer (shm + VA requests)",
+    "zmq-copy": "pyzmq PUSH/PULL ipc copy=True",
+    "zmq-zerocopy": "pyzmq PUSH/PULL ipc copy=False",
+    "mp-queue": "multiprocessing.Queue",
+    "mp-pipe": "multiprocessing.Pipe, pickle 5 out-of-band",
+    "shm-pipe": "hand-rolled shm + pipe notify",
+    "limit:memcpy": "in-process memcpy (one core)",
+    "limit:read": "in-process u64 read (one core)",
+    "limit:checksum": "in-process checksum64 (one core)",
+}
+
+
+class BenchFailure(RuntimeError):
+    """The benchmark could not produce a trustworthy result (mismatch, crash, hang)."""
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kKmMgG]?)(i?[bB])?\s*$")
+
+
+def parse_size(text: str) -> int:
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"not a size: {text!r} (examples: 4K, 64KiB, 1M, 256MiB)")
+    n = int(m.group(1))
+    unit = m.group(2).upper()
+    mult = {"": 1, "K": KiB, "M": MiB, "G": GiB}[unit]
+    n *= mult
+    if n <= 0 or n % 8:
+        raise ValueError(f"size must be a positive multiple of 8 bytes: {text!r}")
+    return n
+
+
+def parse_sizes(text: str) -> list[int]:
+    if ".." in text:
+        lo, hi = (parse_size(t) for t in text.split("..", 1))
+        out, s = [], lo
+        while s <= hi:
+            out.append(s)
+            s *= 4
+        return out
+    return [parse_size(t) for t in text.split(",") if t.strip()]
+
+
+def fmt_size(n: int) -> str:
+    for unit, mult in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= mult and n % mult == 0:
+            return f"{n // mult} {unit}"
+    return f"{n} B"
+
+
+def default_batch_items(size: int) -> int:
+    """Requests per group: small items are sent in groups (one frame / message)."""
+    return max(1, min(64, (256 * KiB) // size))
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One measured configuration."""
+
+    method: str
+    mode: str
+    size: int  # bytes per request (item)
+    producers: int
+    depth: int  # groups in flight per producer
+    batch: int  # items (requests) per group
+    verify_every: int  # verify every Nth group (1 = all)
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.size * self.batch
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.slot_bytes * self.depth
+
+    def describe(self) -> str:
+        b = f" x{self.batch}" if self.batch > 1 else ""
+        return (f"{self.method:<13} {self.mode:<7} {fmt_size(self.size):>8}{b:<4} "
+                f"P={self.producers} D={self.depth}")
+
+
+def fallback_checksum64(buf) -> int:
+    """Used only when ``transfer.checksum64`` does not exist yet (baselines only)."""
+    a = np.frombuffer(buf, dtype=np.uint8)
+    n8 = len(a) // 8 * 8
+    s = int(np.add.reduce(a[:n8].view(np.uint64), dtype=np.uint64)) if n8 else 0
+    if n8 != len(a):
+        s += int(a[n8:].sum())
+    return (s ^ len(a)) & 0xFFFFFFFFFFFFFFFF
+
+
+def get_checksum() -> tuple[Callable[[object], int], str]:
+    """The checksum every method uses: transfer's own (the daemon's) when available."""
+    try:
+        from transfer import checksum64  # type: ignore[attr-defined]
+    except Exception:  # pragma: no cover - core not there yet
+        return fallback_checksum64, "fallback (transfer.checksum64 unavailable)"
+    return checksum64, "transfer.checksum64"
+
+
+def item_views(buf: np.ndarray, cell: Cell) -> list[list[np.ndarray]]:
+    """uint8 views [slot][item] over a producer buffer of ``cell.buffer_bytes``."""
+    S, K = cell.size, cell.batch
+    return [[buf[(d * K + i) * S:(d * K + i + 1) * S] for i in range(K)] for d in range(cell.depth)]
+
+
+def stamp(u64: np.ndarray, seed: int) -> None:
+    """Fresh contents, cheaply: a per-batch seed in one word of every page plus the last word."""
+    u64[::STAMP_STRIDE_WORDS] = seed
+    u64[-1] = seed ^ 0x5A5A5A5A5A5A5A5A

@@ -1,0 +1,260 @@
+"""Machine description, result table, JSON and plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from typing import Any, Iterable
+
+from .common import METHOD_LABELS, fmt_size
+
+LIMIT_FOR_MODE = {"local": "limit:memcpy", "compute": "limit:read"}
+BASELINE_COLS = (("zmq-copy", "x zmq-copy"), ("zmq-zerocopy", "x zmq-0copy"))
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "memory_bytes": _mem_total(),
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+    }
+    for mod in ("numpy", "zmq", "transfer"):
+        try:
+            m = __import__(mod)
+            info[mod if mod != "zmq" else "pyzmq"] = getattr(m, "__version__", "?")
+        except Exception:  # noqa: BLE001
+            info[mod if mod != "zmq" else "pyzmq"] = None
+    try:
+        import zmq
+
+        info["libzmq"] = zmq.zmq_version()
+    except Exception:  # noqa: BLE001
+        pass
+    info["gpu"] = _gpu()
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _mem_total() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _gpu() -> str | None:
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return None
+    try:
+        out = subprocess.run([exe, "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+# ---------------------------------------------------------------------- ratios
+
+
+def _key(r: dict) -> tuple:
+    return (r["mode"], r["size"], r["producers"], r.get("depth"), r.get("batch"))
+
+
+def add_ratios(results: list[dict], limits: dict[int, dict[str, dict]]) -> None:
+    """Adds ``vs_<baseline>`` and ``vs_limit`` (same run, same size/producers/depth)."""
+    by_key: dict[tuple, dict[str, dict]] = {}
+    for r in results:
+        by_key.setdefault(_key(r), {})[r["method"]] = r
+    for r in results:
+        peers = by_key[_key(r)]
+        for base, _ in BASELINE_COLS:
+            b = peers.get(base)
+            r[f"vs_{base}"] = r["gbps"] / b["gbps"] if b and b["gbps"] > 0 else None
+        lim_name = LIMIT_FOR_MODE.get(r["mode"])
+        lim = limits.get(r["size"], {}).get(lim_name) if lim_name else None
+        r["limit"] = lim_name
+        r["vs_limit"] = r["gbps"] / lim["gbps"] if lim else None
+
+
+def limit_rows(limits: dict[int, dict[str, dict]]) -> list[dict]:
+    rows = []
+    for size, lims in sorted(limits.items()):
+        for name, v in lims.items():
+            rows.append({"method": name, "mode": "-", "size": size, "producers": 1, "depth": None,
+                         "batch": None, "gbps": v["gbps"], "rps": v["rps"], "p50_us": None,
+                         "p99_us": None, "reps": v["reps"], "min_gbps": v["min_gbps"],
+                         "max_gbps": v["max_gbps"]})
+    return rows
+
+
+# ---------------------------------------------------------------------- table
+
+
+def _f(x, fmt: str, none: str = "-") -> str:
+    return none if x is None else format(x, fmt)
+
+
+def _rps(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if x >= 1e6:
+        return f"{x / 1e6:.2f} M"
+    if x >= 1e3:
+        return f"{x / 1e3:.1f} k"
+    return f"{x:.0f}"
+
+
+def _us(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
+
+
+def render_table(results: list[dict], limits: dict[int, dict[str, dict]], title: str):
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left", header_style="bold")
+    for col, just in (("method", "left"), ("mode", "left"), ("size", "right"), ("P", "right"),
+                      ("D", "right"), ("GB/s", "right"), ("min-max", "right"), ("req/s", "right"),
+                      ("p50 µs", "right"), ("p99 µs", "right"), ("x zmq-copy", "right"),
+                      ("x zmq-0copy", "right"), ("x limit", "right")):
+        t.add_column(col, justify=just, no_wrap=True)
+    sizes = sorted({r["size"] for r in results} | set(limits))
+    for i, size in enumerate(sizes):
+        if i:
+            t.add_section()
+        for name, v in limits.get(size, {}).items():
+            t.add_row(f"[dim]{name}[/]", "-", fmt_size(size), "1", "-", f"[dim]{v['gbps']:.2f}[/]",
+                      f"[dim]{v['min_gbps']:.1f}-{v['max_gbps']:.1f}[/]", _rps(v["rps"]),
+                      "-", "-", "-", "-", "-")
+        rows = sorted((r for r in results if r["size"] == size),
+                      key=lambda r: (r["mode"], r["producers"], r.get("depth") or 0,
+                                     _METHOD_ORDER.get(r["method"], 99)))
+        for r in rows:
+            name = r["method"]
+            if name == "transfer":
+                name = "[bold cyan]transfer[/]"
+            b = f" x{r['batch']}" if r.get("batch", 1) > 1 else ""
+            t.add_row(name, r["mode"], fmt_size(size) + b, str(r["producers"]), str(r.get("depth", "")),
+                      f"{r['gbps']:.2f}", f"{r['min_gbps']:.1f}-{r['max_gbps']:.1f}", _rps(r["rps"]),
+                      _us(r["p50_us"]), _us(r["p99_us"]),
+                      _f(r.get("vs_zmq-copy"), ".2f"), _f(r.get("vs_zmq-zerocopy"), ".2f"),
+                      _f(r.get("vs_limit"), ".2f"))
+    return t
+
+
+_METHOD_ORDER = {m: i for i, m in enumerate(
+    ("transfer", "zmq-copy", "zmq-zerocopy", "mp-queue", "mp-pipe", "shm-pipe"))}
+
+
+def markdown_table(results: list[dict], limits: dict[int, dict[str, dict]]) -> str:
+    """The same table as Markdown (for docs/benchmarks.md)."""
+    head = ("| method | mode | size | P | D | GB/s | min–max | req/s | p50 µs | p99 µs "
+            "| × zmq copy | × zmq 0-copy | × limit |")
+    lines = [head, "|" + "---|" * 13]
+    sizes = sorted({r["size"] for r in results} | set(limits))
+    for size in sizes:
+        for name, v in limits.get(size, {}).items():
+            lines.append(f"| *{name}* | – | {fmt_size(size)} | 1 | – | {v['gbps']:.2f} | "
+                         f"{v['min_gbps']:.1f}–{v['max_gbps']:.1f} | {_rps(v['rps'])} | – | – | – | – | – |")
+        rows = sorted((r for r in results if r["size"] == size),
+                      key=lambda r: (r["mode"], r["producers"], r.get("depth") or 0,
+                                     _METHOD_ORDER.get(r["method"], 99)))
+        for r in rows:
+            name = f"**{r['method']}**" if r["method"] == "transfer" else r["method"]
+            b = f" ×{r['batch']}" if r.get("batch", 1) > 1 else ""
+            lines.append(
+                f"| {name} | {r['mode']} | {fmt_size(size)}{b} | {r['producers']} | {r.get('depth')} | "
+                f"{r['gbps']:.2f} | {r['min_gbps']:.1f}–{r['max_gbps']:.1f} | {_rps(r['rps'])} | "
+                f"{_us(r['p50_us'])} | {_us(r['p99_us'])} | {_f(r.get('vs_zmq-copy'), '.2f')} | "
+                f"{_f(r.get('vs_zmq-zerocopy'), '.2f')} | {_f(r.get('vs_limit'), '.2f')} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- JSON / plot
+
+
+def write_json(path: str, machine: dict, config: dict, results: list[dict],
+               limits: dict[int, dict[str, dict]], notes: list[str]) -> None:
+    doc = {"machine": machine, "config": config, "notes": notes,
+           "results": [_clean(r) for r in results] + limit_rows(limits)}
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+
+
+def _clean(r: dict) -> dict:
+    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
+
+
+def write_plot(path: str, results: list[dict], limits: dict[int, dict[str, dict]], title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit(f"--plot needs matplotlib (pip install 'transfer[plot]'): {e}") from None
+    modes = [m for m in ("local", "compute") if any(r["mode"] == m for r in results)] or ["local"]
+    fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 4.8), squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        rows = [r for r in results if r["mode"] == mode]
+        if rows:
+            pmax = max(r["producers"] for r in rows)
+            depths = sorted({r.get("depth") for r in rows if r["producers"] == pmax})
+            dsel = max(depths) if depths else None
+            rows = [r for r in rows if r["producers"] == pmax and r.get("depth") == dsel]
+        for m in _METHOD_ORDER:
+            pts = sorted((r["size"], r["gbps"], r["min_gbps"], r["max_gbps"]) for r in rows if r["method"] == m)
+            if not pts:
+                continue
+            xs, ys, lo, hi = zip(*pts)
+            kw = {"linewidth": 2.5, "color": "tab:blue", "zorder": 3} if m == "transfer" else {"linewidth": 1.2}
+            ax.errorbar(xs, ys, yerr=[[y - a for y, a in zip(ys, lo)], [b - y for y, b in zip(ys, hi)]],
+                        marker="o", markersize=3.5, capsize=2, label=m, **kw)
+        lim = LIMIT_FOR_MODE[mode]
+        pts = sorted((s, v[lim]["gbps"]) for s, v in limits.items() if lim in v)
+        if pts:
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, "k--", linewidth=1.5, label=f"{lim} (1 core)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("request size (bytes)")
+        ax.set_ylabel("delivered GB/s")
+        sub = f"P={pmax}, depth={dsel}" if rows else ""
+        ax.set_title(f"mode={mode}  {sub}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def describe_methods(methods: Iterable[str]) -> list[str]:
+    return [f"{m}: {METHOD_LABELS.get(m, m)}" for m in methods]

@@ -1,0 +1,64 @@
+"""The small interface every device backend implements.
+
+The scheduler hands a backend *translated* ranges only: (memory, offset,
+nbytes) triples whose bounds the mapping table has already checked. A
+backend never sees a VA, a session or a wire message.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, NamedTuple
+
+from ..addressing import SegmentKind
+
+__all__ = ["Backend", "Span"]
+
+
+class Span(NamedTuple):
+    """A checked byte range: `mem` is a ShmFile (HOST) or the backend's own memory (DEVICE)."""
+
+    kind: SegmentKind
+    mem: Any
+    offset: int
+    nbytes: int
+
+
+class Backend(abc.ABC):
+    """A physical device family (CPU via NumPy, GPU via CuPy)."""
+
+    name: str
+
+    @property
+    @abc.abstractmethod
+    def device_count(self) -> int: ...
+
+    @abc.abstractmethod
+    def alloc(self, nbytes: int, device: int) -> Any:
+        """Zeroed device memory of `nbytes` (zeroed: it may have held another session's data)."""
+
+    @abc.abstractmethod
+    def free(self, mem: Any) -> None: ...
+
+    def register_host(self, shm: Any) -> None:
+        """Make a host segment DMA-able (pinned) for this backend; no-op where meaningless."""
+
+    def unregister_host(self, shm: Any) -> None:
+        """Undo register_host before the segment is unmapped."""
+
+    @abc.abstractmethod
+    def copy(self, dst: Span, src: Span) -> None:
+        """Copy src.nbytes bytes; overlapping ranges behave like memmove."""
+
+    @abc.abstractmethod
+    def fill(self, dst: Span, value: int) -> None: ...
+
+    @abc.abstractmethod
+    def checksum(self, src: Span) -> int:
+        """checksum64 of the range, read in place."""
+
+    def synchronize(self) -> None:
+        """Wait until all submitted work is done (no-op for synchronous backends)."""
+
+    def describe(self) -> dict[str, Any]:
+        return {"backend": self.name, "devices": self.device_count}

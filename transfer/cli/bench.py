@@ -1,0 +1,240 @@
+"""``transfer-bench``: measure transfer against pyzmq, multiprocessing and hand-rolled shm.
+
+    transfer-bench                 quick run (< 60 s): embedded daemon, 2 producer
+                                   processes, 4 KiB (requests/s), 64 KiB, 1 MiB, 64 MiB,
+                                   transfer vs pyzmq copy/zero-copy and the physical limits
+    transfer-bench full            the sweep: 4 KiB..256 MiB, producers 1..N, depth,
+                                   modes local/compute (remote/gpu: hooks, skipped when
+                                   unavailable), every baseline
+    transfer-bench --json r.json --plot r.png
+
+Every method does the same work: producers (separate processes) write fresh
+contents into each batch; the consumer copies the bytes into a device buffer
+and checksums them (for ``transfer`` the daemon does both, reading the
+producer's shared memory in place). Any checksum mismatch fails the run
+(exit status 1). See docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="transfer-bench",
+        description="Benchmark transfer against pyzmq, multiprocessing and hand-rolled shared memory.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Sizes accept K/M/G suffixes (binary), lists (4K,1M) and ranges in powers of 4 (4K..256M).",
+    )
+    p.add_argument("preset", nargs="?", choices=("quick", "full"), default="quick",
+                   help="quick (default, < 60 s) or full sweep")
+    p.add_argument("--sizes", help="request sizes (quick: 4K,64K,1M,64M; full: 4K..256M)")
+    p.add_argument("--producers", help="N (sweep 1..N in full, exactly N in quick) or a list like 1,2,4")
+    p.add_argument("--depth", help="groups in flight per producer, or a list (default 4)")
+    p.add_argument("--batch", type=int, help="requests per group (default: 64 for 4 KiB, 256 KiB/size, >= 1)")
+    p.add_argument("--modes", help="local,compute,remote,gpu (quick: local; full: all, unavailable skipped)")
+    p.add_argument("--methods", help="transfer,zmq-copy,zmq-zerocopy,mp-queue,mp-pipe,shm-pipe")
+    p.add_argument("--verify-every", type=int, help="verify every Nth group (quick: 1 = all; full: 8)")
+    p.add_argument("--reps", type=int, help="measured repetitions per cell (quick: 5, full: 3)")
+    p.add_argument("--rep-seconds", type=float, help="duration of one repetition (quick: 0.3, full: 0.4)")
+    p.add_argument("--warmup-seconds", type=float, help="warm-up repetition, excluded (default 0.15)")
+    p.add_argument("--json", metavar="PATH", help="write machine description and results as JSON")
+    p.add_argument("--plot", metavar="PATH.png", help="plot throughput vs size (needs matplotlib)")
+    p.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown")
+    p.add_argument("--no-progress", action="store_true", help="plain progress lines even on a TTY")
+    return p
+
+
+def _int_list(text: str, *, sweep: bool) -> list[int]:
+    if "," in text or ".." in text:
+        if ".." in text:
+            lo, hi = (int(x) for x in text.split(".."))
+            return list(range(lo, hi + 1))
+        return [int(x) for x in text.split(",") if x.strip()]
+    n = int(text)
+    return list(range(1, n + 1)) if sweep else [n]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    try:
+        return _main(args)
+    except KeyboardInterrupt:
+        print("transfer-bench: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(args) -> int:
+    t_wall = time.perf_counter()
+    from transfer._bench import common, report, runner
+    from transfer._bench.common import BenchFailure, Cell, fmt_size
+
+    full = args.preset == "full"
+    try:
+        sizes = common.parse_sizes(args.sizes or ("4K..256M" if full else "4K,64K,1M,64M"))
+        cores = os.cpu_count() or 2
+        producers = _int_list(args.producers or (str(min(4, max(2, cores))) if full else "2"), sweep=full)
+        depths = _int_list(args.depth or "4", sweep=False)
+        modes = [m.strip() for m in (args.modes or ("local,compute,remote,gpu" if full else "local")).split(",")]
+        methods = [m.strip() for m in (args.methods or ",".join(
+            common.METHODS_ALL if full else common.METHODS_QUICK)).split(",")]
+    except ValueError as e:
+        print(f"transfer-bench: {e}", file=sys.stderr)
+        return 2
+    for m in methods:
+        if m not in common.METHODS_ALL:
+            print(f"transfer-bench: unknown method {m!r} (choose from {', '.join(common.METHODS_ALL)})",
+                  file=sys.stderr)
+            return 2
+    for m in modes:
+        if m not in common.MODES_ALL:
+            print(f"transfer-bench: unknown mode {m!r} (choose from {', '.join(common.MODES_ALL)})", file=sys.stderr)
+            return 2
+    if any(x < 1 for x in producers + depths) or (args.batch is not None and args.batch < 1):
+        print("transfer-bench: producers, depth and batch must be >= 1", file=sys.stderr)
+        return 2
+    verify_every = args.verify_every or (8 if full else 1)
+    reps = args.reps or (3 if full else 5)
+    rep_s = args.rep_seconds or (0.4 if full else 0.3)
+    warm_s = args.warmup_seconds if args.warmup_seconds is not None else 0.15
+
+    notes: list[str] = []
+    run_modes = []
+    for m in modes:
+        ok, why = runner.mode_available(m)
+        if ok:
+            run_modes.append(m)
+        else:
+            notes.append(f"skipped mode {why}")
+    if "transfer" in methods:
+        ok, why = runner.transfer_available()
+        if not ok:
+            print(f"transfer-bench: cannot benchmark transfer: {why}\n"
+                  "(use --methods to run only the baselines)", file=sys.stderr)
+            return 2
+    cks, cks_name = common.get_checksum()
+    if cks is common.fallback_checksum64:
+        notes.append("checksum: transfer.checksum64 unavailable, baselines used a fallback sum")
+
+    cells = [Cell(method=m, mode=mode, size=s, producers=p, depth=d,
+                  batch=args.batch or common.default_batch_items(s), verify_every=verify_every)
+             for s in sizes for mode in run_modes for p in producers for d in depths for m in methods]
+
+    progress = _Progress(len(cells), len(sizes), plain=args.no_progress or not sys.stderr.isatty())
+    for n in notes:
+        progress.line(f"note: {n}")
+    results: list[dict] = []
+    limits: dict[int, dict] = {}
+    from transfer._bench.limits import measure_limits
+
+    with progress:
+        for s in sizes:
+            progress.start_limit(s)
+            limits[s] = measure_limits(s, cks, budget_s=0.3 if not full else 0.5)
+            lm = limits[s]
+            progress.line(f"limits {fmt_size(s):>8}: memcpy {lm['limit:memcpy']['gbps']:.2f} GB/s, "
+                          f"read {lm['limit:read']['gbps']:.2f} GB/s, checksum {lm['limit:checksum']['gbps']:.2f} GB/s",
+                          advance_limit=True)
+        try:
+            with runner.Runner(need_daemon="transfer" in methods, reps=reps, rep_s=rep_s, warmup_s=warm_s) as rn:
+                for cell in cells:
+                    progress.start_cell(cell)
+                    r = rn.run_cell(cell, on_rep=progress.rep)
+                    results.append(r)
+                    progress.line(f"{cell.describe()}: {r['gbps']:7.3f} GB/s  {r['rps']:11,.0f} req/s  "
+                                  f"p50 {r['p50_us']:9,.0f} µs  p99 {r['p99_us']:9,.0f} µs", advance_cell=True)
+        except BenchFailure as e:
+            progress.stop()
+            print(f"\ntransfer-bench: FAILED: {e}", file=sys.stderr)
+            return 1
+
+    report.add_ratios(results, limits)
+    machine = report.machine_info()
+    title = (f"transfer-bench {args.preset}: {machine['cpu']}, {machine['cores']} cores, "
+             f"verify every {verify_every} group(s), medians of {reps} reps")
+    from rich.console import Console
+
+    con = Console(width=None if sys.stdout.isatty() else 160)
+    con.print(report.render_table(results, limits, title))
+    for n in notes:
+        con.print(f"note: {n}")
+    config = {"preset": args.preset, "sizes": sizes, "producers": producers, "depths": depths,
+              "modes": run_modes, "methods": methods, "verify_every": verify_every, "reps": reps,
+              "rep_seconds": rep_s, "warmup_seconds": warm_s, "checksum": cks_name,
+              "wall_seconds": round(time.perf_counter() - t_wall, 2)}
+    if args.json:
+        report.write_json(args.json, machine, config, results, limits, notes)
+        con.print(f"wrote {args.json}")
+    if args.plot:
+        report.write_plot(args.plot, results, limits, title)
+        con.print(f"wrote {args.plot}")
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(report.markdown_table(results, limits) + "\n")
+        con.print(f"wrote {args.markdown}")
+    con.print(f"total wall time {time.perf_counter() - t_wall:.1f} s")
+    return 0
+
+
+class _Progress:
+    """rich progress on a TTY, plain lines on stderr otherwise."""
+
+    def __init__(self, ncells: int, nlimits: int, plain: bool) -> None:
+        self.plain = plain
+        self.ncells = ncells
+        self.nlimits = nlimits
+        self.done = 0
+        self._p = None
+
+    def __enter__(self):
+        if not self.plain:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                               TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+            self._p.__enter__()
+            self._lim = self._p.add_task("physical limits", total=self.nlimits)
+            self._all = self._p.add_task("cells", total=self.ncells)
+            self._cur = self._p.add_task("", total=1, visible=False)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self._p is not None:
+            self._p.__exit__(None, None, None)
+            self._p = None
+
+    def line(self, text: str, advance_cell: bool = False, advance_limit: bool = False) -> None:
+        if self._p is None:
+            if advance_cell:
+                self.done += 1
+                text = f"[{self.done}/{self.ncells}] {text}"
+            print(text, file=sys.stderr, flush=True)
+            return
+        self._p.console.print(text, highlight=False, markup=False)
+        if advance_cell:
+            self._p.advance(self._all)
+        if advance_limit:
+            self._p.advance(self._lim)
+
+    def start_limit(self, size: int) -> None:
+        pass
+
+    def start_cell(self, cell) -> None:
+        if self._p is not None:
+            self._p.update(self._cur, description=cell.describe(), completed=0, total=1, visible=True)
+
+    def rep(self, i: int, total: int) -> None:
+        if self._p is not None:
+            self._p.update(self._cur, completed=i, total=total)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""What the sync and trio clients share, with no I/O: ids, pending requests,
+reply handling, and the local mirror of the session's segments.
+
+The mirror is what makes addressing free: a segment knows its base VA and
+size, so `seg.va + offset` names a byte without asking the daemon.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, Union
+
+import numpy as np
+
+from .. import errors as E
+from .. import protocol as P
+from ..memory import ShmFile
+
+__all__ = ["Pending", "ClientCore", "HostSegment", "DeviceBuffer", "Addressable", "resolve_va"]
+
+
+class HasVA(Protocol):
+    va: int
+
+
+Addressable = Union[int, HasVA]
+
+
+def resolve_va(x: Addressable) -> int:
+    va = x if type(x) is int else getattr(x, "va", None)
+    if type(va) is not int:
+        raise TypeError(f"expected a VA (int) or an object with .va, got {type(x).__name__}")
+    return va
+
+
+class Pending:
+    """A request in flight. `result()` waits for it (driving the client's I/O)."""
+
+    __slots__ = ("id", "_waiter", "_done", "_value", "_error", "_observed", "_callback")
+
+    def __init__(self, rid: int, waiter: Callable[["Pending", float | None], None]) -> None:
+        self.id = rid
+        self._waiter = waiter
+        self._done = False
+        self._value: Any = None
+        self._error: E.TransferError | None = None
+        self._observed = False
+        self._callback: Callable[[Pending], None] | None = None
+
+    def done(self) -> bool:
+        return self._done
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self._done:
+            self._waiter(self, timeout)
+        self._observed = True
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def exception(self, timeout: float | None = None) -> E.TransferError | None:
+        if not self._done:
+            self._waiter(self, timeout)
+        self._observed = True
+        return self._error
+
+    def _finish(self, value: Any, error: E.TransferError | None) -> None:
+        self._done = True
+        self._value = value
+        self._error = error
+        if self._callback is not None:
+            self._callback(self)
+
+    def __repr__(self) -> str:
+        state = "pending" if not self._done else ("failed" if self._error else "done")
+        return f"<Pending #{self.id} {state}>"
+
+
+class HostSegment:
+    """Shared memory mapped by this process and the daemon."""
+
+    def __init__(self, client: Any, va: int, nbytes: int, shm: ShmFile) -> None:
+        self._client = client
+        self.va = va
+        self.nbytes = nbytes
+        self._shm: ShmFile | None = shm
+
+    @property
+    def buffer(self) -> np.ndarray:
+        """The whole segment as a writable flat uint8 array (no copy)."""
+        if self._shm is None:
+            raise E.SegmentFreed(f"segment {self.va:#x} has been freed")
+        return self._shm.array
+
+    def ndarray(self, shape: int | Sequence[int], dtype: Any = np.uint8, offset: int = 0) -> np.ndarray:
+        """A writable NumPy view of part of the segment: what the daemon reads in place."""
+        dt = np.dtype(dtype)
+        if dt.hasobject:
+            raise TypeError("object dtypes cannot live in shared memory")
+        shape_t = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        count = int(np.prod(shape_t, dtype=np.int64)) if shape_t else 1
+        nbytes = count * dt.itemsize
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
+            raise E.OutOfBounds(f"view of {nbytes} bytes at offset {offset} exceeds the segment's {self.nbytes} bytes")
+        return np.ndarray(shape_t, dtype=dt, buffer=self.buffer, offset=offset)
+
+    def at(self, offset: int) -> int:
+        """The VA of byte `offset` (plain arithmetic, bounds-checked locally)."""
+        if not 0 <= offset <= self.nbytes:
+            raise E.OutOfBounds(f"offset {offset} is outside the segment's {self.nbytes} bytes")
+        return self.va + offset
+
+    def _unmap(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
+
+    @property
+    def freed(self) -> bool:
+        return self._shm is None
+
+    def __repr__(self) -> str:
+        return f"<HostSegment va={self.va:#x} nbytes={self.nbytes}{' freed' if self.freed else ''}>"
+
+
+class DeviceBuffer:
+    """Memory on one of the daemon's devices, named by its VA."""
+
+    def __init__(self, client: Any, va: int, nbytes: int, device: int) -> None:
+        self._client = client
+        self.va = va
+        self.nbytes = nbytes
+        self.device = device
+
+    def at(self, offset: int) -> int:
+        if not 0 <= offset <= self.nbytes:
+            raise E.OutOfBounds(f"offset {offset} is outside the buffer's {self.nbytes} bytes")
+        return self.va + offset
+
+    def __repr__(self) -> str:
+        return f"<DeviceBuffer va={self.va:#x} nbytes={self.nbytes} device={self.device}>"
+
+
+class ClientCore:
+    """Request ids, pending table, reply dispatch; no sockets."""
+
+    def __init__(self, waiter: Callable[[Pending, float | None], None]) -> None:
+        self._next_id = 1
+        self.pending: dict[int, Pending] = {}
+        self._waiter = waiter
+        #: Failed requests; fence() raises the first one nobody called result() on.
+        self.unobserved: list[Pending] = []
+        self.limits = P.Limits()
+        self.broken: E.TransferError | None = None
+        self.pid = os.getpid()
+
+    def new(self, cls: type[P.Request], *args: Any) -> tuple[P.Request, Pending]:
+        rid = self._next_id
+        self._next_id += 1
+        req = cls(rid, *args)
+        pending = Pending(rid, self._waiter)
+        self.pending[rid] = pending
+        return req, pending
+
+    def encode(self, reqs: Sequence[P.Request]) -> list[bytes]:
+        """One or more frames, each within the daemon's batch limit."""
+        step = self.limits.max_batch
+        return [P.encode_requests(reqs[i : i + step]) for i in range(0, len(reqs), step)]
+
+    def on_frame(self, data: bytes) -> None:
+        try:
+            replies = P.decode_replies(data, self.limits)
+        except E.ProtocolError as exc:
+            self.fail_all(E.ProtocolError(f"undecodable reply from the daemon: {exc}"))
+            return
+        pending = self.pending
+        for r in replies:
+            if r.id == 0:
+                # The daemon could not read one of our frames: nothing can be trusted now.
+                self.fail_all(r.error or E.ProtocolError("frame rejected"))
+                continue
+            p = pending.pop(r.id, None)
+            if p is None:
+                continue  # a ping's reply, or a request already failed locally
+            p._finish(r.result, r.error)
+            if r.error is not None:
+                self.unobserved.append(p)
+
+    def fail_all(self, err: E.TransferError) -> None:
+        self.broken = err
+        pending, self.pending = self.pending, {}
+        for p in pending.values():
+            p._finish(None, err)
+
+    def check_usable(self) -> None:
+        if self.broken is not None:
+            raise self.broken
+        if os.getpid() != self.pid:
+            raise E.SessionError("this client was created in another process (fork): connect again in this one")
+
+    def take_unobserved(self) -> E.TransferError | None:
+        """The first failure nobody asked about since the last call (fence reports it)."""
+        failed, self.unobserved = self.unobserved, []
+        errs = [p._error for p in failed if not p._observed and p._error is not None]
+        if not errs:
+            return None
+        first = errs[0]
+        if len(errs) > 1:
+            first.add_note(f"{len(errs) - 1} more request(s) also failed since the last fence")
+        return first

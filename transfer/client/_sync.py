@@ -1,0 +1,296 @@
+"""The blocking client, for processes without an event loop (DataLoader workers).
+
+I/O happens in the caller's thread while it waits: `Pending.result()` and
+`fence()` poll the socket until their reply is in. A small heartbeat thread
+pings while the caller is idle, so the daemon keeps an idle session. While
+waiting, the client watches the daemon's pid (same host) and the silence on
+the socket, so a dead daemon is an error within bounded time, never a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import zmq
+
+from .. import errors as E
+from .. import protocol as P
+from ..memory import ShmFile
+from ..transport._zmq import default_endpoint, ipc_path
+from ._core import Addressable, ClientCore, DeviceBuffer, HostSegment, Pending, resolve_va
+
+__all__ = ["Client", "connect"]
+
+
+class Client:
+    """A session with a transfer daemon. Use as a context manager."""
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        name: str = "",
+        connect_timeout: float = 5.0,
+        liveness_timeout: float = 10.0,
+        max_inflight: int = 1 << 16,
+    ) -> None:
+        self.endpoint = endpoint or os.environ.get("TRANSFER_ENDPOINT") or default_endpoint()
+        self._lock = threading.RLock()
+        self._core = ClientCore(self._wait_for)
+        self._liveness_timeout = liveness_timeout
+        self._max_inflight = max_inflight
+        self._batch: list[P.Request] | None = None
+        self._segments: dict[int, HostSegment] = {}
+        self._closed = False
+        self._daemon_pidfd = -1
+        self._heartbeat_s = 0.5  # until the daemon says otherwise in hello
+        path = ipc_path(self.endpoint)
+        if path is not None and not path.exists():
+            raise E.DaemonUnavailable(f"no daemon at {self.endpoint}: {path} does not exist (is transferd running?)")
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.connect(self.endpoint)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._last_rx = self._last_tx = time.monotonic()
+        try:
+            req, pending = self._core.new(P.Hello, P.VERSION, name or f"pid{os.getpid()}", os.getpid(), b"")
+            self._send([req])
+            try:
+                info = pending.result(timeout=connect_timeout)
+            except E.RequestTimeout:
+                raise E.DaemonUnavailable(f"no daemon answered at {self.endpoint} within {connect_timeout}s") from None
+        except BaseException:
+            self._sock.close(0)
+            raise
+        self.session_id: int = info["session"]
+        self.server_pid: int = info["server_pid"]
+        self.backend: dict[str, Any] = info["backend"]
+        self._shm_dir = Path(info["shm_dir"])
+        lim = info["limits"]
+        self._core.limits = P.Limits(**{k: int(v) for k, v in lim.items() if k in P.Limits.__dataclass_fields__})
+        self._heartbeat_s = float(info["heartbeat_s"])
+        if path is not None:
+            with contextlib.suppress(OSError):
+                self._daemon_pidfd = os.pidfd_open(self.server_pid)
+                self._poller.register(self._daemon_pidfd, zmq.POLLIN)
+        self._stop_heartbeat = threading.Event()
+        self._hb_thread = threading.Thread(target=self._heartbeat, name="transfer-heartbeat", daemon=True)
+        self._hb_thread.start()
+
+    # --- context management -----------------------------------------------------------
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the session: the daemon releases everything it holds for us."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_heartbeat.set()
+        with self._lock:
+            try:
+                if self._core.broken is None and os.getpid() == self._core.pid:
+                    req, pending = self._core.new(P.Close)
+                    self._send([req])
+                    pending.result(timeout=min(5.0, self._liveness_timeout))
+            except E.TransferError:
+                pass
+            finally:
+                for seg in self._segments.values():
+                    seg._unmap()
+                self._segments.clear()
+                self._sock.close(0)
+                if self._daemon_pidfd >= 0:
+                    os.close(self._daemon_pidfd)
+                    self._daemon_pidfd = -1
+                self._core.fail_all(E.SessionClosed("the client was closed"))
+
+    # --- resources -------------------------------------------------------------------------
+    def segment(self, nbytes: int) -> HostSegment:
+        """Shared memory of `nbytes`, mapped here and in the daemon."""
+        info = self._call(P.RegisterHost, nbytes)
+        shm = ShmFile.attach(info["path"], info["nbytes"], expect_dir=self._shm_dir)
+        seg = HostSegment(self, info["va"], info["nbytes"], shm)
+        self._segments[seg.va] = seg
+        return seg
+
+    def alloc(self, nbytes: int, device: int = -1) -> DeviceBuffer:
+        """A zeroed buffer on one of the daemon's devices."""
+        info = self._call(P.Alloc, nbytes, device)
+        return DeviceBuffer(self, info["va"], info["nbytes"], info["device"])
+
+    def free(self, resource: HostSegment | DeviceBuffer) -> None:
+        """Release a segment or buffer (waits for the daemon, so its VA is dead afterwards)."""
+        if isinstance(resource, HostSegment):
+            self._call(P.Unregister, resource.va)
+            self._segments.pop(resource.va, None)
+            resource._unmap()
+        elif isinstance(resource, DeviceBuffer):
+            self._call(P.Free, resource.va)
+        else:
+            raise TypeError(f"cannot free {type(resource).__name__}")
+
+    # --- data requests (return Pending) ---------------------------------------------------
+    def copy(self, dst: Addressable, src: Addressable, nbytes: int | None = None, *, stream: int = 0) -> Pending:
+        """Copy `nbytes` from `src` to `dst` inside the daemon (VAs or segments/buffers)."""
+        if nbytes is None:
+            nbytes = _default_size(dst, src)
+        return self._submit(P.Copy, resolve_va(dst), resolve_va(src), nbytes, stream)
+
+    def copy_many(self, dst: Sequence[int] | np.ndarray, src: Sequence[int] | np.ndarray, nbytes: Sequence[int] | np.ndarray, *, stream: int = 0) -> Pending:
+        """Many copies as one vector request; the daemon merges contiguous ones."""
+        d = np.asarray(dst, dtype=np.uint64)
+        s = np.asarray(src, dtype=np.uint64)
+        n = np.asarray(nbytes, dtype=np.uint64)
+        if not (d.ndim == s.ndim == n.ndim == 1 and len(d) == len(s) == len(n)):
+            raise ValueError("copy_many needs three 1-D sequences of equal length")
+        return self._submit(P.CopyV, d, s, n, stream)
+
+    def fill(self, dst: Addressable, nbytes: int, value: int = 0, *, stream: int = 0) -> Pending:
+        return self._submit(P.Fill, resolve_va(dst), nbytes, value, stream)
+
+    def checksum(self, src: Addressable, nbytes: int | None = None, *, stream: int = 0) -> Pending:
+        """The daemon reads the range in place and answers its checksum64."""
+        if nbytes is None:
+            nbytes = int(getattr(src, "nbytes"))
+        return self._submit(P.Checksum, resolve_va(src), nbytes, stream)
+
+    def fence(self, stream: int = 0, timeout: float | None = None) -> None:
+        """Wait until everything submitted on `stream` is done; raise the first unobserved failure."""
+        self._call(P.Fence, stream, timeout=timeout)
+        err = self._core.take_unobserved()
+        if err is not None:
+            raise err
+
+    def stats(self) -> dict[str, Any]:
+        return self._call(P.Stats)
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Requests submitted inside the block leave in one frame when it exits."""
+        with self._lock:
+            outer = self._batch
+            if outer is None:
+                self._batch = []
+            try:
+                yield
+            finally:
+                if outer is None:
+                    reqs, self._batch = self._batch or [], None
+                    if reqs:
+                        self._send(reqs)
+
+    # --- machinery -------------------------------------------------------------------------
+    def _call(self, cls: type[P.Request], *args: Any, timeout: float | None = None) -> Any:
+        return self._submit(cls, *args).result(timeout)
+
+    def _submit(self, cls: type[P.Request], *args: Any) -> Pending:
+        with self._lock:
+            self._core.check_usable()
+            req, pending = self._core.new(cls, *args)
+            if self._batch is not None:
+                self._batch.append(req)
+            else:
+                self._send([req])
+            return pending
+
+    def _send(self, reqs: Sequence[P.Request]) -> None:
+        with self._lock:
+            if len(self._core.pending) > self._max_inflight:
+                self._drain_until(lambda: len(self._core.pending) <= self._max_inflight // 2, None)
+            for frame in self._core.encode(reqs):
+                self._sock.send(frame, copy=len(frame) < 65536)
+            self._last_tx = time.monotonic()
+
+    def _wait_for(self, pending: Pending, timeout: float | None) -> None:
+        with self._lock:
+            if pending._done:
+                return
+            # Requests held back by batch() must leave before we can wait on them.
+            if self._batch:
+                reqs, self._batch = self._batch, []
+                self._send(reqs)
+            self._drain_until(lambda: pending._done, timeout)
+
+    def _drain_until(self, done: Any, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        sock, core = self._sock, self._core
+        while not done():
+            core.check_usable()
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise E.RequestTimeout(f"no reply within {timeout}s")
+            step = self._heartbeat_s
+            if deadline is not None:
+                step = min(step, deadline - now)
+            events = dict(self._poller.poll(max(step, 0) * 1000))
+            if sock in events:
+                self._recv_all()
+            elif self._daemon_pidfd >= 0 and self._daemon_pidfd in events:
+                core.fail_all(E.ConnectionLost(f"the daemon (pid {self.server_pid}) exited"))
+            elif not events:
+                self._idle_check()
+
+    def _recv_all(self) -> None:
+        sock, core = self._sock, self._core
+        while True:
+            try:
+                data = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._last_rx = time.monotonic()
+            core.on_frame(data)
+
+    def _idle_check(self) -> None:
+        """No traffic for a while: ping, and give up if the daemon has been silent too long."""
+        now = time.monotonic()
+        if now - self._last_rx > self._liveness_timeout:
+            self._core.fail_all(E.ConnectionLost(f"the daemon at {self.endpoint} has not answered for {self._liveness_timeout}s"))
+            return
+        if now - self._last_tx >= self._heartbeat_s:
+            self._ping()
+
+    def _ping(self) -> None:
+        req, _ = self._core.new(P.Ping)
+        self._core.pending.pop(req.id, None)  # nobody waits on it; its reply just proves liveness
+        self._send([req])
+
+    def _heartbeat(self) -> None:
+        while not self._stop_heartbeat.wait(self._heartbeat_s):
+            if not self._lock.acquire(blocking=False):
+                continue  # a caller is busy on the socket: that is traffic enough
+            try:
+                if self._closed or self._core.broken is not None or os.getpid() != self._core.pid:
+                    return
+                if time.monotonic() - self._last_tx >= self._heartbeat_s:
+                    self._ping()
+                self._recv_all()
+            except (zmq.ZMQError, E.TransferError):
+                return
+            finally:
+                self._lock.release()
+
+
+def _default_size(dst: Addressable, src: Addressable) -> int:
+    sizes = [getattr(x, "nbytes") for x in (dst, src) if hasattr(x, "nbytes")]
+    if not sizes:
+        raise TypeError("nbytes is required when copying between plain VAs")
+    return min(sizes)
+
+
+def connect(endpoint: str | None = None, **kwargs: Any) -> Client:
+    """Open a session with the daemon at `endpoint` (default: $TRANSFER_ENDPOINT or the per-user socket)."""
+    return Client(endpoint, **kwargs)

@@ -1,0 +1,111 @@
+"""The trio daemon: sockets, signals, graceful shutdown."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+import trio
+import zmq
+
+from ..transport._zmq import SocketPump, check_endpoint, ipc_path
+from ._config import DaemonConfig
+from ._server import Server
+
+__all__ = ["serve", "run"]
+
+log = logging.getLogger("transfer.daemon")
+
+
+def _prepare_ipc(endpoint: str) -> Path | None:
+    """Make the socket's directory private (0700) and clear a stale socket file."""
+    path = ipc_path(endpoint)
+    if path is None:
+        return None
+    parent = path.parent
+    if not parent.exists():
+        parent.mkdir(mode=0o700, parents=True)
+    st = parent.stat()
+    if st.st_uid != os.geteuid():
+        raise PermissionError(f"socket directory {parent} belongs to another user")
+    if path.exists():
+        # Refuse to steal a live daemon's endpoint; a dead one's socket file is stale.
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+            raise RuntimeError(f"a daemon is already listening on {endpoint}")
+        except (ConnectionRefusedError, FileNotFoundError):
+            path.unlink(missing_ok=True)
+        finally:
+            probe.close()
+    return path
+
+
+async def serve(
+    config: DaemonConfig,
+    *,
+    task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve until SIGINT/SIGTERM (or cancellation); then drain and release everything."""
+    server = Server(config)
+    swept = server.open()
+    if swept:
+        log.warning("removed %d shared-memory files left by dead daemons", len(swept))
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.LINGER, 1000)
+    # Frames between the negotiated limit and this hard cap get a FrameTooLarge reply;
+    # beyond it zmq drops the connection before we would buffer the bytes.
+    sock.setsockopt(zmq.MAXMSGSIZE, max(64 << 20, config.limits.max_frame_bytes * 4))
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    ipc_paths: list[Path] = []
+    try:
+        for ep in config.endpoints:
+            check_endpoint(ep, allow_remote_tcp=config.allow_remote_tcp)
+            p = _prepare_ipc(ep)
+            sock.bind(ep)
+            if p is not None:
+                os.chmod(p, 0o600)
+                ipc_paths.append(p)
+        pump = SocketPump(sock)
+        server.send = lambda identity, data: pump.send_nowait([identity, data])
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with trio.open_nursery() as nursery:
+                server.nursery = nursery
+                nursery.start_soon(pump.run, server.on_message)
+                nursery.start_soon(server.reap_silent)
+                log.info("transferd %d serving %s (backend %s)", os.getpid(), ", ".join(config.endpoints), server.backend.name)
+                task_status.started(server)
+                async for signum in signals:
+                    log.info("signal %d: draining", signum)
+                    break
+                await _drain(server, pump, config.shutdown_grace_s)
+                nursery.cancel_scope.cancel()
+    finally:
+        server.close()
+        sock.close(linger=500)
+        ctx.term()
+        for p in ipc_paths:
+            p.unlink(missing_ok=True)
+
+
+async def _drain(server: Server, pump: SocketPump, grace: float) -> None:
+    """Stop accepting; let queued frames finish and their replies leave."""
+    server.accepting = False
+    sessions = list(server.sessions.values())
+    for s in sessions:
+        s.inbox_send.close()  # the session task finishes what is queued, then exits
+    with trio.move_on_after(grace):
+        for s in sessions:
+            await s.finished.wait()
+        await pump.wait_drained()
+
+
+def run(config: DaemonConfig) -> int:
+    trio.run(serve, config)
+    return 0
+

@@ -1,0 +1,111 @@
+"""Run a real `transferd` process for tests, benchmarks and embedding.
+
+`run_daemon()` is what `transfer-bench` and the test suite use: a separate
+process on a private temporary ipc:// endpoint, stopped (SIGTERM, then
+SIGKILL) and cleaned up on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+__all__ = ["DaemonProcess", "run_daemon", "start_daemon"]
+
+
+@dataclass
+class DaemonProcess:
+    endpoint: str
+    proc: subprocess.Popen[bytes]
+    workdir: Path
+    shm_dir: Path
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """SIGTERM (graceful drain), then SIGKILL if it overstays; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def restart(self, timeout: float = 15.0) -> "DaemonProcess":
+        """A new daemon on the same endpoint and shm directory (after a crash, say)."""
+        self.kill()
+        new = _spawn(self.endpoint, self.workdir, self.shm_dir, self.args, timeout)
+        self.proc = new.proc
+        return self
+
+
+def _spawn(endpoint: str, workdir: Path, shm_dir: Path, args: Sequence[str], timeout: float) -> DaemonProcess:
+    cmd = [sys.executable, "-m", "transfer.cli.transferd", "--endpoint", endpoint, "--shm-dir", str(shm_dir), "--ready", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, stdin=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    if not sel.select(timeout):
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"transferd did not become ready within {timeout}s")
+    line = proc.stdout.readline()
+    sel.close()
+    try:
+        ready = json.loads(line)
+        assert ready.get("event") == "ready"
+    except (ValueError, AssertionError):
+        proc.wait(5)
+        raise RuntimeError(f"transferd failed to start (exit {proc.returncode}): {line!r}") from None
+    return DaemonProcess(endpoint, proc, workdir, shm_dir, list(args))
+
+
+def start_daemon(
+    args: Sequence[str] = (),
+    *,
+    workdir: Path | None = None,
+    shm_dir: Path | None = None,
+    timeout: float = 20.0,
+) -> DaemonProcess:
+    """Start transferd on `ipc://<private tmp dir>/transferd.sock`; the caller stops it."""
+    wd = Path(workdir or tempfile.mkdtemp(prefix="transferd-"))
+    os.chmod(wd, 0o700)
+    shm = Path(shm_dir) if shm_dir is not None else Path("/dev/shm")
+    return _spawn(f"ipc://{wd}/transferd.sock", wd, shm, list(args), timeout)
+
+
+@contextlib.contextmanager
+def run_daemon(args: Sequence[str] = (), **kwargs: object) -> Iterator[DaemonProcess]:
+    """A daemon for the duration of the block; nothing of it remains afterwards."""
+    owns_dir = kwargs.get("workdir") is None
+    d = start_daemon(args, **kwargs)  # type: ignore[arg-type]
+    try:
+        yield d
+    finally:
+        d.stop()
+        if owns_dir:
+            shutil.rmtree(d.workdir, ignore_errors=True)
