@@ -10,13 +10,15 @@ __version__ = "0.1.0"
 
 from ._checksum import checksum64
 from .addressing import make_va, split_va
-from .client import Client, DeviceBuffer, HostSegment, Pending, connect
+from .client import Client, DeviceBuffer, HostSegment, Pending, TrioClient, connect, open_client
 from .errors import *  # noqa: F403  (the whole hierarchy is public)
 from .errors import __all__ as _errors_all
 
 __all__ = [
     "connect",
     "Client",
+    "open_client",
+    "TrioClient",
     "HostSegment",
     "DeviceBuffer",
     "Pending",

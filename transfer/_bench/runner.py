@@ -68,6 +68,8 @@ class Runner:
         self.run_id = f"transfer-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._stack = contextlib.ExitStack()
         self._procs: list[mp.process.BaseProcess] = []
+        self._eof: set = set()
+        self._inbox: dict[str, list] = {}
 
     def __enter__(self) -> "Runner":
         try:
@@ -155,6 +157,8 @@ class Runner:
             for conn, _ in workers.values():
                 conn.close()
             self._reap()
+            self._eof.clear()
+            self._inbox.clear()
             self._remove_shm()
         return _summarize(cell, reps)
 
@@ -171,7 +175,14 @@ class Runner:
         """Wait for message ``kind`` from every worker in ``keys``; fail fast on errors/deaths."""
         out: dict[str, Any] = {}
         deadline = now() + timeout
-        by_conn = {workers[k][0]: k for k in workers}
+        for k in keys:
+            pending = self._inbox.get(k)
+            if pending:
+                msg = pending.pop(0)
+                if msg[0] != kind:
+                    raise BenchFailure(f"unexpected message {msg[0]!r} from {k} while waiting for {kind!r}")
+                out[k] = msg[1]
+        by_conn = {workers[k][0]: k for k in workers if workers[k][0] not in self._eof}
         while len(out) < len(keys):
             left = deadline - now()
             if left <= 0:
@@ -181,10 +192,19 @@ class Runner:
                 try:
                     msg = conn.recv()
                 except EOFError:
-                    raise BenchFailure(f"worker {k} exited unexpectedly (exit code {workers[k][1].exitcode})") from None
+                    del by_conn[conn]
+                    self._eof.add(conn)
+                    if k in keys and k not in out:
+                        workers[k][1].join(timeout=1)
+                        raise BenchFailure(f"worker {k} exited unexpectedly "
+                                           f"(exit code {workers[k][1].exitcode})") from None
+                    continue
                 if msg[0] == "error":
                     raise BenchFailure(msg[1])
-                if msg[0] != kind or k not in keys:
+                if k not in keys or k in out:
+                    self._inbox.setdefault(k, []).append(msg)
+                    continue
+                if msg[0] != kind:
                     raise BenchFailure(f"unexpected message {msg[0]!r} from {k} while waiting for {kind!r}")
                 out[k] = msg[1]
             for k, (_, p) in workers.items():

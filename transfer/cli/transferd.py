@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import trio
+import zmq
 
 from ..protocol import Limits
 from ..server import DaemonConfig, serve
@@ -67,10 +68,19 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         trio.run(main_task)
-    except (ValueError, RuntimeError, PermissionError) as exc:
-        print(f"transferd: {exc}", file=sys.stderr)
-        return 1
+    except BaseException as exc:  # startup failures arrive wrapped in exception groups
+        leaf = _first_leaf(exc)
+        if isinstance(leaf, (ValueError, RuntimeError, OSError, zmq.ZMQError)):
+            print(f"transferd: {leaf}", file=sys.stderr)
+            return 1
+        raise
     return 0
+
+
+def _first_leaf(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
 
 
 if __name__ == "__main__":

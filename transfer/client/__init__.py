@@ -2,5 +2,6 @@
 
 from ._core import DeviceBuffer, HostSegment, Pending
 from ._sync import Client, connect
+from ._trio import TrioClient, TrioPending, open_client
 
-__all__ = ["Client", "connect", "HostSegment", "DeviceBuffer", "Pending"]
+__all__ = ["Client", "connect", "TrioClient", "TrioPending", "open_client", "HostSegment", "DeviceBuffer", "Pending"]

@@ -39,6 +39,7 @@ class Client:
         connect_timeout: float = 5.0,
         liveness_timeout: float = 10.0,
         max_inflight: int = 1 << 16,
+        watch_daemon_pid: bool = True,
     ) -> None:
         self.endpoint = endpoint or os.environ.get("TRANSFER_ENDPOINT") or default_endpoint()
         self._lock = threading.RLock()
@@ -79,7 +80,7 @@ class Client:
         lim = info["limits"]
         self._core.limits = P.Limits(**{k: int(v) for k, v in lim.items() if k in P.Limits.__dataclass_fields__})
         self._heartbeat_s = float(info["heartbeat_s"])
-        if path is not None:
+        if path is not None and watch_daemon_pid:
             with contextlib.suppress(OSError):
                 self._daemon_pidfd = os.pidfd_open(self.server_pid)
                 self._poller.register(self._daemon_pidfd, zmq.POLLIN)

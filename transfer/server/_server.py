@@ -183,7 +183,9 @@ class Server:
                 continue
             replies.append(self._execute_control(session, req))
             i += 1
-        session.stats.errors += sum(1 for r in replies if r.error is not None)
+        failed = sum(1 for r in replies if r.error is not None)
+        session.stats.errors += failed
+        self.counters["errors"] += failed
         return replies
 
     def _execute_control(self, session: Session, req: P.Decoded) -> P.Reply:

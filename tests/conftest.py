@@ -1,0 +1,65 @@
+"""Fixtures: a real transferd process per test, each with its own shm directory.
+
+A private directory under /dev/shm makes leak checks exact: after the test,
+it must hold nothing but (while the daemon lives) the daemon's lock file.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from transfer.testing import DaemonProcess, start_daemon  # noqa: E402
+
+FAST = ["--heartbeat", "0.2", "--session-timeout", "2.0", "--backend", "numpy"]
+
+
+def segment_files(shm_dir: Path) -> list[str]:
+    """Shared-memory files in shm_dir other than daemon lock files."""
+    return sorted(n for n in os.listdir(shm_dir) if not n.endswith(".lock"))
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    d = base / f"transfer-test-{uuid.uuid4().hex[:8]}"
+    d.mkdir(mode=0o700)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(shm_dir: Path, tmp_path: Path) -> Iterator[DaemonProcess]:
+    wd = tmp_path / "run"
+    wd.mkdir(mode=0o700)
+    d = start_daemon(FAST, workdir=wd, shm_dir=shm_dir)
+    try:
+        yield d
+    finally:
+        d.stop()
+    assert segment_files(shm_dir) == [], "shared memory left behind"
+
+
+@pytest.fixture
+def daemon_factory(shm_dir: Path, tmp_path: Path) -> Iterator[object]:
+    started: list[DaemonProcess] = []
+
+    def make(*extra: str) -> DaemonProcess:
+        wd = tmp_path / f"run{len(started)}"
+        wd.mkdir(mode=0o700)
+        d = start_daemon([*FAST, *extra], workdir=wd, shm_dir=shm_dir)
+        started.append(d)
+        return d
+
+    yield make
+    for d in started:
+        d.stop()

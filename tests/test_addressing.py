@@ -1,0 +1,116 @@
+"""Property tests for VA translation: right answers in bounds, the right error out of it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from transfer import errors as E
+from transfer.addressing import OFFSET_BITS, MappingTable, SegmentKind, make_va, split_va
+
+sizes = st.integers(1, 1 << 32)
+
+
+@st.composite
+def table_with_segments(draw: st.DrawFn) -> tuple[MappingTable[str], list]:
+    t: MappingTable[str] = MappingTable()
+    segs = [t.add(SegmentKind.HOST, draw(sizes), draw(st.sampled_from(["a", "b"])), "h") for _ in range(draw(st.integers(1, 6)))]
+    return t, segs
+
+
+@given(table_with_segments(), st.data())
+def test_in_bounds_ranges_translate_exactly(tw: tuple, data: st.DataObject) -> None:
+    t, segs = tw
+    seg = data.draw(st.sampled_from(segs))
+    off = data.draw(st.integers(0, seg.nbytes))
+    n = data.draw(st.integers(0, seg.nbytes - off))
+    got, got_off = t.translate(seg.va + off, n, seg.owner)
+    assert got is seg and got_off == off
+
+
+@given(table_with_segments(), st.data())
+def test_out_of_bounds_ranges_are_refused(tw: tuple, data: st.DataObject) -> None:
+    t, segs = tw
+    seg = data.draw(st.sampled_from(segs))
+    off = data.draw(st.integers(0, (1 << OFFSET_BITS) - 1))
+    n = data.draw(st.integers(0, 2**64 - 1))
+    if off + n <= seg.nbytes:
+        n = seg.nbytes - off + 1 + data.draw(st.integers(0, 1000))
+    with pytest.raises(E.OutOfBounds):
+        t.translate(seg.va + off, n, seg.owner)
+
+
+@given(table_with_segments(), st.data())
+def test_other_sessions_segments_are_refused(tw: tuple, data: st.DataObject) -> None:
+    t, segs = tw
+    seg = data.draw(st.sampled_from(segs))
+    other = "b" if seg.owner == "a" else "a"
+    with pytest.raises(E.NotOwner):
+        t.translate(seg.va, 1, other)
+
+
+@given(table_with_segments(), st.data())
+def test_freed_and_unknown_segments(tw: tuple, data: st.DataObject) -> None:
+    t, segs = tw
+    seg = data.draw(st.sampled_from(segs))
+    t.remove(seg.id)
+    with pytest.raises(E.SegmentFreed):
+        t.translate(seg.va, 1, seg.owner)
+    unknown = data.draw(st.integers(len(segs) + 1, (1 << (64 - OFFSET_BITS)) - 1))
+    with pytest.raises(E.UnknownSegment):
+        t.translate(make_va(unknown, 0), 1, seg.owner)
+    with pytest.raises(E.UnknownSegment):
+        t.translate(0, 1, seg.owner)  # id 0 is never handed out
+
+
+@given(st.integers(-(2**70), -1) | st.integers(2**64, 2**70))
+def test_values_beyond_64_bits_are_invalid(bad: int) -> None:
+    t: MappingTable[str] = MappingTable()
+    t.add(SegmentKind.HOST, 10, "a", "h")
+    with pytest.raises(E.InvalidAddress):
+        t.translate(bad, 1, "a")
+    with pytest.raises(E.InvalidAddress):
+        t.translate(make_va(1), bad, "a")
+
+
+@given(st.integers(1, (1 << (64 - OFFSET_BITS)) - 1), st.integers(0, (1 << OFFSET_BITS) - 1))
+def test_va_arithmetic(sid: int, off: int) -> None:
+    assert split_va(make_va(sid, off)) == (sid, off)
+
+
+@given(table_with_segments(), st.data())
+def test_vector_translation_agrees_with_scalar(tw: tuple, data: st.DataObject) -> None:
+    t, segs = tw
+    owner = segs[0].owner
+    mine = [s for s in segs if s.owner == owner]
+    n = data.draw(st.integers(1, 20))
+    vas, lens, expect_err = [], [], None
+    for _ in range(n):
+        s = data.draw(st.sampled_from(mine))
+        off = data.draw(st.integers(0, s.nbytes + 10))
+        ln = data.draw(st.integers(0, s.nbytes + 10))
+        vas.append(s.va + off)
+        lens.append(ln)
+    for va, ln in zip(vas, lens):
+        try:
+            t.translate(va, ln, owner)
+        except E.AddressError as exc:
+            expect_err = expect_err or type(exc)
+    if expect_err is None:
+        sids, offs, table = t.translate_many(np.array(vas, np.uint64), np.array(lens, np.uint64), owner)
+        assert [table[int(i)].va + int(o) for i, o in zip(sids, offs)] == vas
+    else:
+        with pytest.raises(expect_err):
+            t.translate_many(np.array(vas, np.uint64), np.array(lens, np.uint64), owner)
+
+
+def test_ids_are_not_reused_while_the_space_lasts() -> None:
+    t: MappingTable[str] = MappingTable()
+    a = t.add(SegmentKind.HOST, 10, "a", "h")
+    t.remove(a.id)
+    b = t.add(SegmentKind.HOST, 10, "a", "h")
+    assert b.id != a.id
+    with pytest.raises(E.SegmentFreed):
+        t.lookup(a.va, "a")

@@ -1,0 +1,159 @@
+"""Nothing outlives its owners: client kill -9, daemon kill -9 and restart, SIGTERM, silence."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+import _workers
+import transfer
+from conftest import segment_files
+from transfer import protocol as P
+
+
+def wait_until(cond, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def test_killed_client_is_reclaimed_and_others_unaffected(daemon, shm_dir: Path, tmp_path: Path) -> None:
+    ready = str(tmp_path / "victim.pid")
+    victim = mp.get_context("spawn").Process(target=_workers.streamer, args=(daemon.endpoint, ready))
+    victim.start()
+    with transfer.connect(daemon.endpoint) as survivor:
+        seg = survivor.segment(1 << 20)
+        seg.buffer[:] = 42
+        buf = survivor.alloc(1 << 20)
+        _workers.wait_for_file(ready)
+        time.sleep(0.2)  # let it stream
+        assert survivor.stats()["daemon"]["sessions"] == 2
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join()
+        # The survivor keeps working while the daemon reclaims the victim (pidfd: promptly).
+        for _ in range(50):
+            survivor.copy(buf, seg).result()
+        wait_until(lambda: survivor.stats()["daemon"]["sessions"] == 1, 5, "victim's session to end")
+        st = survivor.stats()["daemon"]
+        assert st["segments"] == 2  # only the survivor's segment and buffer remain
+        assert st["device_bytes"] == 1 << 20
+        assert survivor.checksum(buf).result() == transfer.checksum64(seg.buffer)
+    assert segment_files(shm_dir) == []
+
+
+def test_killed_daemon_fails_a_blocked_client_promptly(daemon) -> None:
+    c = transfer.connect(daemon.endpoint)
+    seg = c.segment(1 << 20)
+    os.kill(daemon.pid, signal.SIGSTOP)  # the request below can only block
+    pending = c.checksum(seg)
+    threading.Timer(0.3, lambda: os.kill(daemon.pid, signal.SIGKILL)).start()
+    t0 = time.monotonic()
+    with pytest.raises(transfer.ConnectionLost, match="exited"):
+        pending.result()
+    assert time.monotonic() - t0 < 3
+    with pytest.raises(transfer.ConnectionLost):
+        c.copy(seg, seg)  # the client stays failed, clearly
+    c.close()
+    daemon.proc.wait()
+
+
+def test_silent_daemon_times_out_without_pid_watch(daemon_factory) -> None:
+    """Over tcp the client cannot watch the daemon's pid: heartbeats bound the wait."""
+    d = daemon_factory()
+    with transfer.connect(d.endpoint, liveness_timeout=1.0, watch_daemon_pid=False) as c:
+        seg = c.segment(4096)
+        os.kill(d.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(transfer.ConnectionLost, match="not answered"):
+                c.checksum(seg).result()
+            assert time.monotonic() - t0 < 4
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
+
+
+def test_daemon_kill_and_restart_leaves_nothing(daemon, shm_dir: Path) -> None:
+    # A peer that registers but never maps (so never unlinks) its segments: only
+    # the daemon knows of those files when it dies.
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(daemon.endpoint)
+    s.send(P.encode_requests([P.Hello(1, P.VERSION, "raw", 0, b""), P.RegisterHost(2, 1 << 20), P.RegisterHost(3, 1 << 20)]))
+    got = []
+    while len(got) < 3:
+        got += P.decode_replies(s.recv())
+    assert all(r.error is None for r in got)
+    assert len(segment_files(shm_dir)) == 2
+    s.close(0)
+    daemon.kill()
+    assert len(segment_files(shm_dir)) == 2  # what a crash leaves...
+    daemon.restart()
+    assert segment_files(shm_dir) == []  # ...the next daemon sweeps
+    locks = [n for n in os.listdir(shm_dir) if n.endswith(".lock")]
+    assert len(locks) == 1  # only the live daemon's own lock
+    with transfer.connect(daemon.endpoint) as c:
+        assert c.checksum(c.segment(4096)).result() == transfer.checksum64(np.zeros(4096, np.uint8))
+
+
+def test_restarted_daemon_does_not_know_old_sessions(daemon) -> None:
+    c = transfer.connect(daemon.endpoint, connect_timeout=5)
+    seg = c.segment(4096)
+    daemon.restart()
+    t0 = time.monotonic()
+    with pytest.raises((transfer.NoSession, transfer.ConnectionLost)):
+        c.checksum(seg).result(timeout=10)
+    assert time.monotonic() - t0 < 10
+    c.close()
+
+
+def test_sigterm_finishes_in_flight_work_then_exits_zero(daemon, shm_dir: Path) -> None:
+    c = transfer.connect(daemon.endpoint)
+    n = 256 << 20
+    seg = c.segment(n)
+    buf = c.alloc(n)
+    seg.buffer[::4096] = 1
+    pend = [c.copy(buf, seg) for _ in range(4)]  # a second or so of memcpy
+    cks = c.checksum(buf)
+    time.sleep(0.05)
+    daemon.proc.send_signal(signal.SIGTERM)
+    for p in pend:
+        assert p.result(timeout=30) is None
+    assert cks.result(timeout=30) == transfer.checksum64(seg.buffer)
+    assert daemon.proc.wait(30) == 0
+    assert segment_files(shm_dir) == []
+    assert not Path(daemon.endpoint[len("ipc://") :]).exists()
+    c.close()
+
+
+def test_silent_session_is_reclaimed(daemon, shm_dir: Path) -> None:
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(daemon.endpoint)
+    # pid 0: no pid watch, so only the heartbeat timeout (2 s in tests) can reclaim it.
+    s.send(P.encode_requests([P.Hello(1, P.VERSION, "silent", 0, b""), P.Alloc(2, 1 << 20, -1), P.RegisterHost(3, 4096)]))
+    got = []
+    while len(got) < 3:
+        got += P.decode_replies(s.recv())
+    with transfer.connect(daemon.endpoint) as watcher:
+        assert watcher.stats()["daemon"]["segments"] == 2
+        wait_until(lambda: watcher.stats()["daemon"]["segments"] == 0, 8, "silent session reclaim")
+        assert watcher.stats()["daemon"]["device_bytes"] == 0
+    assert segment_files(shm_dir) == []
+    s.close(0)
+
+
+def test_idle_client_keeps_its_session(daemon) -> None:
+    with transfer.connect(daemon.endpoint) as c:
+        seg = c.segment(4096)
+        time.sleep(3.0)  # longer than the 2 s session timeout: heartbeats keep it
+        assert c.checksum(seg).result() == transfer.checksum64(np.zeros(4096, np.uint8))
