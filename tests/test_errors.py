@@ -17,7 +17,7 @@ def test_codes_are_unique_and_stable() -> None:
     codes = [c.code for c in all_error_classes()]
     assert len(codes) == len(set(codes))
     # A few codes are part of the published protocol: they must never move.
-    assert (E.MalformedFrame.code, E.OutOfBounds.code, E.NotOwner.code, E.OutOfSharedMemory.code) == (101, 204, 203, 301)
+    assert (E.MalformedFrame.code, E.OutOfBounds.code, E.NotOwner.code, E.OutOfSharedMemory.code, E.PeerDisconnected.code) == (101, 204, 203, 301, 613)
 
 
 @pytest.mark.parametrize("cls", all_error_classes())

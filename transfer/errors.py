@@ -37,6 +37,14 @@ __all__ = [
     "DaemonUnavailable",
     "RequestTimeout",
     "BackendError",
+    "NixlUnavailable",
+    "NixlError",
+    "TransferFailed",
+    "PeerDisconnected",
+    "NotRegistered",
+    "TransferTimeout",
+    "RemoteRangeError",
+    "DescriptorFormatError",
     "InternalError",
     "error_for_code",
 ]
@@ -212,6 +220,54 @@ class BackendError(TransferError):
     """The device backend failed while executing a request."""
 
     code = 600
+
+
+class NixlUnavailable(BackendError, ImportError):
+    """NIXL is not installed: install the ``rdma`` extra (see docs/rdma.md)."""
+
+    code = 610
+
+
+class NixlError(BackendError):
+    """A NIXL call failed."""
+
+    code = 611
+
+
+class TransferFailed(NixlError):
+    """A posted RDMA transfer completed with an error."""
+
+    code = 612
+
+
+class PeerDisconnected(TransferFailed):
+    """The RDMA peer went away (process died, connection reset) during a transfer."""
+
+    code = 613
+
+
+class NotRegistered(NixlError):
+    """A range is not inside our registrations or the peer's (NIXL_ERR_NOT_FOUND)."""
+
+    code = 614
+
+
+class TransferTimeout(NixlError, TimeoutError):
+    """An RDMA transfer did not complete in time (it may still be in flight)."""
+
+    code = 615
+
+
+class RemoteRangeError(OutOfBounds):
+    """A requested remote range is not inside any range the peer registered."""
+
+    code = 206
+
+
+class DescriptorFormatError(InvalidField):
+    """Serialized RDMA descriptor bytes are malformed."""
+
+    code = 107
 
 
 class InternalError(TransferError):

@@ -43,7 +43,17 @@ from typing import Any, Literal, Union
 
 import numpy as np
 
-from transfer.errors import BackendError, InvalidField, OutOfBounds
+from ..errors import (
+    DescriptorFormatError,
+    InvalidField,
+    NixlError,
+    NixlUnavailable,
+    NotRegistered,
+    PeerDisconnected,
+    RemoteRangeError,
+    TransferFailed,
+    TransferTimeout,
+)
 
 __all__ = [
     "NixlUnavailable",
@@ -75,37 +85,7 @@ RangeList = Union[Sequence[tuple[int, int]], np.ndarray]
 _U64_MAX = (1 << 64) - 1
 
 
-# --------------------------------------------------------------------------- errors
-class NixlUnavailable(BackendError, ImportError):
-    """NIXL is not installed: install the ``rdma`` extra (see docs/rdma.md)."""
-
-
-class NixlError(BackendError):
-    """A NIXL call failed."""
-
-
-class TransferFailed(NixlError):
-    """A posted transfer completed with an error."""
-
-
-class PeerDisconnected(TransferFailed):
-    """The peer went away (process died, connection reset) during a transfer."""
-
-
-class NotRegistered(NixlError):
-    """A range is not inside our registrations or the peer's (NIXL_ERR_NOT_FOUND)."""
-
-
-class TransferTimeout(NixlError, TimeoutError):
-    """A transfer did not complete in time (it may still be in flight)."""
-
-
-class RemoteRangeError(OutOfBounds):
-    """A requested remote range is not inside any range the peer registered."""
-
-
-class DescriptorFormatError(InvalidField):
-    """Serialized descriptor bytes are malformed."""
+# Errors live in transfer.errors (one hierarchy, one code each).
 
 
 # --------------------------------------------------------------------------- loading
