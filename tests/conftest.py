@@ -63,3 +63,37 @@ def daemon_factory(shm_dir: Path, tmp_path: Path) -> Iterator[object]:
     yield make
     for d in started:
         d.stop()
+
+
+def _gpu_usable() -> tuple[bool, str]:
+    try:
+        from transfer.backends._cupy import CupyBackend
+    except ImportError as exc:
+        return False, f"CuPy not installed ({exc})"
+    return CupyBackend.probe()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not any(item.get_closest_marker("gpu") for item in items):
+        return
+    usable, why = _gpu_usable()
+    if usable:
+        return
+    skip = pytest.mark.skip(reason=f"no usable GPU: {why}")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=["numpy", pytest.param("cupy", marks=pytest.mark.gpu)])
+def backend_daemon(request: pytest.FixtureRequest, shm_dir: Path, tmp_path: Path) -> Iterator[DaemonProcess]:
+    """A daemon per backend: the operator and scheduler suites run against each."""
+    wd = tmp_path / "run"
+    wd.mkdir(mode=0o700)
+    args = [a for a in FAST if a not in ("--backend", "numpy")]
+    d = start_daemon([*args, "--backend", request.param], workdir=wd, shm_dir=shm_dir)
+    try:
+        yield d
+    finally:
+        d.stop()
+    assert segment_files(shm_dir) == [], "shared memory left behind"

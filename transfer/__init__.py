@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 from ._checksum import checksum64
 from .addressing import make_va, split_va
 from .client import Client, DeviceBuffer, HostSegment, Pending, TrioClient, connect, open_client
+from .kernels import OPERATORS, TensorRef
 from .errors import *  # noqa: F403  (the whole hierarchy is public)
 from .errors import __all__ as _errors_all
 
@@ -23,6 +24,8 @@ __all__ = [
     "DeviceBuffer",
     "Pending",
     "checksum64",
+    "TensorRef",
+    "OPERATORS",
     "make_va",
     "split_va",
     *_errors_all,

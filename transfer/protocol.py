@@ -24,6 +24,7 @@ import msgpack
 import numpy as np
 
 from . import errors as E
+from .kernels import DTYPES, MAX_DIMS, TensorRef
 
 __all__ = [
     "VERSION",
@@ -40,6 +41,8 @@ __all__ = [
     "CopyV",
     "Fill",
     "Checksum",
+    "Compute",
+    "TensorRef",
     "Fence",
     "Stats",
     "Reply",
@@ -125,6 +128,70 @@ def u64_vector(v: Any, name: str) -> np.ndarray:
     if len(v) % 8:
         raise E.InvalidField(f"{name}: length {len(v)} is not a multiple of 8")
     return np.frombuffer(v, dtype="<u8")
+
+
+MAX_TENSORS = 16
+MAX_PARAMS = 32
+MAX_PARAM_LIST = 4096
+
+
+def tensors(v: Any, name: str) -> list[TensorRef]:
+    """[[va, dtype, shape, strides|nil], ...]: checked for types and ranges, not yet for memory."""
+    if type(v) is not list or len(v) > MAX_TENSORS:
+        raise E.InvalidField(f"{name}: expected a list of at most {MAX_TENSORS} tensors")
+    out = []
+    for k, t in enumerate(v):
+        where = f"{name}[{k}]"
+        if type(t) is not list or len(t) != 4:
+            raise E.InvalidField(f"{where}: a tensor is [va, dtype, shape, strides|nil]")
+        va, dtype, shape, strides = t
+        u64(va, f"{where}.va")
+        if type(dtype) is not str or dtype not in DTYPES:
+            raise E.InvalidField(f"{where}.dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+        if type(shape) is not list or len(shape) > MAX_DIMS:
+            raise E.InvalidField(f"{where}.shape: expected a list of at most {MAX_DIMS} sizes")
+        for d in shape:
+            _int_range(0, 1 << 40, "dimension")(d, f"{where}.shape")
+        if strides is not None:
+            if type(strides) is not list or len(strides) != len(shape):
+                raise E.InvalidField(f"{where}.strides: expected nil or one stride per dimension")
+            for st_ in strides:
+                _int_range(0, 1 << 40, "stride")(st_, f"{where}.strides")
+        out.append(TensorRef(va, dtype, tuple(shape), None if strides is None else tuple(strides)))
+    return out
+
+
+def _param_value(v: Any, where: str) -> Any:
+    if v is None or type(v) in (bool, int, float):
+        if type(v) is int:
+            i64_or_u64(v, where)
+        return v
+    if type(v) is str:
+        return text(256)(v, where)
+    if type(v) is list:
+        if len(v) > MAX_PARAM_LIST:
+            raise E.InvalidField(f"{where}: list longer than {MAX_PARAM_LIST}")
+        for e in v:
+            if type(e) not in (int, float):
+                raise E.InvalidField(f"{where}: list elements must be numbers")
+        return v
+    raise E.InvalidField(f"{where}: unsupported parameter type {type(v).__name__}")
+
+
+def i64_or_u64(v: int, where: str) -> int:
+    if not -(1 << 63) <= v <= U64_MAX:
+        raise E.InvalidField(f"{where}: integer out of 64-bit range")
+    return v
+
+
+def params(v: Any, name: str) -> dict[str, Any]:
+    if type(v) is not dict or len(v) > MAX_PARAMS:
+        raise E.InvalidField(f"{name}: expected a map of at most {MAX_PARAMS} parameters")
+    for k, val in v.items():
+        if type(k) is not str or len(k) > 64:
+            raise E.InvalidField(f"{name}: parameter names are strings of at most 64 characters")
+        _param_value(val, f"{name}.{k}")
+    return v
 
 
 # --- requests ----------------------------------------------------------------
@@ -267,6 +334,43 @@ class Checksum(Request):
     stream: int = 0
 
 
+@_request(
+    24,
+    ("op", text(64)),
+    ("inputs", tensors),
+    ("outputs", tensors),
+    ("params", params),
+    ("device", i32),
+    ("placement", text(32)),
+    ("stream", u32),
+)
+@dataclass(slots=True)
+class Compute(Request):
+    """Run an operator on tensors named by VA. device -1 and placement "" = the daemon's policy."""
+
+    id: int
+    op: str
+    inputs: list[TensorRef]
+    outputs: list[TensorRef]
+    params: dict[str, Any]
+    device: int = -1
+    placement: str = ""
+    stream: int = 0
+
+    def to_wire(self) -> list[Any]:
+        return [
+            self.OP,
+            self.id,
+            self.op,
+            [t.to_wire() for t in self.inputs],
+            [t.to_wire() for t in self.outputs],
+            self.params,
+            self.device,
+            self.placement,
+            self.stream,
+        ]
+
+
 @_request(30, ("stream", u32))
 @dataclass(slots=True)
 class Fence(Request):
@@ -298,6 +402,7 @@ REQUEST_TYPES: dict[int, type[Request]] = {
         CopyV,
         Fill,
         Checksum,
+        Compute,
         Fence,
         Stats,
     )

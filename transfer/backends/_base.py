@@ -60,5 +60,12 @@ class Backend(abc.ABC):
     def synchronize(self) -> None:
         """Wait until all submitted work is done (no-op for synchronous backends)."""
 
+    def synchronize_device(self, device: int) -> None:
+        """Wait for one device's submitted work: the scheduler calls it once per wave."""
+
+    @abc.abstractmethod
+    def compute(self, kernel: Any, inputs: list[tuple[Any, Span]], outputs: list[tuple[Any, Span]], params: Any, device: int) -> Any:
+        """Run a registry kernel on (TensorRef, Span) operands; return its result (or None)."""
+
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "devices": self.device_count}

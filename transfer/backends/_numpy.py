@@ -49,3 +49,14 @@ class NumpyBackend(Backend):
 
     def checksum(self, src: Span) -> int:
         return checksum64(self.view(src))
+
+    @staticmethod
+    def tensor(t: Any, span: Span) -> np.ndarray:
+        """A NumPy view of a tensor reference over checked memory (NumPy re-checks the extent)."""
+        base = span.mem.array if span.kind == SegmentKind.HOST else span.mem
+        return np.ndarray(t.shape, dtype=t.np_dtype, buffer=base, offset=span.offset, strides=t.strides)
+
+    def compute(self, kernel: Any, inputs: list[tuple[Any, Span]], outputs: list[tuple[Any, Span]], params: Any, device: int) -> Any:
+        ins = [self.tensor(t, s) for t, s in inputs]
+        outs = [self.tensor(t, s) for t, s in outputs]
+        return kernel.fn(ins, outs, params, np)

@@ -14,9 +14,22 @@ import numpy as np
 
 from .. import errors as E
 from .. import protocol as P
+from ..kernels import DTYPES, TensorRef, tensor_extent
 from ..memory import ShmFile
 
-__all__ = ["Pending", "ClientCore", "HostSegment", "DeviceBuffer", "Addressable", "resolve_va"]
+__all__ = ["Pending", "ClientCore", "HostSegment", "DeviceBuffer", "Addressable", "resolve_va", "make_tensor"]
+
+
+def make_tensor(owner: Any, shape: int | Sequence[int], dtype: Any, offset: int, strides: Sequence[int] | None) -> TensorRef:
+    """A TensorRef inside `owner` (a segment or buffer), bounds-checked locally."""
+    dt = np.dtype(dtype)
+    if dt.name not in DTYPES:
+        raise TypeError(f"dtype {dt} is not supported on the wire; use one of {', '.join(DTYPES)}")
+    shape_t = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(d) for d in shape)
+    t = TensorRef(owner.va + offset, dt.name, shape_t, None if strides is None else tuple(int(x) for x in strides))
+    if offset < 0 or offset + tensor_extent(t) > owner.nbytes:
+        raise E.OutOfBounds(f"tensor {shape_t} {dt} at offset {offset} exceeds {owner.nbytes} bytes")
+    return t
 
 
 class HasVA(Protocol):
@@ -104,6 +117,10 @@ class HostSegment:
             raise E.OutOfBounds(f"view of {nbytes} bytes at offset {offset} exceeds the segment's {self.nbytes} bytes")
         return np.ndarray(shape_t, dtype=dt, buffer=self.buffer, offset=offset)
 
+    def tensor(self, shape: int | Sequence[int], dtype: Any = np.uint8, offset: int = 0, strides: Sequence[int] | None = None) -> TensorRef:
+        """Describe (not copy) a tensor in this segment, for compute requests."""
+        return make_tensor(self, shape, dtype, offset, strides)
+
     def at(self, offset: int) -> int:
         """The VA of byte `offset` (plain arithmetic, bounds-checked locally)."""
         if not 0 <= offset <= self.nbytes:
@@ -136,6 +153,10 @@ class DeviceBuffer:
         if not 0 <= offset <= self.nbytes:
             raise E.OutOfBounds(f"offset {offset} is outside the buffer's {self.nbytes} bytes")
         return self.va + offset
+
+    def tensor(self, shape: int | Sequence[int], dtype: Any = np.uint8, offset: int = 0, strides: Sequence[int] | None = None) -> TensorRef:
+        """Describe a tensor in this device buffer, for compute requests."""
+        return make_tensor(self, shape, dtype, offset, strides)
 
     def __repr__(self) -> str:
         return f"<DeviceBuffer va={self.va:#x} nbytes={self.nbytes} device={self.device}>"

@@ -23,6 +23,7 @@ from .. import errors as E
 from .. import protocol as P
 from ..memory import ShmFile
 from ..transport._zmq import default_endpoint, ipc_path
+from ..kernels import TensorRef
 from ._core import Addressable, ClientCore, DeviceBuffer, HostSegment, Pending, resolve_va
 
 __all__ = ["Client", "connect"]
@@ -80,6 +81,7 @@ class Client:
         lim = info["limits"]
         self._core.limits = P.Limits(**{k: int(v) for k, v in lim.items() if k in P.Limits.__dataclass_fields__})
         self._heartbeat_s = float(info["heartbeat_s"])
+        self._max_inflight = max(1, min(self._max_inflight, int(info.get("max_inflight", self._max_inflight))))
         if path is not None and watch_daemon_pid:
             with contextlib.suppress(OSError):
                 self._daemon_pidfd = os.pidfd_open(self.server_pid)
@@ -169,6 +171,20 @@ class Client:
             nbytes = int(getattr(src, "nbytes"))
         return self._submit(P.Checksum, resolve_va(src), nbytes, stream)
 
+    def compute(
+        self,
+        op: str,
+        inputs: Sequence[TensorRef],
+        outputs: Sequence[TensorRef] = (),
+        params: dict[str, Any] | None = None,
+        *,
+        device: int = -1,
+        placement: str = "",
+        stream: int = 0,
+    ) -> Pending:
+        """Run operator `op` in the daemon on tensors named by VA (see transfer.kernels.OPERATORS)."""
+        return self._submit(P.Compute, op, list(inputs), list(outputs), dict(params or {}), device, placement, stream)
+
     def fence(self, stream: int = 0, timeout: float | None = None) -> None:
         """Wait until everything submitted on `stream` is done; raise the first unobserved failure."""
         self._call(P.Fence, stream, timeout=timeout)
@@ -209,11 +225,18 @@ class Client:
             return pending
 
     def _send(self, reqs: Sequence[P.Request]) -> None:
+        """Send, staying within the daemon's credits: a full window waits for completions."""
         with self._lock:
-            if len(self._core.pending) > self._max_inflight:
-                self._drain_until(lambda: len(self._core.pending) <= self._max_inflight // 2, None)
-            for frame in self._core.encode(reqs):
-                self._sock.send(frame, copy=len(frame) < 65536)
+            pending, limit = self._core.pending, self._max_inflight
+            step = max(1, limit // 2)
+            for i in range(0, len(reqs), step):
+                chunk = reqs[i : i + step]
+                # Created but not yet sent: the rest of reqs, and whatever a batch() holds.
+                unsent = len(reqs) - i + len(self._batch or ())
+                if len(pending) - unsent + len(chunk) > limit:
+                    self._drain_until(lambda: len(pending) - unsent + len(chunk) <= limit, None)
+                for frame in self._core.encode(chunk):
+                    self._sock.send(frame, copy=len(frame) < 65536)
             self._last_tx = time.monotonic()
 
     def _wait_for(self, pending: Pending, timeout: float | None) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator, Sequence
 
@@ -23,6 +24,7 @@ from .. import errors as E
 from .. import protocol as P
 from ..memory import ShmFile
 from ..transport._zmq import SocketPump, default_endpoint, ipc_path
+from ..kernels import TensorRef
 from ._core import Addressable, ClientCore, DeviceBuffer, HostSegment, Pending, resolve_va
 from ._sync import _default_size
 
@@ -70,6 +72,8 @@ class TrioClient:
         self._name = name
         self._liveness_timeout = liveness_timeout
         self._batch: list[P.Request] | None = None
+        self._held: deque[P.Request] = deque()
+        self._max_inflight = 1 << 16
         self._segments: dict[int, HostSegment] = {}
         self._last_rx = time.monotonic()
         self._heartbeat_s = 0.5
@@ -120,6 +124,20 @@ class TrioClient:
             nbytes = int(getattr(src, "nbytes"))
         return self._submit(P.Checksum, resolve_va(src), nbytes, stream)
 
+    def compute(
+        self,
+        op: str,
+        inputs: Sequence[TensorRef],
+        outputs: Sequence[TensorRef] = (),
+        params: dict[str, Any] | None = None,
+        *,
+        device: int = -1,
+        placement: str = "",
+        stream: int = 0,
+    ) -> TrioPending:
+        """Run operator `op` in the daemon on tensors named by VA (see transfer.kernels.OPERATORS)."""
+        return self._submit(P.Compute, op, list(inputs), list(outputs), dict(params or {}), device, placement, stream)
+
     async def fence(self, stream: int = 0) -> None:
         await self._call(P.Fence, stream)
         err = self._core.take_unobserved()
@@ -157,13 +175,26 @@ class TrioClient:
         return TrioPending(pending)
 
     def _send(self, reqs: Sequence[P.Request]) -> None:
-        for frame in self._core.encode(reqs):
+        """Queue for sending; requests beyond the daemon's credits wait for completions."""
+        self._held.extend(reqs)
+        self._release_held()
+
+    def _release_held(self) -> None:
+        held, limit = self._held, self._max_inflight
+        if not held:
+            return
+        room = limit - (len(self._core.pending) - len(held) - len(self._batch or ()))
+        if room <= 0:
+            return
+        chunk = [held.popleft() for _ in range(min(room, len(held)))]
+        for frame in self._core.encode(chunk):
             self._pump.send_nowait([frame])
 
     def _on_message(self, parts: list[bytes]) -> None:
         self._last_rx = time.monotonic()
         for part in parts:
             self._core.on_frame(part)
+        self._release_held()
 
     async def _liveness(self) -> None:
         while True:
@@ -215,6 +246,7 @@ async def open_client(
             client.backend = info["backend"]
             client._shm_dir = Path(info["shm_dir"])
             client._heartbeat_s = float(info["heartbeat_s"])
+            client._max_inflight = max(1, int(info.get("max_inflight", client._max_inflight)))
             client._core.limits = P.Limits(**{k: int(v) for k, v in info["limits"].items() if k in P.Limits.__dataclass_fields__})
             nursery.start_soon(client._liveness)
             if path is not None:

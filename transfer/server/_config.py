@@ -1,4 +1,4 @@
-"""Daemon settings (one frozen dataclass; the CLI fills it)."""
+"""Daemon settings (one frozen dataclass; `transfer._settings` fills it from flags, env and file)."""
 
 from __future__ import annotations
 
@@ -28,12 +28,23 @@ class DaemonConfig:
     max_device_bytes_per_session: int = 0
     #: Whole-daemon device memory budget (NumPy backend: host RAM standing in).
     max_device_bytes: int = 16 << 30
-    #: Frames queued per session before new ones are refused with QuotaExceeded.
-    max_queued_frames: int = 1024
     #: Data requests whose bytes total less than this run on the event loop; more go to a thread.
     inline_bytes: int = 256 << 10
     #: Worker threads for large copies and reads (NumPy releases the GIL).
     threads: int = 2
+    #: Placement of work whose operands are all host memory: size, least-loaded, round-robin.
+    placement: str = "size"
+    #: `size` placement: inputs below this many bytes go to a CPU device.
+    size_threshold: int = 1 << 20
+    #: Requests a session may have queued or running (credits announced in hello).
+    max_inflight: int = 1 << 16
+    #: Superseded by max_inflight; kept until the settings loader is reconciled.
+    max_queued_frames: int = 1024
+    #: Requests one scheduler pass takes from a session.
+    max_pass: int = 16384
     #: Seconds a graceful shutdown waits for in-flight requests.
     shutdown_grace_s: float = 10.0
     allow_remote_tcp: bool = False
+    #: Prometheus metrics over HTTP (`transfer.server._metrics`); 0 = off.
+    metrics_port: int = 0
+    metrics_addr: str = "127.0.0.1"

@@ -98,7 +98,8 @@ async def _drain(server: Server, pump: SocketPump, grace: float) -> None:
     server.accepting = False
     sessions = list(server.sessions.values())
     for s in sessions:
-        s.inbox_send.close()  # the session task finishes what is queued, then exits
+        s.draining = True  # the session task finishes what is queued, then exits
+        s.wake.set()
     with trio.move_on_after(grace):
         for s in sessions:
             await s.finished.wait()

@@ -20,16 +20,21 @@ import trio
 from .. import errors as E
 from .. import protocol as P
 from ..addressing import MAX_SEGMENT_BYTES, MappingTable, Segment, SegmentKind
-from ..backends import Backend, Span, make_backend
+from ..backends import Backend, NumpyBackend, make_backend
+from ..kernels import POLICIES, VirtualDevice, make_policy
 from ..memory import DaemonLock, ShmFile, sweep_stale
 from ._config import DaemonConfig
+from ._scheduler import Planner, assign_waves, execute_waves
 from ._session import Session
 
 __all__ = ["Server"]
 
 log = logging.getLogger("transfer.server")
 
-_DATA_OPS = (P.Copy, P.CopyV, P.Fill, P.Checksum)
+#: Requests that act as barriers: a pass stops before them, and runs them alone.
+_CONTROL = (P.RegisterHost, P.Unregister, P.Alloc, P.Free, P.Close, P.Hello)
+#: Answered once everything taken before them in the pass has completed.
+_AFTER_PASS = (P.Fence, P.Ping, P.Stats)
 
 
 class Server:
@@ -38,18 +43,39 @@ class Server:
     def __init__(self, config: DaemonConfig, backend: Backend | None = None) -> None:
         self.config = config
         self.backend = backend or make_backend(config.backend, config.devices)
+        self.devices = self._build_devices(self.backend, config.devices)
+        self.backends = list({id(d.backend): d.backend for d in self.devices}.values())
+        self.limiters = {d.index: trio.CapacityLimiter(1) for d in self.devices}
         self.table: MappingTable[Any] = MappingTable()
+        policies = {name: make_policy(name, config.size_threshold) for name in POLICIES}
+        self.planner = Planner(self.table, self.devices, make_policy(config.placement, config.size_threshold), policies)
         self.sessions: dict[bytes, Session] = {}
-        self.limiter = trio.CapacityLimiter(config.threads)
         self.device_bytes = 0
         self.accepting = True
         self.started = time.monotonic()
-        self.counters = {"frames": 0, "requests": 0, "errors": 0, "bad_frames": 0, "sessions_reaped": 0}
+        self.counters = {
+            "frames": 0, "requests": 0, "errors": 0, "bad_frames": 0, "sessions_reaped": 0,
+            "passes": 0, "waves": 0, "ops": 0,
+        }
         self.watch_pids = any(e.startswith("ipc://") for e in config.endpoints)
         self._lock: DaemonLock | None = None
         # Set by the daemon loop:
         self.send: Callable[[bytes, bytes], None] = lambda identity, data: None
         self.nursery: trio.Nursery | None = None
+
+    @staticmethod
+    def _build_devices(backend: Backend, cpu_devices: int) -> list[VirtualDevice]:
+        """GPUs first (if the backend has them), then `cpu_devices` CPU devices."""
+        devices: list[VirtualDevice] = []
+        if backend.name != "numpy":
+            for i in range(backend.device_count):
+                devices.append(VirtualDevice(len(devices), "gpu", backend, i))
+            cpu_backend: Backend = NumpyBackend(max(cpu_devices, 1))
+        else:
+            cpu_backend = backend
+        for i in range(max(cpu_devices, 1)):
+            devices.append(VirtualDevice(len(devices), "cpu", cpu_backend, i))
+        return devices
 
     # --- lifecycle ------------------------------------------------------------
     def open(self) -> list[str]:
@@ -115,12 +141,13 @@ class Server:
         if session.closing or not self.accepting:
             self._reply_all(identity, reqs, E.SessionClosed("the session is closing"))
             return
-        try:
-            session.inbox_send.send_nowait(reqs)
-        except trio.WouldBlock:
-            self._reply_all(
-                identity, reqs, E.QuotaExceeded(f"more than {self.config.max_queued_frames} frames queued for this session")
-            )
+        if session.inflight + len(reqs) > self.config.max_inflight:
+            # Clients keep within the credits announced in hello; only a misbehaving one gets here.
+            self._reply_all(identity, reqs, E.QuotaExceeded(f"more than {self.config.max_inflight} requests in flight for this session"))
+            return
+        session.queue.extend(reqs)
+        session.inflight += len(reqs)
+        session.wake.set()
 
     def _reply_all(self, identity: bytes, reqs: list[P.Decoded], err: E.TransferError) -> None:
         self.counters["errors"] += len(reqs)
@@ -136,8 +163,7 @@ class Server:
             raise E.UnsupportedVersion(f"client speaks protocol {req.version}, this daemon {P.VERSION}")
         if not self.accepting:
             raise E.SessionClosed("the daemon is shutting down")
-        send, recv = trio.open_memory_channel[list[P.Decoded]](self.config.max_queued_frames)
-        session = Session(identity, req.client, req.pid, send, recv, last_seen=time.monotonic())
+        session = Session(identity, req.client, req.pid, last_seen=time.monotonic())
         self.sessions[identity] = session
         assert self.nursery is not None
         self.nursery.start_soon(self._run_session, session)
@@ -149,7 +175,9 @@ class Server:
             "server_pid": os.getpid(),
             "version": P.VERSION,
             "limits": self.config.limits.to_wire(),
+            "max_inflight": self.config.max_inflight,
             "backend": self.backend.describe(),
+            "devices": [{"index": d.index, "kind": d.kind, "backend": d.backend.name} for d in self.devices],
             "heartbeat_s": self.config.heartbeat_s,
             "session_timeout_s": self.config.session_timeout_s,
             "shm_dir": str(self.config.shm_dir),
@@ -159,30 +187,66 @@ class Server:
     async def _run_session(self, session: Session) -> None:
         try:
             with session.cancel_scope:
-                async for reqs in session.inbox_recv:
-                    replies = await self.execute(session, reqs)
-                    self.send(session.identity, P.encode_replies(replies))
+                while True:
+                    if not session.queue:
+                        if session.draining:
+                            break
+                        await session.wake.wait()
+                        session.wake = trio.Event()
+                        continue
+                    replies = await self.run_pass(session)
+                    if replies:
+                        self.send(session.identity, P.encode_replies(replies))
                     if session.closing:
                         break
         finally:
             session.finished.set()
             self._release(session)
 
-    async def execute(self, session: Session, reqs: list[P.Decoded]) -> list[P.Reply]:
-        """Run one frame's requests in order; each fails alone."""
+    async def run_pass(self, session: Session) -> list[P.Reply]:
+        """Take what is queued (up to a barrier), plan, cut into waves, execute, answer."""
+        q, planner, owner = session.queue, self.planner, session.id
         replies: list[P.Reply] = []
-        i = 0
-        while i < len(reqs):
-            req = reqs[i]
-            if isinstance(req, _DATA_OPS):
-                j = i
-                while j < len(reqs) and isinstance(reqs[j], _DATA_OPS):
-                    j += 1
-                replies.extend(await self._execute_data(session, reqs[i:j]))
-                i = j
+        ops = []
+        after: list[P.Decoded] = []
+        taken = 0
+        while q and taken < self.config.max_pass:
+            req = q[0]
+            if isinstance(req, _CONTROL):
+                if ops or after:
+                    break  # a barrier: run it alone, once what came before has completed
+                q.popleft()
+                taken += 1
+                replies.append(self._execute_control(session, req))
+                if session.closing:
+                    break
                 continue
+            q.popleft()
+            taken += 1
+            if isinstance(req, P.BadRequest):
+                replies.append(P.Reply(req.id, error=req.error))
+            elif isinstance(req, _AFTER_PASS):
+                after.append(req)
+            else:
+                try:
+                    ops.append(planner.plan(owner, req))
+                except E.TransferError as exc:
+                    replies.append(P.Reply(req.id, error=exc))
+                except Exception as exc:  # a bug: fail this request, keep serving
+                    log.exception("planning %s", type(req).__name__)
+                    replies.append(P.Reply(req.id, error=E.InternalError(f"{type(exc).__name__}: {exc}")))
+        if ops:
+            waves = assign_waves(ops)
+            await execute_waves(waves, self.limiters, self.config.inline_bytes)
+            self.counters["waves"] += len(waves)
+            self.counters["ops"] += len(ops)
+            for op in ops:
+                replies.append(P.Reply(op.rid, op.result if op.error is None else None, op.error))
+                session.stats.bytes_moved += op.nbytes
+        for req in after:
             replies.append(self._execute_control(session, req))
-            i += 1
+        self.counters["passes"] += 1
+        session.inflight -= taken
         failed = sum(1 for r in replies if r.error is not None)
         session.stats.errors += failed
         self.counters["errors"] += failed
@@ -216,110 +280,6 @@ class Server:
             log.exception("internal error on %s", type(req).__name__)
             return P.Reply(req.id, error=E.InternalError(f"{type(exc).__name__}: {exc}"))
 
-    # --- data requests --------------------------------------------------------------
-    def _span(self, session: Session, va: int, nbytes: int) -> Span:
-        seg, off = self.table.translate(va, nbytes, session.id)
-        if seg.kind == SegmentKind.REMOTE:
-            raise E.InvalidField("remote segments are not served by this daemon build")
-        return Span(seg.kind, seg.handle, off, nbytes)
-
-    def _plan(self, session: Session, req: P.Request) -> tuple[Callable[[], Any], int]:
-        """Translate a data request; return (work, bytes touched). Raises before touching memory."""
-        backend = self.backend
-        if isinstance(req, P.Copy):
-            dst, src = self._span(session, req.dst, req.nbytes), self._span(session, req.src, req.nbytes)
-            session.stats.bytes_copied += req.nbytes
-            return (lambda: backend.copy(dst, src)), req.nbytes
-        if isinstance(req, P.Fill):
-            dst = self._span(session, req.dst, req.nbytes)
-            return (lambda: backend.fill(dst, req.value)), req.nbytes
-        if isinstance(req, P.Checksum):
-            src = self._span(session, req.src, req.nbytes)
-            session.stats.bytes_read += req.nbytes
-            return (lambda: backend.checksum(src)), req.nbytes
-        assert isinstance(req, P.CopyV)
-        pairs = self._plan_vector(session, req)
-        total = int(req.nbytes.sum(dtype=np.uint64)) if len(req.nbytes) else 0
-        session.stats.bytes_copied += total
-
-        def run() -> int:
-            for d, s in pairs:
-                backend.copy(d, s)
-            return len(req.nbytes)
-
-        return run, total
-
-    def _plan_vector(self, session: Session, req: P.CopyV) -> list[tuple[Span, Span]]:
-        """Validate a vector copy with NumPy, then merge contiguous runs into single copies."""
-        n = len(req.nbytes)
-        if n == 0:
-            return []
-        table = self.table
-        dsid, doff, dsegs = table.translate_many(req.dst, req.nbytes, session.id)
-        ssid, soff, ssegs = table.translate_many(req.src, req.nbytes, session.id)
-        for seg in (*dsegs.values(), *ssegs.values()):
-            if seg.kind == SegmentKind.REMOTE:
-                raise E.InvalidField("remote segments are not served by this daemon build")
-        size = req.nbytes
-        # A copy continues the previous one if both ends pick up exactly where it stopped.
-        cont = np.zeros(n, dtype=bool)
-        if n > 1:
-            cont[1:] = (
-                (dsid[1:] == dsid[:-1])
-                & (ssid[1:] == ssid[:-1])
-                & (doff[1:] == doff[:-1] + size[:-1])
-                & (soff[1:] == soff[:-1] + size[:-1])
-            )
-        starts = np.flatnonzero(~cont)
-        ends = np.append(starts[1:], n)
-        csum = np.concatenate(([0], np.cumsum(size, dtype=np.uint64)))
-        pairs: list[tuple[Span, Span]] = []
-        for a, b in zip(starts.tolist(), ends.tolist()):
-            run_bytes = int(csum[b] - csum[a])
-            ds, ss = dsegs[int(dsid[a])], ssegs[int(ssid[a])]
-            do, so = int(doff[a]), int(soff[a])
-            if b - a > 1 and ds is ss and do < so + run_bytes and so < do + run_bytes:
-                # Overlapping run: one memmove would differ from copying piece by piece.
-                for k in range(a, b):
-                    nb = int(size[k])
-                    pairs.append((Span(ds.kind, ds.handle, int(doff[k]), nb), Span(ss.kind, ss.handle, int(soff[k]), nb)))
-                continue
-            pairs.append((Span(ds.kind, ds.handle, do, run_bytes), Span(ss.kind, ss.handle, so, run_bytes)))
-        return pairs
-
-    async def _execute_data(self, session: Session, reqs: list[P.Decoded]) -> list[P.Reply]:
-        planned: list[tuple[int, Callable[[], Any] | None, E.TransferError | None]] = []
-        total = 0
-        for req in reqs:
-            try:
-                if isinstance(req, P.BadRequest):
-                    raise req.error
-                work, nbytes = self._plan(session, req)  # type: ignore[arg-type]
-                planned.append((req.id, work, None))
-                total += nbytes
-            except E.TransferError as exc:
-                planned.append((req.id, None, exc))
-
-        def run_all() -> list[P.Reply]:
-            out = []
-            for rid, work, err in planned:
-                if work is None:
-                    out.append(P.Reply(rid, error=err))
-                    continue
-                try:
-                    result = work()
-                    out.append(P.Reply(rid, result if isinstance(result, int) else None))
-                except E.TransferError as exc:
-                    out.append(P.Reply(rid, error=exc))
-                except Exception as exc:
-                    log.exception("backend failure")
-                    out.append(P.Reply(rid, error=E.BackendError(f"{type(exc).__name__}: {exc}")))
-            return out
-
-        if total < self.config.inline_bytes:
-            return run_all()
-        return await trio.to_thread.run_sync(run_all, limiter=self.limiter)
-
     # --- resources ------------------------------------------------------------------------
     def _check_quota(self, session: Session, nbytes: int, kind: SegmentKind) -> None:
         cfg = self.config
@@ -345,7 +305,8 @@ class Server:
         sid = self.table.reserve_id()
         shm = ShmFile.create(self.config.shm_dir, self.instance, sid, nbytes)
         try:
-            self.backend.register_host(shm)
+            for backend in self.backends:
+                backend.register_host(shm)
             seg = self.table.add_reserved(sid, SegmentKind.HOST, nbytes, session.id, shm)
         except BaseException:
             shm.unlink()
@@ -357,19 +318,23 @@ class Server:
 
     def _alloc(self, session: Session, nbytes: int, device: int) -> dict[str, Any]:
         self._check_quota(session, nbytes, SegmentKind.DEVICE)
-        ndev = self.backend.device_count
+        ndev = len(self.devices)
         if device == -1:
-            device = 0
+            # Default: the least-used device of the fastest kind present (GPUs before CPUs).
+            kind = self.devices[0].kind
+            device = min((d for d in self.devices if d.kind == kind), key=lambda d: (d.info.get("bytes", 0), d.index)).index
         if not 0 <= device < ndev:
             raise E.InvalidField(f"device {device} does not exist (this daemon has {ndev})")
+        vdev = self.devices[device]
         try:
-            mem = self.backend.alloc(nbytes, device)
+            mem = vdev.backend.alloc(nbytes, vdev.local_id)
         except MemoryError:
             raise E.OutOfDeviceMemory(f"device {device} cannot allocate {nbytes} bytes") from None
         seg = self.table.add(SegmentKind.DEVICE, nbytes, session.id, mem, device)
         session.segments.add(seg.id)
         session.device_bytes += nbytes
         self.device_bytes += nbytes
+        vdev.info["bytes"] = vdev.info.get("bytes", 0) + nbytes
         return {"va": seg.va, "nbytes": nbytes, "device": device}
 
     def _free(self, session: Session, va: int, kind: SegmentKind) -> None:
@@ -387,20 +352,23 @@ class Server:
             session.host_bytes -= seg.nbytes
             shm: ShmFile = seg.handle
             try:
-                self.backend.unregister_host(shm)
+                for backend in self.backends:
+                    backend.unregister_host(shm)
             finally:
                 shm.unlink()
                 shm.close()
         elif seg.kind == SegmentKind.DEVICE:
             session.device_bytes -= seg.nbytes
             self.device_bytes -= seg.nbytes
-            self.backend.free(seg.handle)
+            vdev = self.devices[seg.device]
+            vdev.info["bytes"] -= seg.nbytes
+            vdev.backend.free(seg.handle)
 
     def _release(self, session: Session) -> None:
         """Forget a session and everything it owns. Idempotent."""
         if self.sessions.get(session.identity) is session:
             del self.sessions[session.identity]
-        session.inbox_send.close()
+        session.queue.clear()
         for sid in list(session.segments):
             seg = self.table.get(sid)
             if seg is not None:
@@ -411,7 +379,6 @@ class Server:
         """Reclaim a dead or silent client's session: stop its work, then free its memory."""
         log.info("session %d ended: %s", session.id, why)
         session.closing = True
-        session.inbox_send.close()
         session.cancel_scope.cancel()
         await session.finished.wait()  # a copy running on a thread finishes first
         self._release(session)
@@ -449,6 +416,7 @@ class Server:
                 "sessions": len(self.sessions),
                 "segments": len(self.table),
                 "device_bytes": self.device_bytes,
+                "devices": [{"index": d.index, "kind": d.kind, "queued_bytes": d.queued_bytes, "batches": d.completed} for d in self.devices],
                 "uptime_s": round(time.monotonic() - self.started, 3),
             }
         }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,8 +21,7 @@ class SessionStats:
     frames: int = 0
     requests: int = 0
     errors: int = 0
-    bytes_copied: int = 0
-    bytes_read: int = 0
+    bytes_moved: int = 0
 
     def to_wire(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -32,14 +32,19 @@ class Session:
     identity: bytes
     client: str
     pid: int
-    inbox_send: trio.MemorySendChannel[list[P.Decoded]]
-    inbox_recv: trio.MemoryReceiveChannel[list[P.Decoded]]
     id: int = field(default_factory=lambda: next(_ids))
     last_seen: float = 0.0
     host_bytes: int = 0
     device_bytes: int = 0
     segments: set[int] = field(default_factory=set)
     stats: SessionStats = field(default_factory=SessionStats)
+    #: Requests waiting for a scheduler pass, in arrival order.
+    queue: deque[P.Decoded] = field(default_factory=deque)
+    #: Requests queued or running (checked against the credits announced in hello).
+    inflight: int = 0
+    wake: trio.Event = field(default_factory=trio.Event)
+    #: Set at shutdown: finish what is queued, then end.
+    draining: bool = False
     cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     finished: trio.Event = field(default_factory=trio.Event)
     closing: bool = False

@@ -1,0 +1,210 @@
+"""The batcher's equivalence with sequential execution (hypothesis), and its parts."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from transfer import errors as E
+from transfer import protocol as P
+from transfer.addressing import MappingTable, SegmentKind
+from transfer.backends import NumpyBackend
+from transfer.kernels import TensorRef, VirtualDevice, make_policy
+from transfer.server._scheduler import Planner, _Intervals, assign_waves, coalesce, execute_waves
+
+SIZES = [4096, 8192, 3000]  # two host segments and one device buffer per test
+
+
+def make_world(n_devices: int = 2):
+    backend = NumpyBackend(n_devices)
+    devices = [VirtualDevice(i, "cpu", backend, i) for i in range(n_devices)]
+    table: MappingTable = MappingTable()
+    mem = []
+    for k, n in enumerate(SIZES):
+        if k < 2:
+            arr = np.zeros(n, np.uint8)
+            table.add(SegmentKind.HOST, n, "s", SimpleNamespace(array=arr))
+        else:
+            arr = backend.alloc(n, 0)
+            table.add(SegmentKind.DEVICE, n, "s", arr, device=0)
+        mem.append(arr)
+    planner = Planner(table, devices, make_policy("round-robin"), {})
+    return planner, devices, mem
+
+
+def va(seg: int, off: int) -> int:
+    return ((seg + 1) << 40) | off
+
+
+@st.composite
+def a_range(draw: st.DrawFn, max_len: int = 1500) -> tuple[int, int, int]:
+    seg = draw(st.integers(0, len(SIZES) - 1))
+    n = draw(st.integers(0, min(max_len, SIZES[seg])))
+    off = draw(st.integers(0, SIZES[seg] - n))
+    return seg, off, n
+
+
+@st.composite
+def request(draw: st.DrawFn, rid: int) -> P.Request:
+    kind = draw(st.sampled_from(["copy", "copy", "copy", "fill", "copyv", "scale_add", "bad"]))
+    if kind == "copy":
+        ds, do, n = draw(a_range())
+        ss = draw(st.integers(0, len(SIZES) - 1))
+        so = draw(st.integers(0, SIZES[ss] - n)) if SIZES[ss] >= n else 0
+        if SIZES[ss] < n:
+            n = SIZES[ss]
+            do = min(do, SIZES[ds] - n)
+        return P.Copy(rid, va(ds, do), va(ss, so), n)
+    if kind == "fill":
+        s, o, n = draw(a_range())
+        return P.Fill(rid, va(s, o), n, draw(st.integers(0, 255)))
+    if kind == "copyv":
+        k = draw(st.integers(1, 6))
+        s = draw(st.integers(0, len(SIZES) - 1))
+        d = draw(st.integers(0, len(SIZES) - 1))
+        piece = draw(st.integers(1, 256))
+        dst = [va(d, draw(st.integers(0, SIZES[d] - piece))) for _ in range(k)]
+        if draw(st.booleans()):  # sometimes contiguous runs (the merging path)
+            start = draw(st.integers(0, SIZES[s] - piece * k))
+            src = [va(s, start + i * piece) for i in range(k)]
+            dstart = draw(st.integers(0, SIZES[d] - piece * k))
+            dst = [va(d, dstart + i * piece) for i in range(k)]
+        else:
+            src = [va(s, draw(st.integers(0, SIZES[s] - piece))) for _ in range(k)]
+        return P.CopyV(rid, np.array(dst, np.uint64), np.array(src, np.uint64), np.full(k, piece, np.uint64))
+    if kind == "scale_add":
+        s = draw(st.integers(0, len(SIZES) - 1))
+        count = draw(st.integers(1, 64))
+        xo = draw(st.integers(0, (SIZES[s] - count * 4) // 4)) * 4
+        same = draw(st.booleans())
+        yo = xo if same else draw(st.integers(0, (SIZES[s] - count * 4) // 4)) * 4
+        x = TensorRef(va(s, xo), "float32", (count,))
+        y = TensorRef(va(s, yo), "float32", (count,))
+        return P.Compute(rid, "scale_add", [x], [y], {"a": 0.5, "b": 1.0})
+    # Out of bounds: must fail alone and touch nothing.
+    s = draw(st.integers(0, len(SIZES) - 1))
+    return P.Copy(rid, va(s, SIZES[s] - 10), va(s, 0), 20)
+
+
+def reference(mem: list[np.ndarray], reqs: list[P.Request]) -> dict[int, type | None]:
+    """One request at a time, written independently of the daemon's code."""
+    outcome: dict[int, type | None] = {}
+
+    def view(v: int, n: int) -> np.ndarray:
+        seg, off = (v >> 40) - 1, v & ((1 << 40) - 1)
+        if off + n > SIZES[seg]:
+            raise E.OutOfBounds
+        return mem[seg][off : off + n]
+
+    for r in reqs:
+        try:
+            if isinstance(r, P.Copy):
+                src = view(r.src, r.nbytes).copy()
+                view(r.dst, r.nbytes)[:] = src
+            elif isinstance(r, P.Fill):
+                view(r.dst, r.nbytes)[:] = r.value
+            elif isinstance(r, P.CopyV):
+                for d, s, n in zip(r.dst.tolist(), r.src.tolist(), r.nbytes.tolist()):
+                    view(d, n)[:] = view(s, n).copy()
+            elif isinstance(r, P.Compute):
+                (x,), (y,) = r.inputs, r.outputs
+                n = x.shape[0] * 4
+                xs, ys = view(x.va, n), view(y.va, n)
+                xv = xs.view(np.float32)
+                if x.va != y.va and (abs(x.va - y.va) < n):
+                    raise E.InvalidField  # overlapping but not in place: refused
+                with np.errstate(all="ignore"):  # random bytes include NaNs
+                    out = xv * np.float32(0.5)
+                    out += np.float32(1.0)
+                ys.view(np.float32)[:] = out
+            outcome[r.id] = None
+        except E.TransferError as exc:
+            outcome[r.id] = type(exc)
+    return outcome
+
+
+async def run_batched(planner: Planner, devices: list, reqs: list[P.Request], inline_bytes: int) -> dict[int, type | None]:
+    outcome: dict[int, type | None] = {}
+    ops = []
+    for r in reqs:
+        try:
+            ops.append(planner.plan("s", r))
+        except E.TransferError as exc:
+            outcome[r.id] = type(exc)
+    waves = assign_waves(ops)
+    await execute_waves(waves, {d.index: trio.CapacityLimiter(1) for d in devices}, inline_bytes)
+    for op in ops:
+        outcome[op.rid] = None if op.error is None else type(op.error)
+    return outcome
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN bytes through scale_add, in the daemon's kernel
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data(), st.sampled_from([0, 1 << 30]))
+def test_batched_execution_equals_sequential(data: st.DataObject, inline_bytes: int) -> None:
+    n = data.draw(st.integers(1, 40))
+    reqs = [data.draw(request(i + 1)) for i in range(n)]
+    planner, devices, mem = make_world()
+    seed = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    for m in mem:
+        m[:] = seed.integers(0, 256, m.size, dtype=np.uint8)
+    ref_mem = [m.copy() for m in mem]
+    expected = reference(ref_mem, reqs)
+    got = trio.run(run_batched, planner, devices, reqs, inline_bytes)
+    assert {k: v for k, v in got.items()} == expected
+    for a, b in zip(mem, ref_mem):
+        assert np.array_equal(a, b)
+
+
+def test_independent_copies_share_one_wave_and_merge() -> None:
+    planner, devices, mem = make_world()
+    reqs = [P.Copy(i + 1, va(2, i * 100), va(0, i * 100), 100) for i in range(30)]
+    ops = [planner.plan("s", r) for r in reqs]
+    waves = assign_waves(ops)
+    assert len(waves) == 1
+    units = coalesce(waves[0])
+    assert len(units) == 1 and len(units[0][0]) == 30  # thirty contiguous copies, one memcpy
+
+
+def test_hazards_split_waves_in_order() -> None:
+    planner, _, _ = make_world()
+    reqs = [
+        P.Copy(1, va(1, 0), va(0, 0), 100),  # writes seg1[0:100]
+        P.Copy(2, va(2, 0), va(1, 50), 100),  # reads seg1[50:150]: read-after-write
+        P.Fill(3, va(0, 0), 10, 1),  # writes seg0[0:10] which op1 read: write-after-read
+        P.Fill(4, va(2, 500), 10, 1),  # independent of op 3
+        P.Fill(5, va(2, 505), 10, 2),  # overlaps op 4: write-after-write
+    ]
+    waves = assign_waves([planner.plan("s", r) for r in reqs])
+    assert [[o.rid for o in w] for w in waves] == [[1], [2, 3, 4], [5]]
+
+
+@given(st.lists(st.tuples(st.integers(0, 200), st.integers(0, 50)), max_size=30), st.integers(0, 250), st.integers(0, 60))
+def test_interval_union(adds: list[tuple[int, int]], a: int, n: int) -> None:
+    iv, cover = _Intervals(), np.zeros(400, bool)
+    for s, ln in adds:
+        iv.add(s, s + ln)
+        cover[s : s + ln] = True
+    assert iv.overlaps(a, a + n) == bool(cover[a : a + n].any())
+    assert all(e1 < s2 for e1, s2 in zip(iv.ends, iv.starts[1:]))  # disjoint, non-touching
+
+
+def test_placement_rule_and_policies() -> None:
+    planner, devices, _ = make_world()
+    x = TensorRef(va(0, 0), "float32", (4,))
+    y = TensorRef(va(0, 64), "float32", (4,))
+    placed = {planner.plan("s", P.Compute(i + 1, "scale_add", [x], [y], {})).device.index for i in range(4)}
+    assert placed == {0, 1}  # round-robin over host-only operands
+    on_dev = TensorRef(va(2, 0), "float32", (4,))
+    assert planner.plan("s", P.Compute(9, "scale_add", [on_dev], [on_dev], {})).device.index == 0
+    with pytest.raises(E.InvalidField, match="pins device 1"):
+        planner.plan("s", P.Compute(10, "scale_add", [on_dev], [on_dev], {}, device=1))
+    with pytest.raises(E.InvalidField, match="supported dtypes"):
+        planner.plan("s", P.Compute(11, "matmul", [TensorRef(va(0, 0), "int8", (2, 2))] * 2, [TensorRef(va(0, 64), "int8", (2, 2))], {}))
+    with pytest.raises(E.InvalidField, match="overlaps"):
+        planner.plan("s", P.Compute(12, "cast", [TensorRef(va(0, 0), "uint8", (8,))], [TensorRef(va(0, 4), "float32", (8,))], {}))
