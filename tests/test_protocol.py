@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from transfer import errors as E
 from transfer import protocol as P
+from transfer.kernels import DTYPES, TensorRef
 
 u64 = st.integers(0, 2**64 - 1)
 u32 = st.integers(0, 2**32 - 1)
@@ -24,6 +25,13 @@ def copyv(draw: st.DrawFn) -> P.CopyV:
     return P.CopyV(draw(rid), draw(arr), draw(arr), draw(arr), draw(u32))
 
 
+tensor = st.builds(
+    TensorRef,
+    u64,
+    st.sampled_from(sorted(DTYPES)),
+    st.lists(st.integers(0, 1 << 40), max_size=8).map(tuple),
+).flatmap(lambda t: st.one_of(st.just(t), st.lists(st.integers(0, 1 << 40), min_size=len(t.shape), max_size=len(t.shape)).map(lambda s: TensorRef(t.va, t.dtype, t.shape, tuple(s)))))
+
 requests = st.one_of(
     st.builds(P.Hello, rid, u32, st.text(max_size=100), u32, st.binary(max_size=100)),
     st.builds(P.Close, rid),
@@ -36,6 +44,17 @@ requests = st.one_of(
     copyv(),
     st.builds(P.Fill, rid, u64, u64, st.integers(0, 255), u32),
     st.builds(P.Checksum, rid, u64, u64, u32),
+    st.builds(
+        P.Compute,
+        rid,
+        st.text(max_size=64),
+        st.lists(tensor, max_size=4),
+        st.lists(tensor, max_size=4),
+        st.dictionaries(st.text(max_size=10), st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=20) | st.lists(st.floats(allow_nan=False), max_size=5), max_size=5),
+        st.integers(-(2**31), 2**31 - 1),
+        st.text(max_size=32),
+        u32,
+    ),
     st.builds(P.Fence, rid, u32),
     st.builds(P.Stats, rid),
 )
@@ -46,7 +65,10 @@ def same(a: P.Request, b: P.Request) -> bool:
         return False
     for name, _ in a.FIELDS:
         x, y = getattr(a, name), getattr(b, name)
-        if isinstance(x, np.ndarray):
+        if isinstance(x, dict):
+            if x.keys() != y.keys() or any(repr(x[k]) != repr(y[k]) for k in x):
+                return False
+        elif isinstance(x, np.ndarray):
             if not np.array_equal(x, y):
                 return False
         elif x != y:
@@ -55,7 +77,7 @@ def same(a: P.Request, b: P.Request) -> bool:
 
 
 def test_every_message_type_is_covered() -> None:
-    assert set(P.REQUEST_TYPES) == {1, 2, 3, 10, 11, 12, 13, 20, 21, 22, 23, 30, 40}
+    assert set(P.REQUEST_TYPES) == {1, 2, 3, 10, 11, 12, 13, 20, 21, 22, 23, 24, 30, 40}
 
 
 @given(st.lists(requests, min_size=1, max_size=20))

@@ -473,6 +473,13 @@ def decode_request(item: Any, limits: Limits = DEFAULT_LIMITS) -> Decoded:
     op, rid = item[0], item[1]
     if type(rid) is not int or not 0 < rid <= U64_MAX:
         return BadRequest(0, E.MalformedFrame("request id must be an integer in 1..2**64-1"))
+    if op == 20 and len(item) == 6:  # Copy, by far the most frequent: checked inline
+        _, _, dst, src, nbytes, stream = item
+        if (
+            type(dst) is int and type(src) is int and type(nbytes) is int and type(stream) is int
+            and 0 <= dst <= U64_MAX and 0 <= src <= U64_MAX and 0 <= nbytes <= U64_MAX and 0 <= stream <= U32_MAX
+        ):
+            return Copy(rid, dst, src, nbytes, stream)
     cls = REQUEST_TYPES.get(op) if type(op) is int else None
     if cls is None:
         return BadRequest(rid, E.UnknownOperation(f"unknown operation {op!r}"))

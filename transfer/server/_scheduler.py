@@ -28,7 +28,7 @@ from ..addressing import MappingTable, Segment, SegmentKind
 from ..backends import Span
 from ..kernels import OPERATORS, REGISTRY, Placement, TensorRef, VirtualDevice, tensor_extent
 
-__all__ = ["Op", "Planner", "assign_waves", "coalesce", "execute_waves"]
+__all__ = ["Op", "Planner", "plan_requests", "assign_waves", "coalesce", "execute_waves", "replies_for"]
 
 Range = tuple[int, int, int]  # (segment id, start offset, end offset)
 
@@ -47,6 +47,8 @@ class Op:
     copy: tuple[int, int, Span, Span] | None = None  # (dst segment id, src segment id, dst, src)
     result: Any = None
     error: E.TransferError | None = None
+    #: Further requests this op completes (a run of plain copies planned as one vector).
+    more_rids: list[int] | None = None
 
 
 class _Intervals:
@@ -70,6 +72,14 @@ class _Intervals:
         if a >= b:
             return
         starts, ends = self.starts, self.ends
+        if not starts or a > ends[-1]:  # the common case: ranges arrive in ascending order
+            starts.append(a)
+            ends.append(b)
+            return
+        if a >= starts[-1]:  # touches or overlaps the last interval
+            if b > ends[-1]:
+                ends[-1] = b
+            return
         i = bisect_right(starts, a)
         if i > 0 and ends[i - 1] >= a:  # touches or overlaps the one before
             i -= 1
@@ -89,9 +99,18 @@ def assign_waves(ops: Sequence[Op]) -> list[list[Op]]:
     reads: dict[int, _Intervals] = defaultdict(_Intervals)
     writes: dict[int, _Intervals] = defaultdict(_Intervals)
     for op in ops:
-        conflict = any(writes[s].overlaps(a, b) for s, a, b in op.reads) or any(
-            writes[s].overlaps(a, b) or reads[s].overlaps(a, b) for s, a, b in op.writes
-        )
+        conflict = False
+        for s, a, b in op.reads:
+            w = writes.get(s)
+            if w is not None and w.overlaps(a, b):
+                conflict = True
+                break
+        if not conflict:
+            for s, a, b in op.writes:
+                w, r = writes.get(s), reads.get(s)
+                if (w is not None and w.overlaps(a, b)) or (r is not None and r.overlaps(a, b)):
+                    conflict = True
+                    break
         if conflict and cur:
             waves.append(cur)
             cur = []
@@ -284,14 +303,26 @@ class Planner:
         return dev.backend
 
     def _plan_vector(self, owner: Any, req: P.CopyV) -> Op:
-        """A vector copy: validated with NumPy, contiguous runs merged, executed in order."""
-        n = len(req.nbytes)
+        return self._plan_copies(owner, req.id, req.dst, req.src, req.nbytes)
+
+    def plan_copy_run(self, owner: Any, reqs: Sequence[P.Copy]) -> Op:
+        """Consecutive plain copies as one vector op (same semantics: in order); one reply each."""
+        n = len(reqs)
+        dst = np.fromiter((r.dst for r in reqs), np.uint64, n)
+        src = np.fromiter((r.src for r in reqs), np.uint64, n)
+        size = np.fromiter((r.nbytes for r in reqs), np.uint64, n)
+        op = self._plan_copies(owner, reqs[0].id, dst, src, size)
+        op.more_rids = [r.id for r in reqs[1:]]
+        return op
+
+    def _plan_copies(self, owner: Any, rid: int, dst: np.ndarray, src: np.ndarray, size: np.ndarray) -> Op:
+        """Copies validated with NumPy, contiguous runs merged, executed in order."""
+        n = len(size)
         if n == 0:
-            return Op(req.id, [], [], self.devices[0], 0, lambda: None)
+            return Op(rid, [], [], self.devices[0], 0, lambda: None)
         table = self.table
-        size = req.nbytes
-        dsid, doff, dsegs = table.translate_many(req.dst, size, owner)
-        ssid, soff, ssegs = table.translate_many(req.src, size, owner)
+        dsid, doff, dsegs = table.translate_many(dst, size, owner)
+        ssid, soff, ssegs = table.translate_many(src, size, owner)
         segs = {**dsegs, **ssegs}
         for seg in segs.values():
             if seg.kind == SegmentKind.REMOTE:
@@ -330,7 +361,7 @@ class Planner:
             for d, s, backend in pairs:
                 backend.copy(d, s)
 
-        return Op(req.id, reads, writes, dev, total, run)
+        return Op(rid, reads, writes, dev, total, run)
 
     def _plan_compute(self, owner: Any, req: P.Compute) -> Op:
         op = OPERATORS.get(req.op)
@@ -371,4 +402,57 @@ def _hulls(sids: np.ndarray, offs: np.ndarray, sizes: np.ndarray) -> list[Range]
     for sid in np.unique(sids).tolist():
         m = sids == sid
         out.append((int(sid), int(offs[m].min()), int(ends[m].max())))
+    return out
+
+
+def plan_requests(planner: Planner, owner: Any, reqs: Sequence[P.Request]) -> tuple[list[Op], list[P.Reply]]:
+    """Plan a pass's data requests: (ops in arrival order, error replies for refused ones).
+
+    Runs of plain copies are planned as one vector op (validated with NumPy);
+    if any copy in a run is invalid, the run is planned one by one so that
+    only that copy fails.
+    """
+    ops: list[Op] = []
+    refused: list[P.Reply] = []
+
+    def one(req: P.Request) -> None:
+        try:
+            ops.append(planner.plan(owner, req))
+        except E.TransferError as exc:
+            refused.append(P.Reply(req.id, error=exc))
+        except Exception as exc:  # a bug: fail this request, keep serving
+            refused.append(P.Reply(req.id, error=E.InternalError(f"{type(exc).__name__}: {exc}")))
+
+    run: list[P.Copy] = []
+
+    def flush() -> None:
+        if len(run) >= 8:
+            try:
+                ops.append(planner.plan_copy_run(owner, run))
+                run.clear()
+                return
+            except E.TransferError:
+                pass
+        for r in run:
+            one(r)
+        run.clear()
+
+    for req in reqs:
+        if type(req) is P.Copy:
+            run.append(req)
+            continue
+        if run:
+            flush()
+        one(req)
+    if run:
+        flush()
+    return ops, refused
+
+
+def replies_for(ops: Sequence[Op]) -> list[P.Reply]:
+    out: list[P.Reply] = []
+    for op in ops:
+        out.append(P.Reply(op.rid, op.result if op.error is None else None, op.error))
+        if op.more_rids:
+            out.extend(P.Reply(rid, None, op.error) for rid in op.more_rids)
     return out

@@ -24,7 +24,7 @@ from ..backends import Backend, NumpyBackend, make_backend
 from ..kernels import POLICIES, VirtualDevice, make_policy
 from ..memory import DaemonLock, ShmFile, sweep_stale
 from ._config import DaemonConfig
-from ._scheduler import Planner, assign_waves, execute_waves
+from ._scheduler import Planner, assign_waves, execute_waves, plan_requests, replies_for
 from ._session import Session
 
 __all__ = ["Server"]
@@ -205,15 +205,15 @@ class Server:
 
     async def run_pass(self, session: Session) -> list[P.Reply]:
         """Take what is queued (up to a barrier), plan, cut into waves, execute, answer."""
-        q, planner, owner = session.queue, self.planner, session.id
+        q = session.queue
         replies: list[P.Reply] = []
-        ops = []
+        data: list[P.Request] = []
         after: list[P.Decoded] = []
         taken = 0
         while q and taken < self.config.max_pass:
             req = q[0]
             if isinstance(req, _CONTROL):
-                if ops or after:
+                if data or after:
                     break  # a barrier: run it alone, once what came before has completed
                 q.popleft()
                 taken += 1
@@ -228,21 +228,16 @@ class Server:
             elif isinstance(req, _AFTER_PASS):
                 after.append(req)
             else:
-                try:
-                    ops.append(planner.plan(owner, req))
-                except E.TransferError as exc:
-                    replies.append(P.Reply(req.id, error=exc))
-                except Exception as exc:  # a bug: fail this request, keep serving
-                    log.exception("planning %s", type(req).__name__)
-                    replies.append(P.Reply(req.id, error=E.InternalError(f"{type(exc).__name__}: {exc}")))
-        if ops:
+                data.append(req)
+        if data:
+            ops, refused = plan_requests(self.planner, session.id, data)
+            replies.extend(refused)
             waves = assign_waves(ops)
             await execute_waves(waves, self.limiters, self.config.inline_bytes)
+            replies.extend(replies_for(ops))
             self.counters["waves"] += len(waves)
             self.counters["ops"] += len(ops)
-            for op in ops:
-                replies.append(P.Reply(op.rid, op.result if op.error is None else None, op.error))
-                session.stats.bytes_moved += op.nbytes
+            session.stats.bytes_moved += sum(op.nbytes for op in ops)
         for req in after:
             replies.append(self._execute_control(session, req))
         self.counters["passes"] += 1
