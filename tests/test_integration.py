@@ -243,3 +243,19 @@ def test_connecting_to_nothing_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(transfer.DaemonUnavailable, match="within"):
         transfer.connect(f"ipc://{stale}", connect_timeout=0.5)
     assert time.monotonic() - t0 < 3
+
+
+def test_poll_collects_replies_without_blocking(daemon) -> None:
+    with transfer.connect(daemon.endpoint) as c:
+        seg = c.segment(1 << 20)
+        p = c.checksum(seg)
+        deadline = time.monotonic() + 5
+        while c.poll() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert p.done() and p.result(timeout=0) == transfer.checksum64(seg.buffer)
+        slow = c.checksum(seg)
+        try:
+            slow.result(timeout=0)  # may or may not be in yet; never blocks
+        except transfer.RequestTimeout:
+            pass
+        assert slow.result() == transfer.checksum64(seg.buffer)

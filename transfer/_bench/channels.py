@@ -133,7 +133,10 @@ class ZmqProducer:
 
 
 class QueueProducer(_AckMixin):
+    """multiprocessing.Queue; items pickled with protocol 5 (in-band: Queue has no buffer hook)."""
+
     def __init__(self, cell: Cell, idx: int, spec: dict) -> None:
+        _queue_pickle_protocol_5()
         self.idx = idx
         self.q = spec["queue"]
         self.ack_conn = spec["ack"]
@@ -150,6 +153,23 @@ class QueueProducer(_AckMixin):
     def close(self) -> None:
         self.q.close()
         self.q.join_thread()
+
+
+def _queue_pickle_protocol_5() -> None:
+    """Queue's feeder thread pickles with ForkingPickler.dumps(obj), i.e. the default
+    protocol (4 on Python 3.11, which copies a NumPy array twice). Make this producer
+    process use protocol 5, as a user tuning the Queue path would."""
+    from multiprocessing.reduction import ForkingPickler
+
+    if getattr(ForkingPickler, "_bench_p5", False):
+        return
+    orig = ForkingPickler.dumps.__func__
+
+    def dumps(cls, obj, protocol=5):
+        return orig(cls, obj, protocol)
+
+    ForkingPickler.dumps = classmethod(dumps)
+    ForkingPickler._bench_p5 = True
 
 
 class PipeProducer:
@@ -254,10 +274,13 @@ class TransferProducer:
 
     def poll(self, block: bool) -> list[tuple[int, bool]]:
         out = []
+        if not block and self.inflight and not self._all_done(self.inflight[0]):
+            self.client.poll()  # take in whatever replies have arrived, without waiting
         while self.inflight:
-            g, pend, cks, expected = self.inflight[0]
-            if not block and not all(p.done() for p in pend + cks):
+            head = self.inflight[0]
+            if not block and not self._all_done(head):
                 break
+            g, pend, cks, expected = head
             for p in pend:
                 p.result()
             got = [p.result() for p in cks]
@@ -267,10 +290,15 @@ class TransferProducer:
             block = False
         return out
 
+    @staticmethod
+    def _all_done(entry) -> bool:
+        return all(p.done() for p in entry[1]) and all(p.done() for p in entry[2])
+
     def bye(self) -> None:
         self.client.fence()
 
     def close(self) -> None:
+        self.buffer = None  # drop our view of the segment before the client unmaps it
         self.client.close()
 
 

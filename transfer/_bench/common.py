@@ -91,6 +91,7 @@ class Cell:
     depth: int  # groups in flight per producer
     batch: int  # items (requests) per group
     verify_every: int  # verify every Nth group (1 = all)
+    corrupt_group: int = -1  # test hook: the producer damages this group after checksumming it
 
     @property
     def slot_bytes(self) -> int:

@@ -8,6 +8,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import textwrap
 from typing import Any, Iterable
 
 from .common import METHOD_LABELS, fmt_size
@@ -165,6 +166,9 @@ def render_table(results: list[dict], limits: dict[int, dict[str, dict]], title:
     return t
 
 
+_COLORS = {"transfer": "tab:red", "zmq-copy": "tab:blue", "zmq-zerocopy": "tab:orange",
+           "mp-queue": "tab:green", "mp-pipe": "tab:purple", "shm-pipe": "tab:brown"}
+
 _METHOD_ORDER = {m: i for i, m in enumerate(
     ("transfer", "zmq-copy", "zmq-zerocopy", "mp-queue", "mp-pipe", "shm-pipe"))}
 
@@ -233,7 +237,8 @@ def write_plot(path: str, results: list[dict], limits: dict[int, dict[str, dict]
             if not pts:
                 continue
             xs, ys, lo, hi = zip(*pts)
-            kw = {"linewidth": 2.5, "color": "tab:blue", "zorder": 3} if m == "transfer" else {"linewidth": 1.2}
+            kw = {"linewidth": 2.8 if m == "transfer" else 1.2, "color": _COLORS.get(m),
+                  "zorder": 3 if m == "transfer" else 2}
             ax.errorbar(xs, ys, yerr=[[y - a for y, a in zip(ys, lo)], [b - y for y, b in zip(ys, hi)]],
                         marker="o", markersize=3.5, capsize=2, label=m, **kw)
         lim = LIMIT_FOR_MODE[mode]
@@ -248,8 +253,8 @@ def write_plot(path: str, results: list[dict], limits: dict[int, dict[str, dict]
         sub = f"P={pmax}, depth={dsel}" if rows else ""
         ax.set_title(f"mode={mode}  {sub}")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
+        ax.legend(fontsize=7, loc="best", framealpha=0.8)
+    fig.suptitle(textwrap.fill(title, 110), fontsize=9)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -258,3 +263,15 @@ def write_plot(path: str, results: list[dict], limits: dict[int, dict[str, dict]
 
 def describe_methods(methods: Iterable[str]) -> list[str]:
     return [f"{m}: {METHOD_LABELS.get(m, m)}" for m in methods]
+
+
+def load_json(path: str) -> tuple[dict, list[dict], dict[int, dict[str, dict]]]:
+    """(document, results, limits) from a file written by :func:`write_json`."""
+    with open(path) as f:
+        doc = json.load(f)
+    results = [r for r in doc["results"] if not r["method"].startswith("limit:")]
+    limits: dict[int, dict[str, dict]] = {}
+    for r in doc["results"]:
+        if r["method"].startswith("limit:"):
+            limits.setdefault(r["size"], {})[r["method"]] = r
+    return doc, results, limits

@@ -92,6 +92,8 @@ def _run_rep(idx, cell: Cell, ch, views, words, cks, g, t_start, t_end, verify_e
         expected = [cks(v) for v in views[slot]] if verify else None
         if verify:
             verified += 1
+        if g == cell.corrupt_group:
+            views[slot][0][-1] ^= 0xFF  # after the checksum: every method must notice
         t0 = now()
         ch.submit(g, slot, verify, expected)
         inflight[slot] = (g, t0)

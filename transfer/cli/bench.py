@@ -45,6 +45,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="write machine description and results as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="plot throughput vs size (needs matplotlib)")
     p.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown")
+    p.add_argument("--daemon-shm-dir", help=argparse.SUPPRESS)  # tests: where the daemon puts segments
+    p.add_argument("--inject-corruption", type=int, default=-1, help=argparse.SUPPRESS)  # tests
     p.add_argument("--no-progress", action="store_true", help="plain progress lines even on a TTY")
     return p
 
@@ -121,7 +123,8 @@ def _main(args) -> int:
         notes.append("checksum: transfer.checksum64 unavailable, baselines used a fallback sum")
 
     cells = [Cell(method=m, mode=mode, size=s, producers=p, depth=d,
-                  batch=args.batch or common.default_batch_items(s), verify_every=verify_every)
+                  batch=args.batch or common.default_batch_items(s), verify_every=verify_every,
+                  corrupt_group=args.inject_corruption)
              for s in sizes for mode in run_modes for p in producers for d in depths for m in methods]
 
     progress = _Progress(len(cells), len(sizes), plain=args.no_progress or not sys.stderr.isatty())
@@ -140,7 +143,9 @@ def _main(args) -> int:
                           f"read {lm['limit:read']['gbps']:.2f} GB/s, checksum {lm['limit:checksum']['gbps']:.2f} GB/s",
                           advance_limit=True)
         try:
-            with runner.Runner(need_daemon="transfer" in methods, reps=reps, rep_s=rep_s, warmup_s=warm_s) as rn:
+            daemon_args = {"shm_dir": args.daemon_shm_dir} if args.daemon_shm_dir else {}
+            with runner.Runner(need_daemon="transfer" in methods, reps=reps, rep_s=rep_s, warmup_s=warm_s,
+                               daemon_args=daemon_args) as rn:
                 for cell in cells:
                     progress.start_cell(cell)
                     r = rn.run_cell(cell, on_rep=progress.rep)
@@ -158,7 +163,10 @@ def _main(args) -> int:
              f"verify every {verify_every} group(s), medians of {reps} reps")
     from rich.console import Console
 
-    con = Console(width=None if sys.stdout.isatty() else 160)
+    import shutil
+
+    # Never squeeze the numbers: a narrow terminal wraps lines instead of eliding digits.
+    con = Console(width=max(shutil.get_terminal_size((160, 24)).columns, 150), highlight=False)
     con.print(report.render_table(results, limits, title))
     for n in notes:
         con.print(f"note: {n}")

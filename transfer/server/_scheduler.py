@@ -28,7 +28,7 @@ from ..addressing import MappingTable, Segment, SegmentKind
 from ..backends import Span
 from ..kernels import OPERATORS, REGISTRY, Placement, TensorRef, VirtualDevice, tensor_extent
 
-__all__ = ["Op", "Planner", "plan_requests", "assign_waves", "coalesce", "execute_waves", "replies_for"]
+__all__ = ["Op", "Planner", "plan_requests", "assign_waves", "coalesce", "execute_waves", "run_wave_inline", "replies_for"]
 
 Range = tuple[int, int, int]  # (segment id, start offset, end offset)
 
@@ -185,6 +185,15 @@ def _run_units(units: Sequence[tuple[list[Op], Callable[[], Any] | None]], devic
     device.backend.synchronize_device(device.local_id)
 
 
+def run_wave_inline(wave: Sequence[Op]) -> None:
+    """Execute one wave on the calling thread (small work: cheaper than a thread hop)."""
+    by_device: dict[int, list[Op]] = defaultdict(list)
+    for op in wave:
+        by_device[op.device.index].append(op)
+    for ops in by_device.values():
+        _run_units(coalesce(ops), ops[0].device)
+
+
 async def execute_waves(
     waves: Sequence[Sequence[Op]],
     limiters: dict[int, trio.CapacityLimiter],
@@ -250,6 +259,8 @@ class Planner:
             if pinned not in (-1, home):
                 raise E.InvalidField(f"operands live on device {home}, the request pins device {pinned}")
             return self.devices[home]
+        if pinned == -1 and not policy and len(self.devices) == 1:
+            return self.devices[0]
         if pinned != -1:
             if not 0 <= pinned < len(self.devices):
                 raise E.InvalidField(f"device {pinned} does not exist (this daemon has {len(self.devices)})")

@@ -21,10 +21,10 @@ from .. import errors as E
 from .. import protocol as P
 from ..addressing import MAX_SEGMENT_BYTES, MappingTable, Segment, SegmentKind
 from ..backends import Backend, NumpyBackend, make_backend
-from ..kernels import POLICIES, VirtualDevice, make_policy
+from ..kernels import POLICIES, VirtualDevice, make_policy, tensor_extent
 from ..memory import DaemonLock, ShmFile, sweep_stale
 from ._config import DaemonConfig
-from ._scheduler import Planner, assign_waves, execute_waves, plan_requests, replies_for
+from ._scheduler import Planner, assign_waves, execute_waves, plan_requests, replies_for, run_wave_inline
 from ._session import Session
 
 __all__ = ["Server"]
@@ -37,6 +37,17 @@ _CONTROL = (P.RegisterHost, P.Unregister, P.Alloc, P.Free, P.Close, P.Hello)
 _AFTER_PASS = (P.Fence, P.Ping, P.Stats)
 
 
+def _bytes_hint(req: P.Request) -> int:
+    """Bytes a data request claims to touch (unvalidated: only to choose inline or thread)."""
+    if isinstance(req, (P.Copy, P.Fill, P.Checksum)):
+        return req.nbytes
+    if isinstance(req, P.CopyV):
+        return int(req.nbytes.sum(dtype=np.uint64))
+    if isinstance(req, P.Compute):
+        return sum(tensor_extent(t) for t in (*req.inputs, *req.outputs))
+    return 0
+
+
 class Server:
     """State and request execution; `transfer.server._daemon` drives its I/O."""
 
@@ -45,7 +56,8 @@ class Server:
         self.backend = backend or make_backend(config.backend, config.devices)
         self.devices = self._build_devices(self.backend, config.devices)
         self.backends = list({id(d.backend): d.backend for d in self.devices}.values())
-        self.limiters = {d.index: trio.CapacityLimiter(1) for d in self.devices}
+        # A GPU executes one stream's waves at a time; a CPU "device" has several cores.
+        self.limiters = {d.index: trio.CapacityLimiter(config.threads if d.kind == "cpu" else 1) for d in self.devices}
         self.table: MappingTable[Any] = MappingTable()
         policies = {name: make_policy(name, config.size_threshold) for name in POLICIES}
         self.planner = Planner(self.table, self.devices, make_policy(config.placement, config.size_threshold), policies)
@@ -145,9 +157,49 @@ class Server:
             # Clients keep within the credits announced in hello; only a misbehaving one gets here.
             self._reply_all(identity, reqs, E.QuotaExceeded(f"more than {self.config.max_inflight} requests in flight for this session"))
             return
+        idle = not session.queue and not session.busy
         session.queue.extend(reqs)
         session.inflight += len(reqs)
+        if idle and self._try_inline_pass(session):
+            return
         session.wake.set()
+
+    def _try_inline_pass(self, session: Session) -> bool:
+        """Small work on an idle session runs right here: no task hop, reply in the same pass.
+
+        Only when every queued request is data or fence/ping/stats (no barrier) and the
+        bytes touched stay under inline_bytes; anything else goes to the session task.
+        """
+        q = session.queue
+        if len(q) > self.config.max_pass or any(isinstance(r, _CONTROL) for r in q):
+            return False
+        data = [r for r in q if not isinstance(r, (P.BadRequest, *_AFTER_PASS))]
+        if sum(map(_bytes_hint, data)) >= self.config.inline_bytes:
+            return False  # decided from the requests' own sizes, before any planning
+        ops, refused = plan_requests(self.planner, session.id, data)
+        if sum(op.nbytes for op in ops) >= self.config.inline_bytes:
+            return False  # planning is pure: the session task will plan again
+        taken = list(q)
+        q.clear()
+        replies = [P.Reply(r.id, error=r.error) for r in taken if isinstance(r, P.BadRequest)] + refused
+        waves = assign_waves(ops)
+        for wave in waves:
+            run_wave_inline(wave)
+        replies.extend(replies_for(ops))
+        replies.extend(self._execute_control(session, r) for r in taken if isinstance(r, _AFTER_PASS))
+        self._account(session, len(taken), replies, len(waves), ops)
+        self.send(session.identity, P.encode_replies(replies))
+        return True
+
+    def _account(self, session: Session, taken: int, replies: list[P.Reply], waves: int, ops: list[Any]) -> None:
+        self.counters["passes"] += 1
+        self.counters["waves"] += waves
+        self.counters["ops"] += len(ops)
+        session.stats.bytes_moved += sum(op.nbytes for op in ops)
+        session.inflight -= taken
+        failed = sum(1 for r in replies if r.error is not None)
+        session.stats.errors += failed
+        self.counters["errors"] += failed
 
     def _reply_all(self, identity: bytes, reqs: list[P.Decoded], err: E.TransferError) -> None:
         self.counters["errors"] += len(reqs)
@@ -229,22 +281,21 @@ class Server:
                 after.append(req)
             else:
                 data.append(req)
+        ops: list[Any] = []
+        waves: list[Any] = []
         if data:
             ops, refused = plan_requests(self.planner, session.id, data)
             replies.extend(refused)
             waves = assign_waves(ops)
-            await execute_waves(waves, self.limiters, self.config.inline_bytes)
+            session.busy = True
+            try:
+                await execute_waves(waves, self.limiters, self.config.inline_bytes)
+            finally:
+                session.busy = False
             replies.extend(replies_for(ops))
-            self.counters["waves"] += len(waves)
-            self.counters["ops"] += len(ops)
-            session.stats.bytes_moved += sum(op.nbytes for op in ops)
         for req in after:
             replies.append(self._execute_control(session, req))
-        self.counters["passes"] += 1
-        session.inflight -= taken
-        failed = sum(1 for r in replies if r.error is not None)
-        session.stats.errors += failed
-        self.counters["errors"] += failed
+        self._account(session, taken, replies, len(waves), ops)
         return replies
 
     def _execute_control(self, session: Session, req: P.Decoded) -> P.Reply:

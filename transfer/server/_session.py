@@ -45,6 +45,8 @@ class Session:
     wake: trio.Event = field(default_factory=trio.Event)
     #: Set at shutdown: finish what is queued, then end.
     draining: bool = False
+    #: A pass is executing (on a worker thread): new frames wait for the session task.
+    busy: bool = False
     cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     finished: trio.Event = field(default_factory=trio.Event)
     closing: bool = False

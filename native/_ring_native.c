@@ -1,0 +1,492 @@
+/*
+ * transfer._ring_native: CPython binding of native/ring.h.
+ *
+ * One type, Queue: one endpoint (producer or consumer) of one SPSC queue in
+ * a shared mapping. transfer/_ring.py owns the layout (offsets), the file,
+ * the header and the NumPy dtypes; this module only moves slots and
+ * indices. It takes a buffer (the mmap) and holds it exported until
+ * close(), so the mapping cannot be unmapped under it.
+ *
+ * Threads: an endpoint is single-threaded (SPSC), except that close() may
+ * be called from another thread while wait() sleeps: wait runs without the
+ * GIL, counts itself in `waiting`, and close() interrupts it and waits for
+ * it to leave before releasing the buffer.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "ring.h"
+
+#define MAX_FIELDS 16
+
+static PyObject *CorruptError; /* set by _set_corrupt_error(); RuntimeError until then */
+
+typedef struct {
+    uint32_t offset, size, is_signed;
+} field_t;
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view;
+    int has_view;
+    int producer;
+    trq_t q;
+    field_t fields[MAX_FIELDS];
+    int nfields;
+    atomic_int interrupt;
+    int waiting;
+} QueueObject;
+
+static int check_open(QueueObject *self)
+{
+    if (!self->has_view) {
+        PyErr_SetString(PyExc_ValueError, "ring queue is closed");
+        return -1;
+    }
+    return 0;
+}
+
+static int check_role(QueueObject *self, int producer)
+{
+    if (check_open(self) < 0)
+        return -1;
+    if (self->producer != producer) {
+        PyErr_SetString(PyExc_TypeError,
+                        producer ? "this endpoint consumes this queue; it cannot push"
+                                 : "this endpoint produces into this queue; it cannot pop");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *corrupt(QueueObject *self)
+{
+    PyErr_SetString(CorruptError ? CorruptError : PyExc_RuntimeError,
+                    self->producer ? "ring corrupted: the consumer's head index is impossible"
+                                   : "ring corrupted: the producer's tail index is impossible");
+    return NULL;
+}
+
+static int Queue_init(QueueObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"buffer", "producer", "capacity", "slot_size", "slots",
+                             "tail", "head", "data_waiter", "space_waiter", "peer_closed",
+                             "fields", NULL};
+    PyObject *buf, *fields;
+    int producer;
+    unsigned long long cap, slot_size, slots, tail, head, dw, sw, pc;
+    if (self->has_view) {
+        PyErr_SetString(PyExc_RuntimeError, "already initialised");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OpKKKKKKKKO", kwlist, &buf, &producer, &cap,
+                                     &slot_size, &slots, &tail, &head, &dw, &sw, &pc, &fields))
+        return -1;
+    if (cap == 0 || (cap & (cap - 1)) || slot_size == 0 || slot_size > (1u << 20)) {
+        PyErr_SetString(PyExc_ValueError, "capacity must be a power of two and slot_size sane");
+        return -1;
+    }
+    if (!PyTuple_Check(fields) || PyTuple_GET_SIZE(fields) == 0 ||
+        PyTuple_GET_SIZE(fields) > MAX_FIELDS) {
+        PyErr_SetString(PyExc_ValueError, "fields must be a tuple of (offset, size, signed)");
+        return -1;
+    }
+    self->nfields = (int)PyTuple_GET_SIZE(fields);
+    for (int i = 0; i < self->nfields; i++) {
+        unsigned int off, size;
+        int sgn;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(fields, i), "IIp", &off, &size, &sgn))
+            return -1;
+        if (!(size == 1 || size == 2 || size == 4 || size == 8) || off + size > slot_size) {
+            PyErr_SetString(PyExc_ValueError, "bad field");
+            return -1;
+        }
+        self->fields[i] = (field_t){off, size, (uint32_t)sgn};
+    }
+    if (PyObject_GetBuffer(buf, &self->view, PyBUF_WRITABLE | PyBUF_SIMPLE) < 0)
+        return -1;
+    uint64_t len = (uint64_t)self->view.len;
+    uint8_t *base = self->view.buf;
+    int bad = slots + cap * slot_size > len || cap * slot_size / cap != slot_size;
+    bad |= tail % 8 || head % 8 || dw % 4 || sw % 4 || pc % 4 || ((uintptr_t)base) % 64;
+    bad |= tail + 8 > len || head + 8 > len || dw + 4 > len || sw + 4 > len || pc + 4 > len;
+    if (bad) {
+        PyBuffer_Release(&self->view);
+        PyErr_SetString(PyExc_ValueError, "queue geometry does not fit the buffer");
+        return -1;
+    }
+    self->has_view = 1;
+    self->producer = producer;
+    self->q.tail = (_Atomic uint64_t *)(base + tail);
+    self->q.head = (_Atomic uint64_t *)(base + head);
+    self->q.data_waiter = (_Atomic uint32_t *)(base + dw);
+    self->q.space_waiter = (_Atomic uint32_t *)(base + sw);
+    self->q.peer_closed = (_Atomic uint32_t *)(base + pc);
+    self->q.slots = base + slots;
+    self->q.cap = cap;
+    self->q.mask = cap - 1;
+    self->q.slot_size = (uint32_t)slot_size;
+    /* Start from the current indices (an attach after the creator's init). */
+    if (producer) {
+        self->q.mine = atomic_load_explicit(self->q.tail, memory_order_acquire);
+        self->q.seen = atomic_load_explicit(self->q.head, memory_order_acquire);
+    } else {
+        self->q.mine = atomic_load_explicit(self->q.head, memory_order_acquire);
+        self->q.seen = atomic_load_explicit(self->q.tail, memory_order_acquire);
+    }
+    if ((producer ? self->q.mine - self->q.seen : self->q.seen - self->q.mine) > cap) {
+        self->has_view = 0;
+        PyBuffer_Release(&self->view);
+        PyErr_SetString(CorruptError ? CorruptError : PyExc_RuntimeError,
+                        "ring corrupted: indices are more than a capacity apart");
+        return -1;
+    }
+    atomic_init(&self->interrupt, 0);
+    return 0;
+}
+
+static void release(QueueObject *self)
+{
+    if (!self->has_view)
+        return;
+    atomic_store(&self->interrupt, 1);
+    trq_force_wake(self->producer ? self->q.space_waiter : self->q.data_waiter);
+    while (self->waiting > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        struct timespec ts = {0, 100000};
+        nanosleep(&ts, NULL);
+        Py_END_ALLOW_THREADS
+    }
+    self->has_view = 0;
+    PyBuffer_Release(&self->view);
+}
+
+static void Queue_dealloc(QueueObject *self)
+{
+    if (self->has_view) {
+        /* No other thread can be in wait(): it would hold a reference. */
+        self->has_view = 0;
+        PyBuffer_Release(&self->view);
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* ---- tuple <-> slot --------------------------------------------------- */
+
+static int pack(QueueObject *self, PyObject *tup, uint8_t *slot)
+{
+    if (!PyTuple_Check(tup)) {
+        PyErr_SetString(PyExc_TypeError, "a descriptor is a tuple of integers");
+        return -1;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(tup);
+    if (n < 1 || n > self->nfields) {
+        PyErr_Format(PyExc_ValueError, "a descriptor has 1 to %d fields, got %zd",
+                     self->nfields, n);
+        return -1;
+    }
+    memset(slot, 0, self->q.slot_size);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        field_t *f = &self->fields[i];
+        PyObject *o = PyTuple_GET_ITEM(tup, i);
+        uint64_t v;
+        if (f->is_signed) {
+            long long s = PyLong_AsLongLong(o);
+            if (s == -1 && PyErr_Occurred())
+                return -1;
+            if (f->size < 8) {
+                long long lim = 1ll << (8 * f->size - 1);
+                if (s < -lim || s >= lim)
+                    goto range;
+            }
+            v = (uint64_t)s;
+        } else {
+            unsigned long long u = PyLong_AsUnsignedLongLong(o);
+            if (u == (unsigned long long)-1 && PyErr_Occurred())
+                return -1;
+            if (f->size < 8 && u >> (8 * f->size))
+                goto range;
+            v = u;
+        }
+        memcpy(slot + f->offset, &v, f->size); /* little-endian: low bytes first */
+        continue;
+    range:
+        PyErr_Format(PyExc_OverflowError, "descriptor field %zd out of range", i);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *unpack(QueueObject *self, const uint8_t *slot)
+{
+    PyObject *t = PyTuple_New(self->nfields);
+    if (!t)
+        return NULL;
+    for (int i = 0; i < self->nfields; i++) {
+        field_t *f = &self->fields[i];
+        uint64_t v = 0;
+        memcpy(&v, slot + f->offset, f->size);
+        PyObject *o;
+        if (f->is_signed) {
+            int sh = 64 - 8 * (int)f->size;
+            o = PyLong_FromLongLong(((int64_t)(v << sh)) >> sh);
+        } else {
+            o = PyLong_FromUnsignedLongLong(v);
+        }
+        if (!o) {
+            Py_DECREF(t);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(t, i, o);
+    }
+    return t;
+}
+
+/* ---- methods ------------------------------------------------------------ */
+
+static PyObject *Queue_push(QueueObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"desc", "wake", NULL};
+    PyObject *tup;
+    int wake = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|p", kwlist, &tup, &wake))
+        return NULL;
+    if (check_role(self, 1) < 0)
+        return NULL;
+    uint8_t slot[1024];
+    if (self->q.slot_size > sizeof slot) {
+        PyErr_SetString(PyExc_ValueError, "slot too large for push(); use push_many");
+        return NULL;
+    }
+    if (pack(self, tup, slot) < 0)
+        return NULL;
+    int64_t n = trq_push_from(&self->q, slot, 1, wake);
+    if (n < 0)
+        return corrupt(self);
+    return PyBool_FromLong(n == 1);
+}
+
+static PyObject *Queue_push_buffer(QueueObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"data", "count", "wake", NULL};
+    Py_buffer b;
+    unsigned long long count;
+    int wake = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*K|p", kwlist, &b, &count, &wake))
+        return NULL;
+    if (check_role(self, 1) < 0 || count > (uint64_t)b.len / self->q.slot_size) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "buffer shorter than count slots");
+        PyBuffer_Release(&b);
+        return NULL;
+    }
+    int64_t n = trq_push_from(&self->q, b.buf, count, wake);
+    PyBuffer_Release(&b);
+    if (n < 0)
+        return corrupt(self);
+    return PyLong_FromLongLong(n);
+}
+
+static PyObject *Queue_pop(QueueObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"wake", NULL};
+    int wake = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|p", kwlist, &wake))
+        return NULL;
+    if (check_role(self, 0) < 0)
+        return NULL;
+    uint8_t slot[1024];
+    if (self->q.slot_size > sizeof slot) {
+        PyErr_SetString(PyExc_ValueError, "slot too large for pop(); use pop_many");
+        return NULL;
+    }
+    int64_t n = trq_pop_into(&self->q, slot, 1, wake);
+    if (n < 0)
+        return corrupt(self);
+    if (n == 0)
+        Py_RETURN_NONE;
+    return unpack(self, slot);
+}
+
+static PyObject *Queue_pop_into(QueueObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"out", "max", "wake", NULL};
+    Py_buffer b;
+    unsigned long long max;
+    int wake = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "w*K|p", kwlist, &b, &max, &wake))
+        return NULL;
+    if (check_role(self, 0) < 0 || max > (uint64_t)b.len / self->q.slot_size) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "buffer shorter than max slots");
+        PyBuffer_Release(&b);
+        return NULL;
+    }
+    int64_t n = trq_pop_into(&self->q, b.buf, max, wake);
+    PyBuffer_Release(&b);
+    if (n < 0)
+        return corrupt(self);
+    return PyLong_FromLongLong(n);
+}
+
+static PyObject *Queue_available(QueueObject *self, PyObject *unused)
+{
+    if (check_role(self, 0) < 0)
+        return NULL;
+    int64_t n = trq_available(&self->q);
+    return n < 0 ? corrupt(self) : PyLong_FromLongLong(n);
+}
+
+static PyObject *Queue_free(QueueObject *self, PyObject *unused)
+{
+    if (check_role(self, 1) < 0)
+        return NULL;
+    int64_t n = trq_free(&self->q);
+    return n < 0 ? corrupt(self) : PyLong_FromLongLong(n);
+}
+
+static PyObject *Queue_wait(QueueObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"need", "timeout", "spin", NULL};
+    unsigned long long need = 1;
+    PyObject *timeout = Py_None;
+    double spin = 50e-6;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|KOd", kwlist, &need, &timeout, &spin))
+        return NULL;
+    if (check_open(self) < 0)
+        return NULL;
+    if (need == 0 || need > self->q.cap) {
+        PyErr_SetString(PyExc_ValueError, "need must be in 1..capacity");
+        return NULL;
+    }
+    uint64_t tns = UINT64_MAX;
+    if (timeout != Py_None) {
+        double t = PyFloat_AsDouble(timeout);
+        if (t == -1.0 && PyErr_Occurred())
+            return NULL;
+        tns = t <= 0 ? 0 : t >= 1e9 ? UINT64_MAX : (uint64_t)(t * 1e9);
+    }
+    uint64_t sns = spin <= 0 ? 0 : spin >= 10.0 ? 10000000000ull : (uint64_t)(spin * 1e9);
+    int64_t n;
+    int what = self->producer ? TRQ_WAIT_SPACE : TRQ_WAIT_DATA;
+    self->waiting++;
+    Py_BEGIN_ALLOW_THREADS
+    n = trq_wait(&self->q, what, need, tns, sns, &self->interrupt);
+    Py_END_ALLOW_THREADS
+    self->waiting--;
+    if (n < 0)
+        return corrupt(self);
+    return PyLong_FromLongLong(n);
+}
+
+static PyObject *Queue_notify(QueueObject *self, PyObject *unused)
+{
+    if (check_open(self) < 0)
+        return NULL;
+    return PyBool_FromLong(
+        trq_ring_doorbell(self->producer ? self->q.data_waiter : self->q.space_waiter));
+}
+
+static PyObject *Queue_wake_peer(QueueObject *self, PyObject *unused)
+{
+    if (check_open(self) < 0)
+        return NULL;
+    trq_force_wake(self->producer ? self->q.data_waiter : self->q.space_waiter);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Queue_close(QueueObject *self, PyObject *unused)
+{
+    release(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Queue_get_index(QueueObject *self, void *c)
+{
+    return PyLong_FromUnsignedLongLong(self->q.mine);
+}
+
+static PyObject *Queue_get_capacity(QueueObject *self, void *c)
+{
+    return PyLong_FromUnsignedLongLong(self->q.cap);
+}
+
+static PyObject *Queue_get_closed(QueueObject *self, void *c)
+{
+    return PyBool_FromLong(!self->has_view);
+}
+
+static PyMethodDef Queue_methods[] = {
+    {"push", (PyCFunction)(void (*)(void))Queue_push, METH_VARARGS | METH_KEYWORDS,
+     "push(desc, wake=True) -> bool: publish one descriptor tuple; False if full."},
+    {"push_buffer", (PyCFunction)(void (*)(void))Queue_push_buffer, METH_VARARGS | METH_KEYWORDS,
+     "push_buffer(data, count, wake=True) -> int: publish up to count slots with one release store."},
+    {"pop", (PyCFunction)(void (*)(void))Queue_pop, METH_VARARGS | METH_KEYWORDS,
+     "pop(wake=True) -> tuple | None"},
+    {"pop_into", (PyCFunction)(void (*)(void))Queue_pop_into, METH_VARARGS | METH_KEYWORDS,
+     "pop_into(out, max, wake=True) -> int: copy up to max slots out, one release store."},
+    {"available", (PyCFunction)Queue_available, METH_NOARGS, "published slots not yet popped"},
+    {"free", (PyCFunction)Queue_free, METH_NOARGS, "slots a push can fill now"},
+    {"wait", (PyCFunction)(void (*)(void))Queue_wait, METH_VARARGS | METH_KEYWORDS,
+     "wait(need=1, timeout=None, spin=50e-6) -> int: spin, then futex-sleep, until need "
+     "slots are available (consumer) or free (producer), the peer closes, or timeout."},
+    {"notify", (PyCFunction)Queue_notify, METH_NOARGS,
+     "ring the doorbell: wake the peer if it sleeps on this queue; True if it did"},
+    {"wake_peer", (PyCFunction)Queue_wake_peer, METH_NOARGS, "wake the peer unconditionally"},
+    {"close", (PyCFunction)Queue_close, METH_NOARGS,
+     "interrupt a wait() in another thread, then release the mapping"},
+    {NULL}};
+
+static PyGetSetDef Queue_getset[] = {
+    {"index", (getter)Queue_get_index, NULL, "my free-running index (tail or head)", NULL},
+    {"capacity", (getter)Queue_get_capacity, NULL, "slots", NULL},
+    {"closed", (getter)Queue_get_closed, NULL, "released", NULL},
+    {NULL}};
+
+static PyTypeObject QueueType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "transfer._ring_native.Queue",
+    .tp_basicsize = sizeof(QueueObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One endpoint of one SPSC queue in a shared mapping (see native/ring.h).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Queue_init,
+    .tp_dealloc = (destructor)Queue_dealloc,
+    .tp_methods = Queue_methods,
+    .tp_getset = Queue_getset,
+};
+
+static PyObject *set_corrupt_error(PyObject *mod, PyObject *cls)
+{
+    if (!PyType_Check(cls) || !PyType_IsSubtype((PyTypeObject *)cls, (PyTypeObject *)PyExc_Exception)) {
+        PyErr_SetString(PyExc_TypeError, "expected an exception class");
+        return NULL;
+    }
+    Py_INCREF(cls);
+    Py_XSETREF(CorruptError, cls);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"_set_corrupt_error", set_corrupt_error, METH_O, "exception class for a corrupted ring"},
+    {NULL}};
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT, "transfer._ring_native",
+    "Native shared-memory SPSC ring (futex doorbell, C11 atomics).", -1, module_methods};
+
+PyMODINIT_FUNC PyInit__ring_native(void)
+{
+    if (PyType_Ready(&QueueType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&moduledef);
+    if (!m)
+        return NULL;
+    Py_INCREF(&QueueType);
+    if (PyModule_AddObject(m, "Queue", (PyObject *)&QueueType) < 0) {
+        Py_DECREF(&QueueType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyModule_AddIntConstant(m, "SLICE_NS", (long)TRQ_SLICE_NS);
+    return m;
+}

@@ -1,0 +1,136 @@
+"""Smoke tests of ``transfer-bench`` at tiny sizes (a few seconds each).
+
+They run the real CLI in a subprocess (as a user would), with every method
+and the embedded daemon when the core is importable, and check: exit status,
+the JSON document, the plot, that a checksum mismatch fails the run, and that
+nothing is left behind (processes, /dev/shm files, daemon segments).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--reps", "1", "--rep-seconds", "0.05", "--warmup-seconds", "0.02", "--no-progress"]
+
+
+def _transfer_ok() -> bool:
+    from transfer._bench.runner import transfer_available
+
+    return transfer_available()[0]
+
+
+def _methods(with_transfer: bool) -> str:
+    from transfer._bench.common import METHODS_ALL
+
+    return ",".join(m for m in METHODS_ALL if with_transfer or m != "transfer")
+
+
+def _run(args: list[str], tmp: Path, timeout: float = 90) -> tuple[subprocess.CompletedProcess, str, Path]:
+    tag = uuid.uuid4().hex
+    shm_dir = Path(tempfile.mkdtemp(prefix="tb-test-", dir="/dev/shm"))
+    env = dict(os.environ, TRANSFER_BENCH_TEST_TAG=tag, PYTHONPATH=str(ROOT))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "transfer.cli.bench", *args, "--daemon-shm-dir", str(shm_dir)],
+                              cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
+        leftovers = list(shm_dir.iterdir())
+    finally:
+        for p in shm_dir.iterdir():
+            p.unlink()
+        shm_dir.rmdir()
+    assert leftovers == [], f"daemon segments left behind: {leftovers}"
+    return proc, tag, shm_dir
+
+
+def _assert_nothing_left(tag: str) -> None:
+    psutil = pytest.importorskip("psutil")
+    alive = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if p.environ().get("TRANSFER_BENCH_TEST_TAG") == tag:
+                alive.append((p.pid, p.info["cmdline"]))
+        except (psutil.Error, OSError):
+            continue
+    assert alive == [], f"processes left behind: {alive}"
+    stale = [n for n in os.listdir("/dev/shm") if n.startswith("transfer-bench-")]
+    assert not [n for n in stale if _is_ours(n)], stale
+
+
+def _is_ours(name: str) -> bool:
+    # transfer-bench-<pid>-<hex>-...: the coordinator pid is gone when the run is over
+    try:
+        pid = int(name.split("-")[2])
+    except (IndexError, ValueError):
+        return False
+    return not os.path.exists(f"/proc/{pid}")
+
+
+def test_full_preset_tiny_all_methods(tmp_path: Path) -> None:
+    with_transfer = _transfer_ok()
+    out = tmp_path / "r.json"
+    png = tmp_path / "r.png"
+    args = ["full", "--sizes", "4K,64K", "--producers", "2", "--modes", "local,compute,remote,gpu",
+            "--methods", _methods(with_transfer), "--verify-every", "1",
+            "--json", str(out), "--plot", str(png), *TINY]
+    proc, tag, _ = _run(args, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _assert_nothing_left(tag)
+
+    doc = json.loads(out.read_text())
+    m = doc["machine"]
+    for key in ("cpu", "cores", "memory_bytes", "python", "numpy", "pyzmq", "transfer", "gpu"):
+        assert key in m
+    res = [r for r in doc["results"] if not r["method"].startswith("limit:")]
+    expected_methods = set(_methods(with_transfer).split(","))
+    assert {r["method"] for r in res} == expected_methods
+    assert {r["mode"] for r in res} == {"local", "compute"}
+    assert {r["size"] for r in res} == {4096, 65536}
+    for r in res:
+        for key in ("method", "mode", "size", "producers", "gbps", "rps", "p50_us", "p99_us",
+                    "reps", "min_gbps", "max_gbps"):
+            assert key in r, key
+        assert r["gbps"] > 0 and r["rps"] > 0 and r["p99_us"] >= r["p50_us"] > 0
+        assert r["min_gbps"] <= r["gbps"] <= r["max_gbps"]
+        assert r["verified_groups"] == r["groups"] > 0  # --verify-every 1
+    limits = {r["method"] for r in doc["results"] if r["method"].startswith("limit:")}
+    assert {"limit:memcpy", "limit:read"} <= limits
+    assert any("remote" in n for n in doc["notes"])  # skipped with a note, not an error
+    assert png.stat().st_size > 10_000
+    assert "GB/s" in proc.stdout
+
+
+@pytest.mark.parametrize("method", ["transfer", "zmq-copy", "shm-pipe"])
+def test_checksum_mismatch_fails_loudly(tmp_path: Path, method: str) -> None:
+    if method == "transfer" and not _transfer_ok():
+        pytest.skip("transfer core not available")
+    args = ["--sizes", "64K", "--producers", "1", "--methods", method, "--inject-corruption", "3", *TINY]
+    proc, tag, _ = _run(args, tmp_path)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
+    assert "mismatch" in proc.stderr
+    _assert_nothing_left(tag)
+
+
+def test_bad_arguments_exit_2(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "transfer.cli.bench", "--methods", "carrier-pigeon"],
+                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "unknown method" in proc.stderr
+
+
+def test_size_parsing() -> None:
+    from transfer._bench.common import parse_size, parse_sizes
+
+    assert parse_size("4K") == 4096 and parse_size("64KiB") == 65536 and parse_size("1M") == 1 << 20
+    assert parse_sizes("4K..256M") == [4096 << (2 * i) for i in range(9)]
+    assert parse_sizes("4K,1M") == [4096, 1 << 20]
+    with pytest.raises(ValueError):
+        parse_size("3")

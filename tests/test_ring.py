@@ -1,0 +1,494 @@
+"""The shared-memory request ring (transfer/_ring.py, native/ring.h; docs/ring.md).
+
+Every test runs on both implementations (native C extension, pure-Python
+fallback) where the extension is built. The multi-process tests run this
+file as a script in spawned processes (see ``_worker`` at the bottom).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from transfer import _ring
+from transfer._ring import COMPLETION_DTYPE, REQUEST_DTYPE, Op, Ring, RingCorrupted, RingError
+
+IMPLS = [
+    pytest.param("native", marks=pytest.mark.skipif(_ring._native is None, reason="extension not built")),
+    "python",
+]
+HERE = Path(__file__).resolve()
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def pair(impl: str, shm_dir: Path):
+    srv = Ring.create(shm_dir / "r.ring", 8, 4, impl=impl)
+    cli = Ring.attach(shm_dir / "r.ring", impl=impl)
+    yield srv, cli
+    cli.close()
+    srv.close()
+
+
+# --- descriptors the stress tests can verify field by field ------------------------
+M = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        y = x * M
+    return y ^ (y >> np.uint64(29))
+
+
+def make_descs(start: int, n: int) -> np.ndarray:
+    i = np.arange(start, start + n, dtype=np.uint64)
+    d = np.zeros(n, REQUEST_DTYPE)
+    d["op"] = (i % np.uint64(5)).astype(np.uint16)
+    d["flags"] = (i >> np.uint64(3)).astype(np.uint16)
+    d["stream"] = (i * np.uint64(7)).astype(np.uint32)
+    d["id"] = i
+    d["dst"] = _mix(i)
+    d["src"] = _mix(i + np.uint64(1))
+    d["nbytes"] = i * np.uint64(3)
+    d["arg0"] = _mix(i + np.uint64(2))
+    d["arg1"] = ~i
+    d["arg2"] = d["dst"] ^ d["src"] ^ d["nbytes"] ^ d["arg0"]  # checksum of the rest
+    return d
+
+
+def check_descs(got: np.ndarray, start: int) -> None:
+    """got must be exactly descriptors start, start+1, ... (no loss, dup, reorder, tear)."""
+    want = make_descs(start, len(got))
+    bad = np.flatnonzero((got.view(np.uint64).reshape(-1, 8) != want.view(np.uint64).reshape(-1, 8)).any(axis=1))
+    assert bad.size == 0, f"descriptor {start + int(bad[0])} wrong: got {got[bad[0]]}, want {want[bad[0]]}"
+
+
+# --- unit tests ----------------------------------------------------------------------
+
+
+def test_layouts() -> None:
+    assert REQUEST_DTYPE.itemsize == 64 and COMPLETION_DTYPE.itemsize == 32
+    # naturally aligned, no overlap, fully covered
+    for dt in (REQUEST_DTYPE, COMPLETION_DTYPE):
+        spans = sorted((off, off + f.itemsize) for f, off in (dt.fields[n][:2] for n in dt.names))
+        assert all(a % (b - a) == 0 for a, b in spans)
+        assert spans[0][0] == 0 and spans[-1][1] == dt.itemsize
+        assert all(spans[k][1] == spans[k + 1][0] for k in range(len(spans) - 1))
+    # indices and futex words each on their own line
+    offs = [_ring.OFF_SQ_TAIL, _ring.OFF_SQ_HEAD, _ring.OFF_SQ_DATA_W, _ring.OFF_SQ_SPACE_W,
+            _ring.OFF_CQ_TAIL, _ring.OFF_CQ_HEAD, _ring.OFF_CQ_DATA_W, _ring.OFF_CQ_SPACE_W]
+    assert len({o // 128 for o in offs}) == len(offs) and min(offs) >= 128
+    assert max(offs) + 128 <= _ring.HEADER_SIZE
+
+
+def test_push_pop_both_directions(pair) -> None:
+    srv, cli = pair
+    assert cli.push((Op.COPY, 7, 0x10000000000, 0x20000000000, 4096))
+    assert srv.available() == 1
+    assert srv.pop() == (1, 7, 0x10000000000, 0x20000000000, 4096, 0, 0, 0, 0, 0)
+    assert srv.pop() is None
+    full = (2, 2**64 - 1, 1, 2, 3, 2**32 - 1, 2**16 - 1, 4, 5, 6)
+    assert cli.push(full) and srv.pop() == full
+    assert srv.push((7, -5, 2**64 - 1)) and srv.push((8, 0, 1, 2, 3))
+    assert cli.pop() == (7, -5, 2**64 - 1, 0, 0)
+    got = cli.pop_many()
+    assert got.dtype == COMPLETION_DTYPE and got.tolist() == [(8, 0, 1, 2, 3)]
+    assert cli.pop_many().size == 0
+
+
+def test_full_partial_and_wraparound(pair) -> None:
+    srv, cli = pair
+    rng = np.random.default_rng(1)
+    sent = recv = 0
+    for _ in range(300):  # many laps of an 8-slot ring, odd batch sizes
+        k = int(rng.integers(1, 12))
+        n = cli.push_many(make_descs(sent, k))
+        assert n == min(k, 8 - (sent - recv)) and cli.free() == 8 - (sent + n - recv)
+        sent += n
+        got = srv.pop_many(int(rng.integers(1, 10)))
+        check_descs(got, recv)
+        recv += len(got)
+    check_descs(srv.pop_many(), recv)
+    assert not cli.push_many(make_descs(0, 0))
+
+
+def test_full_push_returns_false_and_times_out(pair) -> None:
+    srv, cli = pair
+    assert cli.push_many(make_descs(0, 8)) == 8
+    assert cli.push((1,)) is False
+    t = time.monotonic()
+    assert cli.push((1,), timeout=0.2) is False
+    assert cli.push_many(make_descs(8, 3), timeout=0.2) == 0
+    assert 0.35 <= time.monotonic() - t < 2.0
+    check_descs(srv.pop_many(3), 0)
+    assert cli.push_many(make_descs(8, 3), timeout=0.2) == 3
+
+
+def test_pop_many_is_a_private_copy(pair) -> None:
+    srv, cli = pair
+    cli.push_many(make_descs(0, 8))
+    got = srv.pop_many(8)
+    cli.push_many(make_descs(100, 8))  # overwrites every slot
+    check_descs(got, 0)
+
+
+def test_bad_input_rejected(pair) -> None:
+    srv, cli = pair
+    with pytest.raises(TypeError):
+        cli.push_many(np.zeros(3, COMPLETION_DTYPE))
+    with pytest.raises(TypeError):
+        cli.push([1, 2])  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        cli.push(tuple(range(11)))
+    with pytest.raises(OverflowError):
+        cli.push((2**16,))
+    with pytest.raises(OverflowError):
+        srv.push((1, 2**31))
+    with pytest.raises((OverflowError, ValueError)):
+        cli.push((-1,))
+    with pytest.raises(TypeError):  # wrong direction: a client never produces completions
+        cli.inbox.push((1,))
+    with pytest.raises(TypeError):
+        srv.inbox.push((1,))
+    assert srv.available() == 0 and cli.available() == 0
+
+
+def test_create_and_attach_validation(impl: str, shm_dir: Path) -> None:
+    for cap in (0, 1, 3, 1000, 2**25):
+        with pytest.raises(ValueError):
+            Ring.create(shm_dir / f"c{cap}", cap, impl=impl)
+    p = shm_dir / "r"
+    with Ring.create(p, 16, impl=impl):
+        assert p.stat().st_mode & 0o777 == 0o600
+        with pytest.raises(FileExistsError):
+            Ring.create(p, 16, impl=impl)
+    bad = shm_dir / "bad"
+    bad.write_bytes(b"x" * 8192)
+    bad.chmod(0o600)
+    with pytest.raises(RingCorrupted, match="magic"):
+        Ring.attach(bad, impl=impl)
+    bad.write_bytes(b"x" * 100)
+    with pytest.raises(RingCorrupted):
+        Ring.attach(bad, impl=impl)
+    # a truncated ring: geometry no longer matches the file size
+    r = Ring.create(shm_dir / "t", 64, impl=impl)
+    os.truncate(shm_dir / "t", r.nbytes - 4096)
+    with pytest.raises(RingCorrupted, match="geometry"):
+        Ring.attach(shm_dir / "t", impl=impl)
+    r.close()
+    (shm_dir / "loose").write_bytes(b"")
+    (shm_dir / "loose").chmod(0o644)
+    with pytest.raises(RingError, match="private"):
+        Ring.attach(shm_dir / "loose", impl=impl)
+
+
+def test_memfd_and_fd_attach(impl: str) -> None:
+    with Ring.create(None, 32, impl=impl) as srv:
+        assert srv.fd >= 0 and srv.path is None
+        with Ring.attach(srv.fd, impl=impl) as cli:
+            assert cli.peer_pid == os.getpid() and srv.peer_pid == os.getpid()
+            cli.push((1, 42))
+            assert srv.pop()[1] == 42
+    assert srv.fd == -1
+
+
+def test_corrupt_indices_detected(pair) -> None:
+    srv, cli = pair
+    cli.push_many(make_descs(0, 3))
+    words = np.frombuffer(srv._mm, np.uint64, count=_ring.HEADER_SIZE // 8)
+    words[_ring.OFF_SQ_TAIL // 8] = 3 + 9  # the "client" claims more than a capacity
+    with pytest.raises(RingCorrupted):
+        srv.pop_many()
+    with pytest.raises(RingCorrupted):
+        srv.pop()
+    words[_ring.OFF_SQ_TAIL // 8] = 3
+    check_descs(srv.pop_many(), 0)
+    words[_ring.OFF_CQ_HEAD // 8] = 2**63  # the "client" lies about consumed completions
+    with pytest.raises(RingCorrupted):
+        srv.push_many(np.zeros(5, COMPLETION_DTYPE))
+    del words
+
+
+def test_interop_native_and_python(shm_dir: Path) -> None:
+    if _ring._native is None:
+        pytest.skip("extension not built")
+    for a, b in (("native", "python"), ("python", "native")):
+        p = shm_dir / f"{a}-{b}"
+        with Ring.create(p, 16, impl=a) as srv, Ring.attach(p, impl=b) as cli:
+            sent = recv = 0
+            for k in (5, 16, 3, 9, 16, 1):
+                sent += cli.push_many(make_descs(sent, k))
+                got = srv.pop_many()
+                check_descs(got, recv)
+                recv += len(got)
+                srv.push_many(np.array([(recv, 0, recv, 0, 0)], COMPLETION_DTYPE))
+                assert cli.pop()[0] == recv
+            woke = []
+            th = threading.Thread(target=lambda: woke.append(srv.wait(timeout=5.0)))
+            th.start()
+            time.sleep(0.1)
+            t = time.monotonic()
+            cli.push((1, 99))
+            th.join()
+            assert woke == [1] and time.monotonic() - t < 1.0
+
+
+def test_wait_timeout_and_wakeups(pair) -> None:
+    srv, cli = pair
+    t = time.monotonic()
+    assert srv.wait(timeout=0.15) == 0
+    assert 0.14 <= time.monotonic() - t < 1.0
+    assert cli.notify() is False  # nobody sleeps
+
+    def later(fn, delay=0.1):
+        th = threading.Thread(target=lambda: (time.sleep(delay), fn()))
+        th.start()
+        return th
+
+    th = later(lambda: cli.push((1, 5)))
+    t = time.monotonic()
+    assert srv.wait(timeout=5.0) == 1  # woken by the push, well before the timeout
+    assert time.monotonic() - t < 1.0
+    th.join()
+    assert srv.pop()[1] == 5
+    # wait(need=k) waits for k
+    th = later(lambda: [cli.push((1, i)) or time.sleep(0.01) for i in range(4)])
+    assert srv.wait(timeout=5.0, need=4) >= 4
+    th.join()
+    srv.pop_many()
+    # producer waits for space
+    cli.push_many(make_descs(0, 8))
+    th = later(lambda: srv.pop_many(3))
+    t = time.monotonic()
+    assert cli.wait_space(need=3, timeout=5.0) == 3
+    assert time.monotonic() - t < 1.0
+    th.join()
+
+
+def test_peer_close_wakes_and_local_close_interrupts(pair) -> None:
+    srv, cli = pair
+    out = []
+    th = threading.Thread(target=lambda: out.append(srv.wait(timeout=30.0)))
+    th.start()
+    time.sleep(0.1)
+    t = time.monotonic()
+    cli.close()
+    th.join(5)
+    assert out == [0] and time.monotonic() - t < 1.0 and srv.peer_closed and not srv.peer_alive()
+    # a wait() in another thread, interrupted by close() of its own endpoint
+    r = Ring.create(None, 8, impl=srv.implementation)
+    out2 = []
+    th = threading.Thread(target=lambda: out2.append(r.wait(timeout=None)))
+    th.start()
+    time.sleep(0.1)
+    t = time.monotonic()
+    r.close()
+    th.join(5)
+    assert out2 == [0] and time.monotonic() - t < 1.0
+    with pytest.raises(ValueError):
+        r.pop()
+
+
+def test_env_forces_python_and_missing_extension() -> None:
+    env = dict(os.environ, TRANSFER_RING="python")
+    code = "from transfer import _ring; print(_ring.IMPLEMENTATION, _ring.Ring.create(None, 8).implementation)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["python", "python"]
+    # the .so missing: import still works and falls back (sys.modules None blocks the import)
+    hide = "import sys; sys.modules['transfer._ring_native'] = None\n"
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFER_RING"}
+    out = subprocess.run([sys.executable, "-c", hide + "import transfer\n" + code], env=env,
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["python", "python"]
+    env["TRANSFER_RING"] = "native"
+    bad = subprocess.run([sys.executable, "-c", hide + code], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "ImportError" in bad.stderr
+
+
+# --- multi-process tests ---------------------------------------------------------------
+
+STRESS_N = {"native": 2_000_000, "python": 200_000}
+
+
+def _spawn(impl: str, *args: object) -> subprocess.Popen:
+    env = dict(os.environ, TRANSFER_RING=impl)
+    return subprocess.Popen([sys.executable, str(HERE), *map(str, args)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _consume(srv: Ring, recv: int, until: int | None, timeout: float) -> int:
+    """Pop, verify and acknowledge (one completion per batch) until `until` or a quiet `timeout`."""
+    while until is None or recv < until:
+        if srv.wait(timeout=timeout) == 0:
+            break
+        got = srv.pop_many(4096)
+        check_descs(got, recv)
+        recv += len(got)
+        srv.push((recv - 1, 0, recv))  # may be dropped if the client is not reading: fine
+    return recv
+
+
+def test_two_process_stress(impl: str, shm_dir: Path) -> None:
+    n = STRESS_N[impl]
+    p = shm_dir / "stress"
+    with Ring.create(p, 1024, 1024, impl=impl) as srv:
+        child = _spawn(impl, "producer", p, n)
+        try:
+            t = time.monotonic()
+            recv = _consume(srv, 0, n, timeout=20.0)
+            dt = time.monotonic() - t
+            out, err = child.communicate(timeout=30)
+        finally:
+            child.kill()
+        assert child.returncode == 0, err
+        assert recv == n and srv.pop() is None
+        assert json.loads(out)["sent"] == n
+        print(f"{impl}: {n} descriptors in {dt:.2f} s = {n / dt / 1e6:.2f} M/s")
+
+
+def test_producer_killed_mid_stream(impl: str, shm_dir: Path) -> None:
+    p = shm_dir / "pk"
+    with Ring.create(p, 1024, impl=impl) as srv:
+        child = _spawn(impl, "producer", p, 0)  # 0: push forever
+        try:
+            recv = _consume(srv, 0, STRESS_N[impl] // 10, timeout=20.0)
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait(10)
+            # drain what it published before dying: a consistent prefix, nothing torn
+            recv = _consume(srv, recv, None, timeout=0.3)
+        finally:
+            child.kill()
+            child.wait()
+        assert recv >= STRESS_N[impl] // 10
+        assert srv.pop() is None and not srv.peer_closed and not srv.peer_alive()
+        t = time.monotonic()
+        assert srv.wait(timeout=0.2) == 0
+    assert time.monotonic() - t < 2.0  # teardown does not wait for the dead peer
+
+
+def test_consumer_killed(impl: str, shm_dir: Path) -> None:
+    p = shm_dir / "ck"
+    with Ring.create(p, 1024, role="client", impl=impl) as cli:
+        child = _spawn(impl, "consumer", p)
+        try:
+            sent = 0
+            while sent < 50_000:
+                sent += cli.push_many(make_descs(sent, 500), timeout=10.0)
+                cli.pop_many()
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait(10)
+            t = time.monotonic()
+            while True:  # fills the ring, then a push times out instead of hanging
+                k = cli.push_many(make_descs(sent, 500), timeout=0.3)
+                sent += k
+                if k < 500:
+                    break
+                assert time.monotonic() - t < 10
+            assert cli.free() == 0 and cli.push((1,), timeout=0.1) is False
+            assert not cli.peer_alive()
+        finally:
+            child.kill()
+            child.wait()
+        t = time.monotonic()
+    assert time.monotonic() - t < 2.0
+
+
+def test_idle_consumer_uses_no_cpu(impl: str, shm_dir: Path) -> None:
+    p = shm_dir / "idle"
+    with Ring.create(p, 64, role="client", impl=impl) as cli:
+        child = _spawn(impl, "idle", p, 1.0)
+        out, err = child.communicate(timeout=30)
+        assert child.returncode == 0, err
+        r = json.loads(out)
+        assert r["got"] == 0 and 0.95 <= r["wall"] < 3.0
+        assert r["cpu"] < 0.05, r
+        # and a sleeping consumer still wakes for a push
+        child = _spawn(impl, "idle", p, 10.0)
+        try:
+            time.sleep(0.5)
+            cli.push((1, 1))
+            out, err = child.communicate(timeout=30)
+        finally:
+            child.kill()
+        r = json.loads(out)
+        assert r["got"] == 1 and r["wall"] < 2.0, r
+
+
+# --- worker processes (this file run as a script) ----------------------------------------
+
+
+def _producer(path: str, n: int) -> None:
+    """Push descriptors 0..n-1 (forever if n == 0) in odd batches, some one by one."""
+    rng = np.random.default_rng(os.getpid())
+    with Ring.attach(path) as cli:
+        sent = base = 0
+        chunk = make_descs(0, 1 << 16)
+        while n == 0 or sent < n:
+            if sent + 1000 > base + (1 << 16):
+                base = sent
+                chunk = make_descs(base, 1 << 16)
+            k = int(rng.integers(1, 1000))
+            if n:
+                k = min(k, n - sent)
+            if k < 8 or rng.random() < 0.05:  # exercise push() of single tuples too
+                k = min(k, 16)
+                for d in chunk[sent - base : sent - base + k].tolist():
+                    if not cli.push(d, timeout=10.0):
+                        raise SystemExit("push timed out")
+                sent += k
+            else:
+                got = cli.push_many(chunk[sent - base : sent - base + k], timeout=10.0)
+                if got < k:
+                    raise SystemExit("push_many timed out")
+                sent += got
+            cli.pop_many()  # drain acknowledgements
+        print(json.dumps({"sent": sent}), flush=True)
+
+
+def _consumer(path: str) -> None:
+    with Ring.attach(path, role="server") as srv:
+        recv = 0
+        while True:
+            if srv.wait(timeout=10.0):
+                got = srv.pop_many()
+                check_descs(got, recv)
+                recv += len(got)
+                srv.push((recv - 1, 0, recv))
+
+
+def _idle(path: str, seconds: float) -> None:
+    import resource
+
+    with Ring.attach(path, role="server") as srv:
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        t = time.monotonic()
+        got = srv.wait(timeout=seconds)
+        wall = time.monotonic() - t
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    print(json.dumps({"got": got, "wall": wall, "cpu": cpu}), flush=True)
+
+
+if __name__ == "__main__":
+    mode, *args = sys.argv[1:]
+    if mode == "producer":
+        _producer(args[0], int(args[1]))
+    elif mode == "consumer":
+        _consumer(args[0])
+    elif mode == "idle":
+        _idle(args[0], float(args[1]))
+    else:
+        raise SystemExit(f"unknown mode {mode}")

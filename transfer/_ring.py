@@ -1,0 +1,827 @@
+"""Shared-memory request ring for same-host clients (issue 8; docs/ring.md).
+
+One session = one shared mapping holding two single-producer/single-consumer
+queues of fixed-size slots:
+
+* the **request queue** (client -> server): 64-byte descriptors,
+  :data:`REQUEST_DTYPE`;
+* the **completion queue** (server -> client): 32-byte completions,
+  :data:`COMPLETION_DTYPE`.
+
+Each endpoint (``role="server"`` or ``role="client"``) has an *outbox* it
+produces into and an *inbox* it consumes, so the API is symmetric::
+
+    srv = Ring.create("/dev/shm/x.ring", capacity=1024)        # role="server"
+    cli = Ring.attach("/dev/shm/x.ring")                       # role="client"
+    cli.push((Op.COPY, 7, dst_va, src_va, 4096))               # request
+    srv.wait(timeout=1.0); reqs = srv.pop_many()               # structured array
+    srv.push_many(completions)                                 # completion(s)
+    cli.wait(timeout=1.0); done = cli.pop_many()
+
+Two implementations with one API and one shared layout (they interoperate):
+``native`` (``transfer._ring_native``, C11 atomics + futex, built by
+setup.py when a compiler is present) and ``python`` (NumPy/struct views, a
+ctypes futex; relies on x86-64 TSO, see docs/ring.md). The native one is
+chosen when it imports; ``TRANSFER_RING=python`` forces the fallback,
+``TRANSFER_RING=native`` makes a missing extension an ImportError.
+
+This module is standalone: nothing in the daemon uses it yet.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import platform
+import stat
+import struct
+import sys
+import threading
+import time
+import warnings
+from enum import IntEnum
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+__all__ = [
+    "Ring",
+    "RingError",
+    "RingCorrupted",
+    "Op",
+    "REQUEST_DTYPE",
+    "COMPLETION_DTYPE",
+    "IMPLEMENTATION",
+    "available_implementations",
+    "LAYOUT_VERSION",
+]
+
+
+class RingError(RuntimeError):
+    """A ring could not be created, attached or used."""
+
+
+class RingCorrupted(RingError):
+    """The peer wrote impossible indices or header fields: stop trusting this ring."""
+
+
+class Op(IntEnum):
+    """Request opcodes (provisional: the daemon integration owns their meaning)."""
+
+    NOP = 0
+    COPY = 1
+    FILL = 2
+    CHECKSUM = 3
+    FENCE = 4
+    COMPUTE = 5
+
+
+# --- descriptor layouts -------------------------------------------------------
+# Field order is the tuple order push()/pop() use; offsets are the byte layout.
+# Little-endian, naturally aligned, no holes.
+REQUEST_DTYPE = np.dtype(
+    {
+        "names": ["op", "id", "dst", "src", "nbytes", "stream", "flags", "arg0", "arg1", "arg2"],
+        "formats": ["<u2", "<u8", "<u8", "<u8", "<u8", "<u4", "<u2", "<u8", "<u8", "<u8"],
+        "offsets": [0, 8, 16, 24, 32, 4, 2, 40, 48, 56],
+        "itemsize": 64,
+    }
+)
+COMPLETION_DTYPE = np.dtype(
+    {
+        "names": ["id", "status", "result", "flags", "aux"],
+        "formats": ["<u8", "<i4", "<u8", "<u4", "<u8"],
+        "offsets": [0, 8, 16, 12, 24],
+        "itemsize": 32,
+    }
+)
+
+
+def _fields(dt: np.dtype) -> tuple[tuple[int, int, bool], ...]:
+    out = []
+    for name in dt.names:
+        fdt, off = dt.fields[name][:2]
+        out.append((off, fdt.itemsize, fdt.kind == "i"))
+    return tuple(out)
+
+
+# --- shared layout -------------------------------------------------------------
+LAYOUT_VERSION = 1
+MAGIC = int.from_bytes(b"TRNSRING", "little")
+HEADER_SIZE = 4096
+LINE = 128  # >= the cache line (64 on x86-64; 128 covers adjacent-line prefetch and 128-byte lines)
+# header line 0: geometry (written once by the creator) and the closed flags
+_H = struct.Struct("<QIIIIIIQQQII")  # magic ver hdr sq_cap cq_cap sq_slot cq_slot sq_off cq_off total spid cpid
+OFF_SERVER_CLOSED = 64
+OFF_CLIENT_CLOSED = 68
+# one cache line each: who writes it in parentheses
+OFF_SQ_TAIL = 1 * LINE  # (client)  u64
+OFF_SQ_HEAD = 2 * LINE  # (server)  u64
+OFF_SQ_DATA_W = 3 * LINE  # server sleeps on "no requests"   u32 futex
+OFF_SQ_SPACE_W = 4 * LINE  # client sleeps on "request queue full"  u32 futex
+OFF_CQ_TAIL = 5 * LINE  # (server)
+OFF_CQ_HEAD = 6 * LINE  # (client)
+OFF_CQ_DATA_W = 7 * LINE  # client sleeps on "no completions"
+OFF_CQ_SPACE_W = 8 * LINE  # server sleeps on "completion queue full"
+MAX_CAPACITY = 1 << 24
+PAGE = mmap.PAGESIZE
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def _geometry(sq_cap: int, cq_cap: int) -> tuple[int, int, int]:
+    sq_off = HEADER_SIZE
+    cq_off = _round_up(sq_off + sq_cap * REQUEST_DTYPE.itemsize, PAGE)
+    total = _round_up(cq_off + cq_cap * COMPLETION_DTYPE.itemsize, PAGE)
+    return sq_off, cq_off, total
+
+
+def _check_capacity(n: int, what: str) -> int:
+    n = int(n)
+    if n < 2 or n > MAX_CAPACITY or n & (n - 1):
+        raise ValueError(f"{what} must be a power of two in 2..{MAX_CAPACITY}, got {n}")
+    return n
+
+
+# --- implementation selection ----------------------------------------------------
+try:
+    from . import _ring_native as _native  # type: ignore[attr-defined]
+
+    _native._set_corrupt_error(RingCorrupted)
+    _NATIVE_ERROR: BaseException | None = None
+except ImportError as exc:  # no compiler at install time, or the .so was removed
+    _native = None
+    _NATIVE_ERROR = exc
+
+
+def available_implementations() -> list[str]:
+    return (["native"] if _native is not None else []) + ["python"]
+
+
+def _choose(impl: str | None) -> str:
+    want = (impl or os.environ.get("TRANSFER_RING", "auto")).strip().lower() or "auto"
+    if want not in ("auto", "native", "python"):
+        raise ValueError(f"ring implementation must be auto, native or python, not {want!r}")
+    if want == "native" and _native is None:
+        raise ImportError(f"the native ring extension is not available: {_NATIVE_ERROR}")
+    if want == "auto":
+        want = "native" if _native is not None else "python"
+    return want
+
+
+IMPLEMENTATION = _choose(None)
+
+
+# --- pure-Python queue -------------------------------------------------------------
+# Memory-ordering assumption (docs/ring.md): x86-64 TSO. Stores become visible
+# in program order and loads are not reordered with older loads, so "copy the
+# slots, then store tail" publishes correctly, and "load tail, then read the
+# slots, then store head" consumes correctly, provided each step is a separate
+# C call (NumPy copy, memoryview store), which the compiler cannot reorder.
+# The one reordering TSO allows, a load passing an older store, would break
+# the doorbell's Dekker handshake; _fence() closes it with a locked
+# instruction (threading.Lock is a glibc semaphore/mutex: lock cmpxchg).
+# On a weakly ordered CPU (ARM64) none of this holds: use the extension.
+
+_FENCE_LOCK = threading.Lock()
+
+
+def _fence() -> None:
+    _FENCE_LOCK.acquire()
+    _FENCE_LOCK.release()
+
+
+_SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}.get(platform.machine().lower())
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+try:
+    _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") and _SYS_FUTEX else None
+    _syscall = _libc.syscall if _libc is not None else None
+except (OSError, AttributeError):  # pragma: no cover
+    _syscall = None
+
+SLICE_S = 0.05  # longest single futex sleep in both implementations (native: TRQ_SLICE_NS)
+
+
+def _futex_wait(addr: int, expect: int, timeout: float) -> None:
+    if _syscall is None:  # no futex: sleep-poll (bounded, but not free)
+        time.sleep(min(timeout, 0.001))
+        return
+    sec = int(timeout)
+    ts = _Timespec(sec, int((timeout - sec) * 1e9))
+    _syscall(
+        ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(addr), ctypes.c_int(_FUTEX_WAIT),
+        ctypes.c_uint(expect), ctypes.byref(ts), None, ctypes.c_int(0),
+    )
+
+
+def _futex_wake(addr: int) -> None:
+    if _syscall is not None:
+        _syscall(
+            ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(addr), ctypes.c_int(_FUTEX_WAKE),
+            ctypes.c_int(2**31 - 1), None, None, ctypes.c_int(0),
+        )
+
+
+class _PyQueue:
+    """Pure-Python twin of ``_ring_native.Queue`` (same constructor and methods)."""
+
+    def __init__(
+        self, buffer: Any, producer: bool, capacity: int, slot_size: int, slots: int,
+        tail: int, head: int, data_waiter: int, space_waiter: int, peer_closed: int,
+        fields: tuple[tuple[int, int, bool], ...],
+    ) -> None:
+        mv = memoryview(buffer)
+        if slots + capacity * slot_size > len(mv):
+            raise ValueError("queue geometry does not fit the buffer")
+        self._producer = bool(producer)
+        self._cap = capacity
+        self._mask = capacity - 1
+        self._ss = slot_size
+        self._tail = mv[tail : tail + 8].cast("Q")
+        self._head = mv[head : head + 8].cast("Q")
+        self._dw = mv[data_waiter : data_waiter + 4].cast("I")
+        self._sw = mv[space_waiter : space_waiter + 4].cast("I")
+        self._pc = mv[peer_closed : peer_closed + 4].cast("I")
+        self._buf = buffer
+        base = np.frombuffer(buffer, dtype=np.uint8, count=len(mv))
+        self._base_view = base
+        self._addr = int(base.ctypes.data)
+        self._dw_addr = self._addr + data_waiter
+        self._sw_addr = self._addr + space_waiter
+        self._slots = base[slots : slots + capacity * slot_size]
+        self._slots_off = slots
+        # struct format in offset order, plus the tuple-order permutation
+        order = sorted(range(len(fields)), key=lambda i: fields[i][0])
+        fmt, pos = "<", 0
+        for i in order:
+            off, size, sgn = fields[i]
+            if off > pos:
+                fmt += f"{off - pos}x"
+            fmt += {1: "b", 2: "h", 4: "i", 8: "q"}[size] if sgn else {1: "B", 2: "H", 4: "I", 8: "Q"}[size]
+            pos = off + size
+        if pos < slot_size:
+            fmt += f"{slot_size - pos}x"
+        self._struct = struct.Struct(fmt)
+        self._order = order
+        self._inverse = [order.index(i) for i in range(len(fields))]
+        self._nfields = len(fields)
+        self._identity = order == list(range(len(fields)))
+        self._interrupt = False
+        self._waiting = 0
+        self._closed = False
+        if self._producer:
+            self._mine, self._seen = self._tail[0], self._head[0]
+            bad = self._mine - self._seen
+        else:
+            self._mine, self._seen = self._head[0], self._tail[0]
+            bad = self._seen - self._mine
+        if bad % 2**64 > capacity:
+            self._release()
+            raise RingCorrupted("ring corrupted: indices are more than a capacity apart")
+
+    # -- helpers
+    def _check(self, producer: bool) -> None:
+        if self._closed:
+            raise ValueError("ring queue is closed")
+        if self._producer != producer:
+            raise TypeError(
+                "this endpoint consumes this queue; it cannot push" if producer
+                else "this endpoint produces into this queue; it cannot pop"
+            )
+
+    def _doorbell(self, word: memoryview, addr: int) -> bool:
+        _fence()  # P2: order the index store before the waiter-word load (Dekker)
+        if word[0]:
+            word[0] = 0
+            _futex_wake(addr)
+            return True
+        return False
+
+    def _corrupt(self) -> RingCorrupted:
+        return RingCorrupted(
+            "ring corrupted: the consumer's head index is impossible" if self._producer
+            else "ring corrupted: the producer's tail index is impossible"
+        )
+
+    # -- consumer
+    def available(self) -> int:
+        self._check(False)
+        return self._available()
+
+    def _available(self) -> int:
+        t = self._tail[0]
+        n = (t - self._mine) % 2**64
+        if n > self._cap:
+            raise self._corrupt()
+        self._seen = t
+        return n
+
+    def _pop_raw(self, max_: int, wake: bool) -> tuple[int, int, int]:
+        n = (self._seen - self._mine) % 2**64
+        if n < max_:
+            n = self._available()
+        n = min(n, max_)
+        return n, (self._mine & self._mask), n
+
+    def _advance_head(self, n: int, wake: bool) -> None:
+        self._mine = (self._mine + n) % 2**64
+        self._head[0] = self._mine  # after the slot reads (TSO: load->store order kept)
+        if wake:
+            self._doorbell(self._sw, self._sw_addr)
+
+    def pop(self, wake: bool = True) -> tuple | None:
+        self._check(False)
+        n, start, _ = self._pop_raw(1, wake)
+        if n == 0:
+            return None
+        vals = self._struct.unpack_from(self._buf, self._slots_off + start * self._ss)
+        self._advance_head(1, wake)
+        return vals if self._identity else tuple(vals[j] for j in self._inverse)
+
+    def pop_into(self, out: Any, max: int, wake: bool = True) -> int:  # noqa: A002
+        self._check(False)
+        dst = np.frombuffer(out, dtype=np.uint8)
+        if max * self._ss > dst.size:
+            raise ValueError("buffer shorter than max slots")
+        n, start, _ = self._pop_raw(max, wake)
+        if n == 0:
+            return 0
+        ss = self._ss
+        first = min(n, self._cap - start)
+        dst[: first * ss] = self._slots[start * ss : (start + first) * ss]
+        if n > first:
+            dst[first * ss : n * ss] = self._slots[: (n - first) * ss]
+        self._advance_head(n, wake)
+        return n
+
+    # -- producer
+    def free(self) -> int:
+        self._check(True)
+        return self._free()
+
+    def _free(self) -> int:
+        h = self._head[0]
+        used = (self._mine - h) % 2**64
+        if used > self._cap:
+            raise self._corrupt()
+        self._seen = h
+        return self._cap - used
+
+    def _reserve(self, n: int) -> int:
+        free = self._cap - (self._mine - self._seen) % 2**64
+        if free < n:
+            free = self._free()
+        return min(n, free)
+
+    def _publish(self, n: int, wake: bool) -> None:
+        self._mine = (self._mine + n) % 2**64
+        self._tail[0] = self._mine  # after the slot stores (TSO: store->store order kept)
+        if wake:
+            self._doorbell(self._dw, self._dw_addr)
+
+    def push(self, desc: tuple, wake: bool = True) -> bool:
+        self._check(True)
+        if not isinstance(desc, tuple):
+            raise TypeError("a descriptor is a tuple of integers")
+        k = len(desc)
+        if k < 1 or k > self._nfields:
+            raise ValueError(f"a descriptor has 1 to {self._nfields} fields, got {k}")
+        if k < self._nfields:
+            desc = desc + (0,) * (self._nfields - k)
+        if not self._identity:
+            desc = tuple(desc[i] for i in self._order)
+        if self._reserve(1) == 0:
+            return False
+        try:
+            self._struct.pack_into(self._buf, self._slots_off + (self._mine & self._mask) * self._ss, *desc)
+        except struct.error as exc:
+            raise OverflowError(f"descriptor field out of range: {exc}") from None
+        self._publish(1, wake)
+        return True
+
+    def push_buffer(self, data: Any, count: int, wake: bool = True) -> int:
+        self._check(True)
+        src = np.frombuffer(data, dtype=np.uint8)
+        if count * self._ss > src.size:
+            raise ValueError("buffer shorter than count slots")
+        n = self._reserve(count)
+        if n == 0:
+            return 0
+        ss, start = self._ss, self._mine & self._mask
+        first = min(n, self._cap - start)
+        self._slots[start * ss : (start + first) * ss] = src[: first * ss]
+        if n > first:
+            self._slots[: (n - first) * ss] = src[first * ss : n * ss]
+        self._publish(n, wake)
+        return n
+
+    # -- both
+    def wait(self, need: int = 1, timeout: float | None = None, spin: float = 50e-6) -> int:
+        if self._closed:
+            raise ValueError("ring queue is closed")
+        if need < 1 or need > self._cap:
+            raise ValueError("need must be in 1..capacity")
+        check = self._free if self._producer else self._available
+        word, addr = (self._sw, self._sw_addr) if self._producer else (self._dw, self._dw_addr)
+        a = check()
+        if a >= need:
+            return a
+        now = time.monotonic()
+        deadline = float("inf") if timeout is None else now + max(0.0, timeout)
+        spin_until = now + min(max(0.0, spin), max(0.0, deadline - now))
+        while True:  # spin (holding the GIL; keep spin short), yielding the CPU as the native side does
+            a = check()
+            if a >= need or self._pc[0] or self._interrupt:
+                return a
+            if time.monotonic() >= spin_until:
+                break
+            os.sched_yield()
+        self._waiting += 1
+        try:
+            while True:
+                word[0] = 1  # C1
+                _fence()  # C2
+                a = check()  # C3
+                if a >= need or self._pc[0] or self._interrupt:
+                    break
+                now = time.monotonic()
+                if now >= deadline:
+                    break
+                _futex_wait(addr, 1, min(SLICE_S, deadline - now))  # C4 (ctypes drops the GIL)
+            word[0] = 0
+            return a
+        finally:
+            self._waiting -= 1
+
+    def notify(self) -> bool:
+        if self._closed:
+            raise ValueError("ring queue is closed")
+        return self._doorbell(*((self._dw, self._dw_addr) if self._producer else (self._sw, self._sw_addr)))
+
+    def wake_peer(self) -> None:
+        if self._closed:
+            raise ValueError("ring queue is closed")
+        word, addr = (self._dw, self._dw_addr) if self._producer else (self._sw, self._sw_addr)
+        word[0] = 0
+        _fence()
+        _futex_wake(addr)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._interrupt = True
+        word, addr = (self._sw, self._sw_addr) if self._producer else (self._dw, self._dw_addr)
+        word[0] = 0
+        _fence()
+        _futex_wake(addr)
+        while self._waiting > 0:
+            time.sleep(0.0001)
+        self._release()
+
+    def _release(self) -> None:
+        self._closed = True
+        for name in ("_tail", "_head", "_dw", "_sw", "_pc"):
+            getattr(self, name).release()
+        self._slots = self._base_view = self._buf = None  # type: ignore[assignment]
+
+    @property
+    def index(self) -> int:
+        return self._mine
+
+    @property
+    def capacity(self) -> int:
+        return self._cap
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+
+# --- the endpoint ------------------------------------------------------------------
+
+
+class Ring:
+    """One endpoint of a session's request/completion ring pair.
+
+    ``role="server"`` consumes requests and produces completions;
+    ``role="client"`` the reverse. ``push``/``push_many``/``notify`` act on
+    the outbox, ``pop``/``pop_many``/``wait`` on the inbox. One thread per
+    endpoint (single producer, single consumer); ``close()`` may come from
+    another thread and interrupts a ``wait``.
+    """
+
+    REQUEST_DTYPE = REQUEST_DTYPE
+    COMPLETION_DTYPE = COMPLETION_DTYPE
+
+    def __init__(self, mm: mmap.mmap, fd: int, path: Path | None, role: str, impl: str,
+                 sq_cap: int, cq_cap: int) -> None:
+        if role not in ("server", "client"):
+            raise ValueError("role must be 'server' or 'client'")
+        self._mm = mm
+        self._fd = fd
+        self.path = path
+        self.role = role
+        self.implementation = impl
+        self.request_capacity = sq_cap
+        self.completion_capacity = cq_cap
+        sq_off, cq_off, total = _geometry(sq_cap, cq_cap)
+        self.nbytes = total
+        Q = _native.Queue if impl == "native" else _PyQueue
+        server = role == "server"
+        peer_closed = OFF_CLIENT_CLOSED if server else OFF_SERVER_CLOSED
+        sq = Q(mm, not server, sq_cap, REQUEST_DTYPE.itemsize, sq_off, OFF_SQ_TAIL, OFF_SQ_HEAD,
+               OFF_SQ_DATA_W, OFF_SQ_SPACE_W, peer_closed, _fields(REQUEST_DTYPE))
+        try:
+            cq = Q(mm, server, cq_cap, COMPLETION_DTYPE.itemsize, cq_off, OFF_CQ_TAIL, OFF_CQ_HEAD,
+                   OFF_CQ_DATA_W, OFF_CQ_SPACE_W, peer_closed, _fields(COMPLETION_DTYPE))
+        except BaseException:
+            sq.close()
+            raise
+        self.outbox, self.inbox = (cq, sq) if server else (sq, cq)
+        self.out_dtype = COMPLETION_DTYPE if server else REQUEST_DTYPE
+        self.in_dtype = REQUEST_DTYPE if server else COMPLETION_DTYPE
+        self._words = memoryview(mm)[:HEADER_SIZE].cast("I")  # header u32 view (closed flags, pids)
+        self._my_closed = (OFF_SERVER_CLOSED if server else OFF_CLIENT_CLOSED) // 4
+        self._peer_closed = peer_closed // 4
+        self._closed = False
+        self.spin = 50e-6
+
+    # -- construction
+    @classmethod
+    def create(cls, target: str | os.PathLike | int | None = None, capacity: int = 1024,
+               completion_capacity: int | None = None, *, role: str = "server",
+               impl: str | None = None) -> "Ring":
+        """Create a new ring. ``target``: a path (created O_EXCL, mode 0600), an
+        fd (e.g. a memfd; resized here), or None for a fresh memfd (``ring.fd``)."""
+        impl = _choose(impl)
+        sq_cap = _check_capacity(capacity, "capacity")
+        cq_cap = _check_capacity(completion_capacity or capacity, "completion_capacity")
+        sq_off, cq_off, total = _geometry(sq_cap, cq_cap)
+        path: Path | None = None
+        own_fd = True
+        if target is None:
+            fd = os.memfd_create("transfer-ring", os.MFD_CLOEXEC)
+        elif isinstance(target, int):
+            fd, own_fd = target, False
+        else:
+            path = Path(target)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, total)
+            try:
+                os.posix_fallocate(fd, 0, total)  # ENOSPC now, not SIGBUS on first touch
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+                    raise RingError(f"no shared memory for a {total}-byte ring: {exc}") from None
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+            mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            if own_fd:
+                os.close(fd)
+            if path is not None:
+                _unlink(path)
+            raise
+        mv = memoryview(mm)
+        mv[:HEADER_SIZE] = bytes(HEADER_SIZE)
+        pid = os.getpid()
+        # geometry first, magic last: an attacher that sees the magic sees a whole header
+        _H.pack_into(mm, 0, 0, LAYOUT_VERSION, HEADER_SIZE, sq_cap, cq_cap, REQUEST_DTYPE.itemsize,
+                     COMPLETION_DTYPE.itemsize, sq_off, cq_off, total,
+                     pid if role == "server" else 0, pid if role == "client" else 0)
+        mv[0:8].cast("Q")[0] = MAGIC
+        mv.release()
+        if not own_fd:
+            fd = -1
+        try:
+            return cls(mm, fd, path, role, impl, sq_cap, cq_cap)
+        except BaseException:
+            mm.close()
+            if fd >= 0:
+                os.close(fd)
+            raise
+
+    @classmethod
+    def attach(cls, target: str | os.PathLike | int, *, role: str = "client",
+               impl: str | None = None) -> "Ring":
+        """Map an existing ring (a path, or an fd received with socket.recv_fds),
+        validating its header against the layout this code expects."""
+        impl = _choose(impl)
+        path: Path | None = None
+        if isinstance(target, int):
+            fd = os.dup(target)
+        else:
+            path = Path(target)
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise RingError(f"{target!r} is not a regular file")
+            if path is not None and (st.st_uid != os.geteuid() or st.st_mode & 0o077):
+                raise RingError(f"{path} is not a private file of this user")
+            if st.st_size < HEADER_SIZE:
+                raise RingCorrupted(f"{target!r} is too small for a ring ({st.st_size} bytes)")
+            hdr = os.pread(fd, _H.size, 0)
+            (magic, ver, hsize, sq_cap, cq_cap, sq_slot, cq_slot, sq_off, cq_off, total, _, _) = _H.unpack(hdr)
+            if magic != MAGIC:
+                raise RingCorrupted(f"{target!r} is not a transfer ring (bad magic)")
+            if ver != LAYOUT_VERSION or hsize != HEADER_SIZE:
+                raise RingCorrupted(f"ring layout version {ver} (header {hsize}), expected {LAYOUT_VERSION}")
+            for n in (sq_cap, cq_cap):
+                if n < 2 or n > MAX_CAPACITY or n & (n - 1):
+                    raise RingCorrupted(f"ring capacity {n} is not a power of two in range")
+            if (sq_slot, cq_slot) != (REQUEST_DTYPE.itemsize, COMPLETION_DTYPE.itemsize):
+                raise RingCorrupted(f"ring slot sizes {sq_slot}/{cq_slot} do not match this code")
+            if (sq_off, cq_off, total) != _geometry(sq_cap, cq_cap) or st.st_size != total:
+                raise RingCorrupted(f"ring geometry does not match its size ({st.st_size} bytes)")
+            mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+        try:
+            ring = cls(mm, -1, path, role, impl, sq_cap, cq_cap)
+        except BaseException:
+            mm.close()
+            raise
+        ring._words[(56 if role == "server" else 60) // 4] = os.getpid()
+        return ring
+
+    # -- outbox (producer side)
+    def push(self, desc: tuple, *, wake: bool = True, timeout: float = 0.0) -> bool:
+        """Publish one descriptor tuple (fields in dtype order; missing trailing
+        fields are 0). False if the outbox stayed full for ``timeout`` seconds."""
+        if self.outbox.push(desc, wake):
+            return True
+        if timeout > 0 and self.outbox.wait(1, timeout, self.spin) >= 1:
+            return self.outbox.push(desc, wake)
+        return False
+
+    def push_many(self, descs: np.ndarray, *, wake: bool = True, timeout: float = 0.0) -> int:
+        """Publish as many of ``descs`` (a structured array of ``out_dtype``) as
+        fit, with one release store (per wrap-free chunk) and at most one wake.
+        With ``timeout`` > 0, keep waiting for space until all are in or the
+        time is up. Returns how many were published (a prefix of ``descs``)."""
+        if not isinstance(descs, np.ndarray) or descs.dtype != self.out_dtype:
+            raise TypeError(f"push_many takes a structured array of dtype {self.out_dtype}")
+        descs = np.ascontiguousarray(descs).reshape(-1)
+        raw = descs.view(np.uint8)
+        total = len(descs)
+        done = self.outbox.push_buffer(raw, total, wake)
+        if done == total or timeout <= 0:
+            return done
+        deadline = time.monotonic() + timeout
+        ss = self.out_dtype.itemsize
+        while done < total:
+            left = deadline - time.monotonic()
+            if left <= 0 or self.outbox.wait(1, left, self.spin) < 1:
+                break
+            done += self.outbox.push_buffer(raw[done * ss :], total - done, wake)
+        return done
+
+    def free(self) -> int:
+        """Slots the outbox can take now."""
+        return self.outbox.free()
+
+    def wait_space(self, need: int = 1, timeout: float | None = None, spin: float | None = None) -> int:
+        """Wait until ``need`` outbox slots are free (or the peer closes / timeout)."""
+        return self.outbox.wait(need, timeout, self.spin if spin is None else spin)
+
+    def notify(self) -> bool:
+        """Ring the peer's doorbell for what was pushed with ``wake=False``."""
+        return self.outbox.notify()
+
+    # -- inbox (consumer side)
+    def pop(self, *, wake: bool = True) -> tuple | None:
+        """One descriptor as a tuple, or None if the inbox is empty."""
+        return self.inbox.pop(wake)
+
+    def pop_many(self, max: int | None = None, *, wake: bool = True) -> np.ndarray:  # noqa: A002
+        """Up to ``max`` (default: all available) descriptors, copied out of
+        shared memory into a private structured array (so validating it cannot
+        race with the peer), released with one store of the head index."""
+        avail = self.inbox.available()
+        n = avail if max is None else min(int(max), avail)
+        out = np.empty(n, dtype=self.in_dtype)
+        if n == 0:
+            return out
+        got = self.inbox.pop_into(out.view(np.uint8), n, wake)
+        return out[:got]
+
+    def available(self) -> int:
+        """Descriptors waiting in the inbox."""
+        return self.inbox.available()
+
+    def wait(self, timeout: float | None = None, spin: float | None = None, need: int = 1) -> int:
+        """Spin for ``spin`` seconds (default ``self.spin``, 50 µs), then sleep on
+        the futex until the inbox holds ``need`` descriptors, the peer closes,
+        ``close()`` is called from another thread, or ``timeout`` passes.
+        Returns the number available (less than ``need`` on timeout/close)."""
+        return self.inbox.wait(need, timeout, self.spin if spin is None else spin)
+
+    # -- lifetime
+    @property
+    def peer_closed(self) -> bool:
+        return bool(self._words[self._peer_closed]) if not self._closed else True
+
+    @property
+    def peer_pid(self) -> int:
+        return int(self._words[(60 if self.role == "server" else 56) // 4])
+
+    def peer_alive(self) -> bool:
+        """Peer has not closed, and its recorded pid exists (a hint: pids are
+        reused and are meaningless across pid namespaces; the daemon should
+        prefer its pidfd)."""
+        if self.peer_closed:
+            return False
+        pid = self.peer_pid
+        if pid <= 0:
+            return True  # not attached yet
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    @property
+    def fd(self) -> int:
+        """The memfd a ``create(None, ...)`` made (to pass with socket.send_fds); -1 otherwise."""
+        return self._fd
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def unlink(self) -> None:
+        if self.path is not None:
+            _unlink(self.path)
+
+    def close(self) -> None:
+        """Mark this endpoint closed, wake the peer's sleepers, interrupt a local
+        wait(), unmap. Never blocks on the peer (it may be dead)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._words[self._my_closed] = 1
+        _fence()
+        for q in (self.outbox, self.inbox):
+            try:
+                q.wake_peer()
+            except ValueError:
+                pass
+        self.outbox.close()
+        self.inbox.close()
+        self._words.release()
+        try:
+            self._mm.close()
+        except BufferError:  # pragma: no cover - a caller kept a view; unmapped when it dies
+            pass
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "Ring":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            if not self._closed:
+                self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return (f"<Ring {self.role} {self.implementation} requests={self.request_capacity} "
+                f"completions={self.completion_capacity} {'closed' if self._closed else 'open'}>")
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+if IMPLEMENTATION == "python" and platform.machine().lower() not in ("x86_64", "amd64"):
+    warnings.warn(
+        "transfer ring: using the pure-Python fallback on a non-x86-64 CPU; its memory-ordering "
+        "argument assumes x86 TSO (docs/ring.md). Build the native extension.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
