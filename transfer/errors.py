@@ -36,6 +36,7 @@ __all__ = [
     "ConnectionLost",
     "DaemonUnavailable",
     "RequestTimeout",
+    "SlotError",
     "BackendError",
     "NixlUnavailable",
     "NixlError",
@@ -213,6 +214,12 @@ class RequestTimeout(ConnectionLost):
     """No completion arrived in time."""
 
     code = 502
+
+
+class SlotError(TransferError):
+    """A batch slot was used in a state that forbids it (in flight, released, released twice)."""
+
+    code = 510
 
 
 # --- 600+: the server side --------------------------------------------------

@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import numpy as np
 import zmq
@@ -24,6 +24,9 @@ from .. import protocol as P
 from ..memory import ShmFile
 from ..transport._zmq import default_endpoint, ipc_path
 from ..kernels import TensorRef
+if TYPE_CHECKING:
+    from ._pool import SlotPool
+
 from ._core import Addressable, ClientCore, DeviceBuffer, HostSegment, Pending, resolve_va
 
 __all__ = ["Client", "connect"]
@@ -145,6 +148,12 @@ class Client:
             self._call(P.Free, resource.va)
         else:
             raise TypeError(f"cannot free {type(resource).__name__}")
+
+    def pool(self, slot_nbytes: int, slots: int = 4) -> "SlotPool":
+        """Batch slots over one segment: acquire, write, submit; a slot returns once the daemon is done."""
+        from ._pool import SlotPool
+
+        return SlotPool(self, slot_nbytes, slots)
 
     # --- data requests (return Pending) ---------------------------------------------------
     def copy(self, dst: Addressable, src: Addressable, nbytes: int | None = None, *, stream: int = 0) -> Pending:

@@ -104,6 +104,12 @@ class TrioClient:
         else:
             raise TypeError(f"cannot free {type(resource).__name__}")
 
+    async def pool(self, slot_nbytes: int, slots: int = 4) -> Any:
+        """Batch slots over one segment (see SlotPool); `await pool.acquire()`."""
+        from ._pool import TrioSlotPool
+
+        return await TrioSlotPool.create(self, slot_nbytes, slots)
+
     # --- data requests -----------------------------------------------------------------
     def copy(self, dst: Addressable, src: Addressable, nbytes: int | None = None, *, stream: int = 0) -> TrioPending:
         if nbytes is None:

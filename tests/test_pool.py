@@ -1,0 +1,115 @@
+"""Batch-slot pools: reuse only after the daemon is done, backpressure, misuse caught."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import trio
+
+import transfer
+
+
+def test_slot_round_trip_and_views_frozen_in_flight(daemon) -> None:
+    with transfer.connect(daemon.endpoint) as c:
+        buf = c.alloc(4 * 4096)
+        with c.pool(4096, slots=2) as pool:
+            with pool.acquire() as slot:
+                x = slot.ndarray((1024,), np.float32)
+                x[:] = np.arange(1024)
+                p = slot.submit(to=buf, offset=4096)
+                with pytest.raises(ValueError):
+                    x[0] = 5  # the daemon may be reading: the view is read-only now
+                with pytest.raises(transfer.SlotError, match="in flight"):
+                    slot.ndarray(4)
+            p.result()
+            back = c.segment(4096)
+            c.copy(back, buf.va + 4096, 4096).result()
+            assert np.array_equal(back.ndarray((1024,), np.float32), np.arange(1024, dtype=np.float32))
+
+
+def test_backpressure_and_reuse_only_after_completion(daemon) -> None:
+    with transfer.connect(daemon.endpoint) as c:
+        big = 64 << 20
+        buf = c.alloc(big)
+        with c.pool(big, slots=2) as pool:
+            seen = []
+            for i in range(6):
+                slot = pool.acquire(timeout=30)
+                # A slot handed out again must have no request still reading it.
+                assert slot.pending is None and slot not in pool._in_flight
+                seen.append(slot.index)
+                slot.ndarray((8,), np.uint64)[:] = i
+                slot.submit(to=buf)
+            assert set(seen) == {0, 1}
+            assert pool.in_flight <= 2
+            pool.drain()
+            assert pool.in_flight == 0
+            assert c.checksum(buf.va, 64).result() == transfer.checksum64(np.full(8, 5, np.uint64))
+
+
+def test_acquire_times_out_when_every_slot_is_held(daemon) -> None:
+    with transfer.connect(daemon.endpoint) as c:
+        pool = c.pool(4096, slots=1)
+        held = pool.acquire()
+        with pytest.raises(transfer.RequestTimeout):
+            pool.acquire(timeout=0.05)
+        held.release()
+        pool.acquire(timeout=1).release()
+        pool.close()
+
+
+def test_misuse_is_refused_at_once(daemon) -> None:
+    with transfer.connect(daemon.endpoint) as c:
+        buf = c.alloc(4096)
+        pool = c.pool(4096, slots=2)
+        s = pool.acquire()
+        view = s.ndarray(16)
+        s.release()
+        assert not view.flags.writeable
+        with pytest.raises(transfer.SlotError, match="released twice"):
+            s.release()
+        with pytest.raises(transfer.SlotError, match="free"):
+            s.submit(to=buf)
+        with pytest.raises(transfer.SlotError):
+            s.ndarray(4)
+        t = pool.acquire()
+        t.submit(to=buf).result()
+        with pytest.raises(transfer.SlotError, match="submit"):
+            t.submit(to=buf)
+        with pytest.raises(transfer.SlotError, match="in flight"):
+            t.release()
+        with pytest.raises(transfer.OutOfBounds):
+            pool.acquire().ndarray(4097)
+        pool.close()
+
+
+def test_slot_compute_normalizes_in_place_of_a_copy(daemon) -> None:
+    with transfer.connect(daemon.endpoint) as c:
+        shape = (2, 3, 8, 8)
+        out = c.segment(int(np.prod(shape)) * 4)
+        with c.pool(int(np.prod(shape)), slots=2) as pool:
+            with pool.acquire() as slot:
+                x = slot.ndarray(shape, np.uint8)
+                x[:] = 100
+                slot.compute("normalize", [slot.tensor(shape, np.uint8)], [out.tensor(shape, np.float32)], {"mean": [50, 50, 50], "std": [25, 25, 25]}).result()
+        assert np.allclose(out.ndarray(shape, np.float32), 2.0)
+
+
+def test_trio_pool(daemon) -> None:
+    async def main() -> None:
+        async with transfer.open_client(daemon.endpoint) as c:
+            buf = await c.alloc(8192)
+            pool = await c.pool(4096, slots=1)
+            for i in range(4):
+                slot = await pool.acquire(timeout=10)
+                slot.ndarray(4096)[:] = i
+                slot.submit(to=buf, offset=4096)
+            await pool.drain()
+            assert await c.checksum(buf.va + 4096, 4096) == transfer.checksum64(np.full(4096, 3, np.uint8))
+            held = await pool.acquire()
+            with pytest.raises(transfer.RequestTimeout):
+                await pool.acquire(timeout=0.05)
+            held.release()
+            await pool.aclose()
+
+    trio.run(main)
