@@ -113,3 +113,27 @@ def test_trio_pool(daemon) -> None:
             await pool.aclose()
 
     trio.run(main)
+
+
+def test_fan_in_producers_write_into_a_consumers_segment(daemon) -> None:
+    """Each producer has its own session; the consumer shares its output segment with them."""
+    shape = (4, 3, 8, 8)
+    per = int(np.prod(shape)) * 4
+    with transfer.connect(daemon.endpoint) as consumer, transfer.connect(daemon.endpoint) as p1, transfer.connect(daemon.endpoint) as p2:
+        out = consumer.segment(2 * per)
+        token = consumer.share(out)
+        for k, prod in enumerate((p1, p2)):
+            target = prod.attach(token)
+            assert target.va == out.va
+            with prod.pool(int(np.prod(shape)), slots=1) as pool, pool.acquire() as slot:
+                slot.ndarray(shape, np.uint8)[:] = 10 * (k + 1)
+                slot.compute("normalize", [slot.tensor(shape, np.uint8)], [target.tensor(shape, np.float32, offset=k * per)], {"mean": [0, 0, 0], "std": [10, 10, 10]}).result()
+        res = out.ndarray((2, *shape), np.float32)
+        assert (res[0] == 1.0).all() and (res[1] == 2.0).all()
+        with pytest.raises(transfer.NotOwner):
+            p1.share(out)  # only the owner grants
+        with pytest.raises(transfer.UnknownSegment):
+            p1.attach(b"\0" * 16)
+        consumer.free(out)
+        with pytest.raises(transfer.SegmentFreed):
+            p1.fill(out.va, 4, 0).result()  # the grant died with the segment

@@ -40,6 +40,8 @@ requests = st.one_of(
     st.builds(P.Unregister, rid, u64),
     st.builds(P.Alloc, rid, u64, st.integers(-(2**31), 2**31 - 1)),
     st.builds(P.Free, rid, u64),
+    st.builds(P.Share, rid, u64),
+    st.builds(P.Attach, rid, st.binary(max_size=64)),
     st.builds(P.Copy, rid, u64, u64, u64, u32),
     copyv(),
     st.builds(P.Fill, rid, u64, u64, st.integers(0, 255), u32),
@@ -77,7 +79,7 @@ def same(a: P.Request, b: P.Request) -> bool:
 
 
 def test_every_message_type_is_covered() -> None:
-    assert set(P.REQUEST_TYPES) == {1, 2, 3, 10, 11, 12, 13, 20, 21, 22, 23, 24, 30, 40}
+    assert set(P.REQUEST_TYPES) == {1, 2, 3, 10, 11, 12, 13, 16, 17, 20, 21, 22, 23, 24, 30, 40}
 
 
 @given(st.lists(requests, min_size=1, max_size=20))

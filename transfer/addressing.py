@@ -74,8 +74,8 @@ class Segment(Generic[H]):
     owner: Hashable
     handle: H
     device: int = -1
-    #: Requests currently reading or writing this segment (frees wait for 0).
-    busy: int = 0
+    #: Sessions the owner shared this segment with (they may name its VAs too).
+    guests: set[Hashable] = field(default_factory=set)
     info: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -161,7 +161,7 @@ class MappingTable(Generic[H]):
             if 0 < sid < self._next_id:
                 raise SegmentFreed(f"VA {va:#x}: segment {sid} has been freed")
             raise UnknownSegment(f"VA {va:#x}: no segment {sid}")
-        if seg.owner != owner:
+        if seg.owner != owner and owner not in seg.guests:
             raise NotOwner(f"VA {va:#x}: segment {sid} belongs to another session")
         return seg
 

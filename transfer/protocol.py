@@ -37,6 +37,8 @@ __all__ = [
     "Unregister",
     "Alloc",
     "Free",
+    "Share",
+    "Attach",
     "Copy",
     "CopyV",
     "Fill",
@@ -281,6 +283,24 @@ class Free(Request):
     va: int
 
 
+@_request(16, ("va", u64))
+@dataclass(slots=True)
+class Share(Request):
+    """Grant other sessions use of a segment or buffer (base VA); reply {token}."""
+
+    id: int
+    va: int
+
+
+@_request(17, ("token", blob(64)))
+@dataclass(slots=True)
+class Attach(Request):
+    """Use a segment another session shared; reply {va, nbytes, kind, device}."""
+
+    id: int
+    token: bytes
+
+
 @_request(20, ("dst", u64), ("src", u64), ("nbytes", u64), ("stream", u32))
 @dataclass(slots=True)
 class Copy(Request):
@@ -398,6 +418,8 @@ REQUEST_TYPES: dict[int, type[Request]] = {
         Unregister,
         Alloc,
         Free,
+        Share,
+        Attach,
         Copy,
         CopyV,
         Fill,

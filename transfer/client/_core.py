@@ -17,7 +17,7 @@ from .. import protocol as P
 from ..kernels import DTYPES, TensorRef, tensor_extent
 from ..memory import ShmFile
 
-__all__ = ["Pending", "ClientCore", "HostSegment", "DeviceBuffer", "Addressable", "resolve_va", "make_tensor"]
+__all__ = ["Pending", "ClientCore", "HostSegment", "DeviceBuffer", "SharedSegment", "Addressable", "resolve_va", "make_tensor"]
 
 
 def make_tensor(owner: Any, shape: int | Sequence[int], dtype: Any, offset: int, strides: Sequence[int] | None) -> TensorRef:
@@ -160,6 +160,27 @@ class DeviceBuffer:
 
     def __repr__(self) -> str:
         return f"<DeviceBuffer va={self.va:#x} nbytes={self.nbytes} device={self.device}>"
+
+
+class SharedSegment:
+    """Another session's segment or buffer this session attached to: addressable by VA, not mapped here."""
+
+    def __init__(self, va: int, nbytes: int, kind: str, device: int) -> None:
+        self.va = va
+        self.nbytes = nbytes
+        self.kind = kind
+        self.device = device
+
+    def at(self, offset: int) -> int:
+        if not 0 <= offset <= self.nbytes:
+            raise E.OutOfBounds(f"offset {offset} is outside the shared segment's {self.nbytes} bytes")
+        return self.va + offset
+
+    def tensor(self, shape: int | Sequence[int], dtype: Any = np.uint8, offset: int = 0, strides: Sequence[int] | None = None) -> TensorRef:
+        return make_tensor(self, shape, dtype, offset, strides)
+
+    def __repr__(self) -> str:
+        return f"<SharedSegment {self.kind} va={self.va:#x} nbytes={self.nbytes}>"
 
 
 class ClientCore:

@@ -27,7 +27,7 @@ from ..kernels import TensorRef
 if TYPE_CHECKING:
     from ._pool import SlotPool
 
-from ._core import Addressable, ClientCore, DeviceBuffer, HostSegment, Pending, resolve_va
+from ._core import Addressable, ClientCore, DeviceBuffer, HostSegment, Pending, SharedSegment, resolve_va
 
 __all__ = ["Client", "connect"]
 
@@ -154,6 +154,15 @@ class Client:
         from ._pool import SlotPool
 
         return SlotPool(self, slot_nbytes, slots)
+
+    def share(self, resource: HostSegment | DeviceBuffer) -> bytes:
+        """A token that lets another session name this segment's VAs (fan-in to one consumer)."""
+        return (self._call(P.Share, resource.va))["token"]
+
+    def attach(self, token: bytes) -> SharedSegment:
+        """Use a segment another session shared; valid until its owner frees it."""
+        info = self._call(P.Attach, token)
+        return SharedSegment(info["va"], info["nbytes"], info["kind"], info["device"])
 
     # --- data requests (return Pending) ---------------------------------------------------
     def copy(self, dst: Addressable, src: Addressable, nbytes: int | None = None, *, stream: int = 0) -> Pending:

@@ -25,7 +25,7 @@ from .. import protocol as P
 from ..memory import ShmFile
 from ..transport._zmq import SocketPump, default_endpoint, ipc_path
 from ..kernels import TensorRef
-from ._core import Addressable, ClientCore, DeviceBuffer, HostSegment, Pending, resolve_va
+from ._core import Addressable, ClientCore, DeviceBuffer, HostSegment, Pending, SharedSegment, resolve_va
 from ._sync import _default_size
 
 __all__ = ["TrioClient", "open_client", "TrioPending"]
@@ -109,6 +109,15 @@ class TrioClient:
         from ._pool import TrioSlotPool
 
         return await TrioSlotPool.create(self, slot_nbytes, slots)
+
+    async def share(self, resource: HostSegment | DeviceBuffer) -> bytes:
+        """A token that lets another session name this segment's VAs (fan-in to one consumer)."""
+        return (await self._call(P.Share, resource.va))["token"]
+
+    async def attach(self, token: bytes) -> SharedSegment:
+        """Use a segment another session shared; valid until its owner frees it."""
+        info = await self._call(P.Attach, token)
+        return SharedSegment(info["va"], info["nbytes"], info["kind"], info["device"])
 
     # --- data requests -----------------------------------------------------------------
     def copy(self, dst: Addressable, src: Addressable, nbytes: int | None = None, *, stream: int = 0) -> TrioPending:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 from typing import Any, Callable
 
@@ -32,7 +33,7 @@ __all__ = ["Server"]
 log = logging.getLogger("transfer.server")
 
 #: Requests that act as barriers: a pass stops before them, and runs them alone.
-_CONTROL = (P.RegisterHost, P.Unregister, P.Alloc, P.Free, P.Close, P.Hello)
+_CONTROL = (P.RegisterHost, P.Unregister, P.Alloc, P.Free, P.Share, P.Attach, P.Close, P.Hello)
 #: Answered once everything taken before them in the pass has completed.
 _AFTER_PASS = (P.Fence, P.Ping, P.Stats)
 
@@ -62,6 +63,8 @@ class Server:
         policies = {name: make_policy(name, config.size_threshold) for name in POLICIES}
         self.planner = Planner(self.table, self.devices, make_policy(config.placement, config.size_threshold), policies)
         self.sessions: dict[bytes, Session] = {}
+        #: Share tokens -> segment id (see Share/Attach).
+        self.shares: dict[bytes, int] = {}
         self.device_bytes = 0
         self.accepting = True
         self.started = time.monotonic()
@@ -310,6 +313,10 @@ class Server:
                 kind = SegmentKind.HOST if isinstance(req, P.Unregister) else SegmentKind.DEVICE
                 self._free(session, req.va, kind)
                 return P.Reply(req.id, None)
+            if isinstance(req, P.Share):
+                return P.Reply(req.id, self._share(session, req.va))
+            if isinstance(req, P.Attach):
+                return P.Reply(req.id, self._attach(session, req.token))
             if isinstance(req, P.Fence):
                 return P.Reply(req.id, None)  # requests before it in this session are done
             if isinstance(req, P.Close):
@@ -383,6 +390,27 @@ class Server:
         vdev.info["bytes"] = vdev.info.get("bytes", 0) + nbytes
         return {"va": seg.va, "nbytes": nbytes, "device": device}
 
+    def _share(self, session: Session, va: int) -> dict[str, Any]:
+        seg = self.table.lookup(va, session.id)
+        if seg.owner != session.id:
+            raise E.NotOwner(f"only the owner may share segment {seg.id}")
+        if va != seg.va:
+            raise E.InvalidAddress(f"share needs a segment's base VA ({seg.va:#x}), got {va:#x}")
+        token = secrets.token_bytes(16)
+        self.shares[token] = seg.id
+        seg.info.setdefault("tokens", []).append(token)
+        return {"token": token}
+
+    def _attach(self, session: Session, token: bytes) -> dict[str, Any]:
+        sid = self.shares.get(token)
+        seg = self.table.get(sid) if sid is not None else None
+        if seg is None:
+            raise E.UnknownSegment("no shared segment has that token (never shared, or freed since)")
+        if seg.owner != session.id:
+            seg.guests.add(session.id)
+            session.attached.add(seg.id)
+        return {"va": seg.va, "nbytes": seg.nbytes, "kind": seg.kind.name.lower(), "device": seg.device}
+
     def _free(self, session: Session, va: int, kind: SegmentKind) -> None:
         seg = self.table.lookup(va, session.id)
         if va != seg.va:
@@ -393,6 +421,8 @@ class Server:
 
     def _drop(self, session: Session, seg: Segment[Any]) -> None:
         self.table.remove(seg.id)
+        for token in seg.info.get("tokens", ()):
+            self.shares.pop(token, None)
         session.segments.discard(seg.id)
         if seg.kind == SegmentKind.HOST:
             session.host_bytes -= seg.nbytes
@@ -415,6 +445,11 @@ class Server:
         if self.sessions.get(session.identity) is session:
             del self.sessions[session.identity]
         session.queue.clear()
+        for sid in session.attached:
+            seg = self.table.get(sid)
+            if seg is not None:
+                seg.guests.discard(session.id)
+        session.attached.clear()
         for sid in list(session.segments):
             seg = self.table.get(sid)
             if seg is not None:

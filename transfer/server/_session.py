@@ -37,6 +37,8 @@ class Session:
     host_bytes: int = 0
     device_bytes: int = 0
     segments: set[int] = field(default_factory=set)
+    #: Other sessions' segments this one attached to (Share/Attach).
+    attached: set[int] = field(default_factory=set)
     stats: SessionStats = field(default_factory=SessionStats)
     #: Requests waiting for a scheduler pass, in arrival order.
     queue: deque[P.Decoded] = field(default_factory=deque)
