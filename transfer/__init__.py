@@ -12,6 +12,7 @@ from ._checksum import checksum64
 from .addressing import make_va, split_va
 from .client import Client, DeviceBuffer, HostSegment, Pending, TrioClient, connect, open_client
 from .kernels import OPERATORS, TensorRef
+from .server import DeviceView, serve_in_process
 from .errors import *  # noqa: F403  (the whole hierarchy is public)
 from .errors import __all__ as _errors_all
 
@@ -26,6 +27,8 @@ __all__ = [
     "checksum64",
     "TensorRef",
     "OPERATORS",
+    "serve_in_process",
+    "DeviceView",
     "make_va",
     "split_va",
     *_errors_all,

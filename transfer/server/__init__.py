@@ -2,6 +2,7 @@
 
 from ._config import DaemonConfig
 from ._daemon import run, serve
+from ._embedded import DeviceView, EmbeddedDaemon, serve_in_process
 from ._server import Server
 
-__all__ = ["DaemonConfig", "Server", "serve", "run"]
+__all__ = ["DaemonConfig", "Server", "serve", "run", "serve_in_process", "EmbeddedDaemon", "DeviceView"]

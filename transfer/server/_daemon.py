@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -47,8 +48,9 @@ async def serve(
     config: DaemonConfig,
     *,
     task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
+    stop: trio.Event | None = None,
 ) -> None:
-    """Serve until SIGINT/SIGTERM (or cancellation); then drain and release everything."""
+    """Serve until SIGINT/SIGTERM (or `stop` is set, for an embedded daemon); then drain and release everything."""
     server = Server(config)
     swept = server.open()
     if swept:
@@ -73,16 +75,22 @@ async def serve(
                 ipc_paths.append(p)
         pump = SocketPump(sock)
         server.send = lambda identity, data: pump.send_nowait([identity, data])
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        # Signal receivers need the main thread; an embedded daemon is stopped by its event instead.
+        receiver = trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) if stop is None else contextlib.nullcontext(None)
+        with receiver as signals:
             async with trio.open_nursery() as nursery:
                 server.nursery = nursery
                 nursery.start_soon(pump.run, server.on_message)
                 nursery.start_soon(server.reap_silent)
                 log.info("transferd %d serving %s (backend %s)", os.getpid(), ", ".join(config.endpoints), server.backend.name)
                 task_status.started(server)
-                async for signum in signals:
-                    log.info("signal %d: draining", signum)
-                    break
+                if signals is None:
+                    assert stop is not None
+                    await stop.wait()
+                else:
+                    async for signum in signals:
+                        log.info("signal %d: draining", signum)
+                        break
                 await _drain(server, pump, config.shutdown_grace_s)
                 nursery.cancel_scope.cancel()
     finally:
