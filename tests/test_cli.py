@@ -34,7 +34,7 @@ def test_loopback_tcp_endpoint_serves(shm_dir: Path, tmp_path: Path) -> None:
         port = s.getsockname()[1]
     wd = tmp_path / "w"
     wd.mkdir()
-    d = start_daemon(["--endpoint", f"tcp://127.0.0.1:{port}", "--backend", "numpy"], workdir=wd, shm_dir=shm_dir)
+    d = start_daemon(["--endpoint", f"tcp://127.0.0.1:{port}", "--allow-insecure-tcp", "--backend", "numpy"], workdir=wd, shm_dir=shm_dir)
     try:
         with transfer.connect(f"tcp://127.0.0.1:{port}") as c:
             buf = c.alloc(4096)

@@ -40,6 +40,7 @@ requests = st.one_of(
     st.builds(P.Unregister, rid, u64),
     st.builds(P.Alloc, rid, u64, st.integers(-(2**31), 2**31 - 1)),
     st.builds(P.Free, rid, u64),
+    st.builds(P.RegisterRemote, rid, st.binary(max_size=64), st.binary(max_size=64), u64),
     st.builds(P.Share, rid, u64),
     st.builds(P.Attach, rid, st.binary(max_size=64)),
     st.builds(P.Copy, rid, u64, u64, u64, u32),
@@ -56,6 +57,24 @@ requests = st.one_of(
         st.integers(-(2**31), 2**31 - 1),
         st.text(max_size=32),
         u32,
+    ),
+    st.builds(P.Wait, rid),
+    st.builds(
+        P.ComputeRef,
+        rid,
+        st.lists(st.tuples(u64, u32), min_size=1, max_size=1),
+        st.lists(st.tuples(u64, u32), max_size=4),
+        st.lists(st.tuples(u64, u32), max_size=4),
+        u32,
+    ),
+    st.builds(
+        P.Define,
+        rid,
+        st.sampled_from([P.DEF_ALLOC, P.DEF_FREE, P.DEF_TENSOR, P.DEF_PLAN]),
+        u64,
+        u32,
+        st.recursive(st.none() | st.integers(0, 2**64 - 1) | st.text(max_size=10), lambda i: st.lists(i, max_size=4), max_leaves=8),
+        st.text(max_size=100),
     ),
     st.builds(P.Fence, rid, u32),
     st.builds(P.Stats, rid),
@@ -79,7 +98,7 @@ def same(a: P.Request, b: P.Request) -> bool:
 
 
 def test_every_message_type_is_covered() -> None:
-    assert set(P.REQUEST_TYPES) == {1, 2, 3, 10, 11, 12, 13, 16, 17, 20, 21, 22, 23, 24, 30, 40}
+    assert set(P.REQUEST_TYPES) == {1, 2, 3, 4, 10, 11, 12, 13, 14, 16, 17, 20, 21, 22, 23, 24, 25, 30, 40, 50}
 
 
 @given(st.lists(requests, min_size=1, max_size=20))

@@ -93,6 +93,8 @@ class MappingTable(Generic[H]):
         self._next_id = 1
         self._max_segments = max_segments
         self._recycled: deque[int] = deque()
+        #: Arena ids reserved for a session but not (or no longer) holding a segment.
+        self._reserved: dict[int, Hashable] = {}
 
     def __len__(self) -> int:
         return len(self._segments)
@@ -126,6 +128,9 @@ class MappingTable(Generic[H]):
             raise QuotaExceeded(f"the daemon's table is full ({self._max_segments} segments)")
         if segment_id in self._segments or not 0 < segment_id < self._next_id:
             raise ValueError(f"segment id {segment_id} was not reserved")
+        held = self._reserved.get(segment_id)
+        if held is not None and held != owner:
+            raise NotOwner(f"segment id {segment_id} is in another session's arena")
         seg: Segment[H] = Segment(segment_id, kind, nbytes, owner, handle, device)
         self._segments[segment_id] = seg
         return seg
@@ -141,6 +146,23 @@ class MappingTable(Generic[H]):
             if sid not in self._segments:
                 return sid
         raise QuotaExceeded("segment id space exhausted")
+
+    def reserve_block(self, count: int, owner: Hashable) -> int:
+        """Reserve `count` consecutive ids for `owner` (a deferred-allocation arena); return the first."""
+        if self._next_id + count - 1 > MAX_SEGMENT_ID:
+            raise QuotaExceeded("segment id space exhausted: no room for another arena")
+        first = self._next_id
+        self._next_id += count
+        for sid in range(first, first + count):
+            self._reserved[sid] = owner
+        return first
+
+    def release_block(self, first: int, count: int) -> None:
+        for sid in range(first, first + count):
+            self._reserved.pop(sid, None)
+
+    def reserved_by(self, segment_id: int) -> Hashable | None:
+        return self._reserved.get(segment_id)
 
     def remove(self, segment_id: int) -> Segment[H]:
         seg = self._segments.pop(segment_id)
@@ -158,6 +180,11 @@ class MappingTable(Generic[H]):
         sid = va >> OFFSET_BITS
         seg = self._segments.get(sid)
         if seg is None:
+            holder = self._reserved.get(sid)
+            if holder is not None:
+                if holder != owner:
+                    raise NotOwner(f"VA {va:#x}: segment {sid} is in another session's arena")
+                raise InvalidAddress(f"VA {va:#x}: a deferred allocation that was never defined (or was freed)")
             if 0 < sid < self._next_id:
                 raise SegmentFreed(f"VA {va:#x}: segment {sid} has been freed")
             raise UnknownSegment(f"VA {va:#x}: no segment {sid}")

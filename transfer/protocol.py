@@ -33,10 +33,14 @@ __all__ = [
     "Hello",
     "Close",
     "Ping",
+    "Wait",
+    "ComputeRef",
+    "Define",
     "RegisterHost",
     "Unregister",
     "Alloc",
     "Free",
+    "RegisterRemote",
     "Share",
     "Attach",
     "Copy",
@@ -196,6 +200,57 @@ def params(v: Any, name: str) -> dict[str, Any]:
     return v
 
 
+def bounded(max_depth: int = 4, max_len: int = 4096) -> Validator:
+    """Any msgpack value of limited depth and size; the consumer validates its shape."""
+
+    def walk(v: Any, depth: int, name: str) -> None:
+        if depth > max_depth:
+            raise E.InvalidField(f"{name}: nested deeper than {max_depth}")
+        if v is None or type(v) in (bool, float):
+            return
+        if type(v) is int:
+            i64_or_u64(v, name)
+        elif type(v) in (str, bytes):
+            if len(v) > max_len:
+                raise E.InvalidField(f"{name}: longer than {max_len}")
+        elif type(v) is list:
+            if len(v) > max_len:
+                raise E.InvalidField(f"{name}: more than {max_len} elements")
+            for e in v:
+                walk(e, depth + 1, name)
+        elif type(v) is dict:
+            if len(v) > MAX_PARAMS:
+                raise E.InvalidField(f"{name}: more than {MAX_PARAMS} entries")
+            for k, e in v.items():
+                if type(k) is not str:
+                    raise E.InvalidField(f"{name}: map keys must be strings")
+                walk(e, depth + 1, name)
+        else:
+            raise E.InvalidField(f"{name}: unsupported type {type(v).__name__}")
+
+    def check(v: Any, name: str) -> Any:
+        walk(v, 0, name)
+        return v
+
+    return check
+
+
+def id_versions(v: Any, name: str) -> list[tuple[int, int]]:
+    """[[id, version], ...] references to definitions cached by the daemon."""
+    if type(v) is not list or len(v) > MAX_TENSORS:
+        raise E.InvalidField(f"{name}: expected a list of at most {MAX_TENSORS} [id, version] pairs")
+    out = []
+    for k, item in enumerate(v):
+        if type(item) is not list or len(item) != 2:
+            raise E.InvalidField(f"{name}[{k}]: expected [id, version]")
+        out.append((u64(item[0], f"{name}[{k}].id"), u32(item[1], f"{name}[{k}].version")))
+    return out
+
+
+#: Define kinds.
+DEF_ALLOC, DEF_FREE, DEF_TENSOR, DEF_PLAN = 1, 2, 3, 4
+
+
 # --- requests ----------------------------------------------------------------
 class Request:
     """Base of every request; `id` is chosen by the client and echoed in the reply."""
@@ -246,6 +301,14 @@ class Ping(Request):
     id: int
 
 
+@_request(4)
+@dataclass(slots=True)
+class Wait(Request):
+    """Marks a frame whose replies the client blocks on: the daemon counts blocking round trips."""
+
+    id: int
+
+
 @_request(10, ("nbytes", u64))
 @dataclass(slots=True)
 class RegisterHost(Request):
@@ -281,6 +344,28 @@ class Free(Request):
 
     id: int
     va: int
+
+
+#: NIXL agent metadata and serialized descriptor lists (transfer.transport._nixl) are small.
+MAX_NIXL_METADATA = 1 << 20
+MAX_NIXL_DESCS = 1 << 16
+
+
+@_request(14, ("metadata", blob(MAX_NIXL_METADATA)), ("descs", blob(MAX_NIXL_DESCS)), ("nbytes", u64))
+@dataclass(slots=True)
+class RegisterRemote(Request):
+    """Map a producer's NIXL-registered buffer as a `remote` segment; reply {va, nbytes, agent}.
+
+    `metadata` is the producer's NIXL agent metadata (taken after registering),
+    `descs` the buffer's descriptor list in the strict `encode_descs` layout (one
+    range of exactly `nbytes` bytes). Both are untrusted: the daemon parses them
+    strictly and only ever touches the declared range.
+    """
+
+    id: int
+    metadata: bytes
+    descs: bytes
+    nbytes: int
 
 
 @_request(16, ("va", u64))
@@ -391,6 +476,34 @@ class Compute(Request):
         ]
 
 
+@_request(25, ("plan", id_versions), ("inputs", id_versions), ("outputs", id_versions), ("stream", u32))
+@dataclass(slots=True)
+class ComputeRef(Request):
+    """Compute with a cached plan and tensor descriptors, named by client-side id and version."""
+
+    id: int
+    plan: list[tuple[int, int]]
+    inputs: list[tuple[int, int]]
+    outputs: list[tuple[int, int]]
+    stream: int = 0
+
+    def to_wire(self) -> list[Any]:
+        return [self.OP, self.id, [list(x) for x in self.plan], [list(x) for x in self.inputs], [list(x) for x in self.outputs], self.stream]
+
+
+@_request(50, ("kind", u8), ("obj", u64), ("version", u32), ("definition", bounded()), ("site", text(256)))
+@dataclass(slots=True)
+class Define(Request):
+    """A deferred creation travelling with its first use: alloc, free, tensor or plan (see DEF_*)."""
+
+    id: int
+    kind: int
+    obj: int
+    version: int
+    definition: Any
+    site: str = ""
+
+
 @_request(30, ("stream", u32))
 @dataclass(slots=True)
 class Fence(Request):
@@ -414,10 +527,12 @@ REQUEST_TYPES: dict[int, type[Request]] = {
         Hello,
         Close,
         Ping,
+        Wait,
         RegisterHost,
         Unregister,
         Alloc,
         Free,
+        RegisterRemote,
         Share,
         Attach,
         Copy,
@@ -425,6 +540,8 @@ REQUEST_TYPES: dict[int, type[Request]] = {
         Fill,
         Checksum,
         Compute,
+        ComputeRef,
+        Define,
         Fence,
         Stats,
     )

@@ -1,4 +1,11 @@
-"""`transferd`: the transfer daemon."""
+"""`transferd`: the transfer daemon.
+
+Settings come from flags > ``TRANSFER_*`` environment > a TOML file
+(``--config`` / ``$TRANSFER_CONFIG``) > defaults; `transfer._settings` holds
+the schema. ``--print-config`` shows the effective values and where each came
+from. Exit codes: 0 clean shutdown, 1 startup failure (endpoint busy,
+refused bind, unusable shm dir), 2 bad configuration or usage.
+"""
 
 from __future__ import annotations
 
@@ -7,64 +14,66 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
-import trio
-import zmq
+from .. import _settings as S
 
-from ..protocol import Limits
-from ..server import DaemonConfig, serve
-from ..transport._zmq import default_endpoint
+log = logging.getLogger("transfer.daemon")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="transferd", description="Zero-copy transfer daemon.")
-    p.add_argument("--endpoint", action="append", help=f"ipc://PATH or tcp://127.0.0.1:PORT (repeatable; default {default_endpoint()})")
-    p.add_argument("--backend", choices=("auto", "cupy", "numpy"), default="auto")
-    p.add_argument("--devices", type=int, default=1, help="virtual CPU devices for the numpy backend")
-    p.add_argument("--shm-dir", type=Path, default=None, help="where shared-memory segments live (default /dev/shm)")
-    p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between client heartbeats")
-    p.add_argument("--session-timeout", type=float, default=10.0, help="reclaim a session silent this long")
-    p.add_argument("--max-frame-bytes", type=int, default=Limits().max_frame_bytes)
-    p.add_argument("--max-device-bytes", type=int, default=16 << 30)
-    p.add_argument("--threads", type=int, default=2, help="worker threads for large copies")
-    p.add_argument("--allow-remote-tcp", action="store_true", help="bind tcp on non-loopback addresses (unauthenticated!)")
-    p.add_argument("--log-level", default="WARNING")
+    p = argparse.ArgumentParser(
+        prog="transferd",
+        description="Zero-copy transfer daemon. Precedence: flags > TRANSFER_* env > --config file > defaults.",
+        epilog="Sizes accept suffixes (64MiB, 16G). Booleans take --flag / --no-flag. docs/operations.md has the details.",
+    )
+    p.add_argument("--config", type=Path, default=None, metavar="FILE.toml", help=f"settings file (TOML; unknown keys are errors) [env {S.ENV_PREFIX}CONFIG]")
+    p.add_argument(
+        "--print-config",
+        nargs="?",
+        const="toml",
+        choices=("toml", "json"),
+        default=None,
+        help="print the effective configuration with each value's source, then exit",
+    )
     p.add_argument("--ready", action="store_true", help="print one JSON line to stdout once serving")
+    S.add_flags(p)
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> DaemonConfig:
-    kw: dict[str, object] = {}
-    if args.shm_dir is not None:
-        kw["shm_dir"] = args.shm_dir
-    return DaemonConfig(
-        endpoints=tuple(args.endpoint or [default_endpoint()]),
-        backend=args.backend,
-        devices=args.devices,
-        limits=Limits(max_frame_bytes=args.max_frame_bytes),
-        heartbeat_s=args.heartbeat,
-        session_timeout_s=args.session_timeout,
-        max_device_bytes=args.max_device_bytes,
-        threads=args.threads,
-        allow_remote_tcp=args.allow_remote_tcp,
-        **kw,  # type: ignore[arg-type]
-    )
+def config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None) -> S.Resolved:
+    """Resolve flags, env and file into the effective settings (raises ConfigError)."""
+    return S.resolve(S.flags_from_args(args), env, args.config)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        config = config_from_args(args)
-    except (ValueError, TypeError) as exc:
-        print(f"transferd: {exc}", file=sys.stderr)
+        resolved = config_from_args(args)
+        config = resolved.daemon_config()
+    except (S.ConfigError, ValueError, TypeError) as exc:
+        print(f"transferd: config error: {exc}", file=sys.stderr)
         return 2
+    if args.print_config:
+        sys.stdout.write(resolved.to_json() + "\n" if args.print_config == "json" else resolved.to_toml())
+        return 0
+    S.setup_logging(resolved["log_level"], resolved["log_json"])
+
+    # Only the serving path needs these.
+    import trio
+    import zmq
+
+    from ..server import serve
 
     async def main_task() -> None:
         async with trio.open_nursery() as nursery:
             server = await nursery.start(serve, config)
+            metrics_port = _start_metrics(server, config) if config.metrics_port else 0
             if args.ready:
-                print(json.dumps({"event": "ready", "endpoints": list(config.endpoints), "backend": server.backend.name, "instance": server.instance}), flush=True)
+                ready: dict[str, Any] = {"event": "ready", "endpoints": list(config.endpoints), "backend": server.backend.name, "instance": server.instance}
+                if metrics_port:
+                    ready["metrics"] = f"http://{config.metrics_addr}:{metrics_port}/metrics"
+                print(json.dumps(ready), flush=True)
 
     try:
         trio.run(main_task)
@@ -77,10 +86,41 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _start_metrics(server: Any, config: Any) -> int:
+    """Expose the server's Metrics (or, until the server has one, its Stats counters)."""
+    from ..server._metrics import Metrics
+
+    metrics = getattr(server, "metrics", None)
+    if not isinstance(metrics, Metrics):
+        metrics = Metrics()
+        try:
+            server.metrics = metrics
+        except AttributeError:  # a slotted Server: the endpoint still serves the Stats counters
+            pass
+    metrics.set_stats_source(server.stats)
+    port = metrics.start_http(config.metrics_port, config.metrics_addr)
+    log.info("metrics on http://%s:%d/metrics", config.metrics_addr, port)
+    return port
+
+
 def _first_leaf(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
     return exc
+
+
+
+# `transferd keygen DIR`: CURVE keys (transfer/cli/_keys.py); everything else serves.
+_serve_main = main
+
+
+def main(argv: list[str] | None = None) -> int:  # noqa: F811
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["keygen"]:
+        from ._keys import main as keygen_main
+
+        return keygen_main(argv[1:])
+    return _serve_main(argv)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ def resolve_va(x: Addressable) -> int:
 class Pending:
     """A request in flight. `result()` waits for it (driving the client's I/O)."""
 
-    __slots__ = ("id", "_waiter", "_done", "_value", "_error", "_observed", "_callback")
+    __slots__ = ("id", "_waiter", "_done", "_value", "_error", "_observed", "_callback", "_deps")
 
     def __init__(self, rid: int, waiter: Callable[["Pending", float | None], None]) -> None:
         self.id = rid
@@ -59,22 +59,26 @@ class Pending:
         self._error: E.TransferError | None = None
         self._observed = False
         self._callback: Callable[[Pending], None] | None = None
+        #: Deferred definitions sent for this request: their failure is this request's failure.
+        self._deps: list[Pending] | None = None
 
     def done(self) -> bool:
         return self._done
 
     def result(self, timeout: float | None = None) -> Any:
-        if not self._done:
-            self._waiter(self, timeout)
-        self._observed = True
-        if self._error is not None:
-            raise self._error
+        err = self.exception(timeout)
+        if err is not None:
+            raise err
         return self._value
 
     def exception(self, timeout: float | None = None) -> E.TransferError | None:
         if not self._done:
             self._waiter(self, timeout)
         self._observed = True
+        for dep in self._deps or ():
+            if dep._error is not None:  # e.g. the deferred alloc this request touched was refused
+                dep._observed = True
+                return dep._error
         return self._error
 
     def _finish(self, value: Any, error: E.TransferError | None) -> None:

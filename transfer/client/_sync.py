@@ -27,7 +27,9 @@ from ..kernels import TensorRef
 if TYPE_CHECKING:
     from ._pool import SlotPool
 
+from ._deferred import DeferredBuffer, DeferredState, Plan, Tensor, creation_site
 from ._core import Addressable, ClientCore, DeviceBuffer, HostSegment, Pending, SharedSegment, resolve_va
+from ._remote import RemoteAgent, RemoteSegment, register as _register_remote
 
 __all__ = ["Client", "connect"]
 
@@ -44,7 +46,13 @@ class Client:
         liveness_timeout: float = 10.0,
         max_inflight: int = 1 << 16,
         watch_daemon_pid: bool = True,
+        server_key: Any = None,
+        client_keys: Any = None,
+        deferred: bool = True,
     ) -> None:
+        """`server_key` pins the daemon's CURVE public key (z85 or a key file) for tcp://;
+        `client_keys` is this client's pair (a ``NAME.key_secret`` file or (public, secret))."""
+        self._remote: Any = None  # the NIXL agent, made by the first register_remote
         self.endpoint = endpoint or os.environ.get("TRANSFER_ENDPOINT") or default_endpoint()
         self._lock = threading.RLock()
         self._core = ClientCore(self._wait_for)
@@ -63,7 +71,20 @@ class Client:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
+        mon = None
+        if self.endpoint.startswith("tcp://"):
+            from ..transport import _curve
+
+            if server_key is not None:
+                _curve.apply_client(self._sock, server_key, client_keys)
+            mon = _curve.monitor(self._sock)
         self._sock.connect(self.endpoint)
+        if mon is not None:  # a refused CURVE handshake fails now, not after connect_timeout
+            try:
+                _curve.wait_handshake(self._sock, mon, self.endpoint, connect_timeout, server_key is not None)
+            except BaseException:
+                self._sock.close(0)
+                raise
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._last_rx = self._last_tx = time.monotonic()
@@ -85,6 +106,9 @@ class Client:
         self._core.limits = P.Limits(**{k: int(v) for k, v in lim.items() if k in P.Limits.__dataclass_fields__})
         self._heartbeat_s = float(info["heartbeat_s"])
         self._max_inflight = max(1, min(self._max_inflight, int(info.get("max_inflight", self._max_inflight))))
+        # Deferred creation: allocations, descriptors and plans are answered here and
+        # travel with their first use. deferred=False sends each at once (for debugging).
+        self._deferred = DeferredState(info.get("arenas", ())) if deferred and info.get("arenas") else None
         if path is not None and watch_daemon_pid:
             with contextlib.suppress(OSError):
                 self._daemon_pidfd = os.pidfd_open(self.server_pid)
@@ -123,6 +147,9 @@ class Client:
                     os.close(self._daemon_pidfd)
                     self._daemon_pidfd = -1
                 self._core.fail_all(E.SessionClosed("the client was closed"))
+                if self._remote is not None:  # after Close: the daemon no longer reads our buffers
+                    self._remote.close()
+                    self._remote = None
 
     # --- resources -------------------------------------------------------------------------
     def segment(self, nbytes: int) -> HostSegment:
@@ -133,8 +160,16 @@ class Client:
         self._segments[seg.va] = seg
         return seg
 
-    def alloc(self, nbytes: int, device: int = -1) -> DeviceBuffer:
-        """A zeroed buffer on one of the daemon's devices."""
+    def alloc(self, nbytes: int, device: int = -1) -> DeviceBuffer | DeferredBuffer:
+        """A zeroed buffer on one of the daemon's devices.
+
+        Deferred (the default): the VA comes from this session's arena at once, and
+        the daemon allocates when the first request touching it arrives; an error
+        then names the line that called alloc.
+        """
+        if self._deferred is not None:
+            with self._lock:
+                return self._deferred.alloc(nbytes, device, creation_site())
         info = self._call(P.Alloc, nbytes, device)
         return DeviceBuffer(self, info["va"], info["nbytes"], info["device"])
 
@@ -146,8 +181,27 @@ class Client:
             resource._unmap()
         elif isinstance(resource, DeviceBuffer):
             self._call(P.Free, resource.va)
+        elif isinstance(resource, DeferredBuffer):
+            with self._lock:
+                self._deferred.free(resource)  # type: ignore[union-attr]  # travels with the next frame
+        elif isinstance(resource, RemoteSegment):
+            if not resource.freed:
+                self._call(P.Unregister, resource.va)  # the daemon lets go first, then we deregister
+                resource._deregister(self._remote)
         else:
             raise TypeError(f"cannot free {type(resource).__name__}")
+
+    def register_remote(self, array: np.ndarray) -> RemoteSegment:
+        """Register `array` (this process's memory) with NIXL and map it in the daemon as a
+        remote segment: copies from its VAs are one-sided READs, copies to it WRITEs."""
+        with self._lock:
+            if self._remote is None:
+                self._remote = RemoteAgent(self.session_id)
+            return _register_remote(self, self._remote, array, self._call)
+
+    def remote_segment(self, nbytes: int) -> RemoteSegment:
+        """A new zeroed buffer of `nbytes` here, registered as a remote segment."""
+        return self.register_remote(np.zeros(nbytes, dtype=np.uint8))
 
     def pool(self, slot_nbytes: int, slots: int = 4) -> "SlotPool":
         """Batch slots over one segment: acquire, write, submit; a slot returns once the daemon is done."""
@@ -163,6 +217,25 @@ class Client:
         """Use a segment another session shared; valid until its owner frees it."""
         info = self._call(P.Attach, token)
         return SharedSegment(info["va"], info["nbytes"], info["kind"], info["device"])
+
+    def tensor(self, owner: Any, shape: int | Sequence[int], dtype: Any = np.uint8, offset: int = 0, strides: Sequence[int] | None = None) -> Tensor:
+        """A tensor descriptor over a buffer or segment: defined on the daemon at first use."""
+        t = Tensor(owner, (shape,) if isinstance(shape, int) else shape, dtype, offset, strides)
+        if self._deferred is None:
+            self._define_now(t)
+        return t
+
+    def plan(self, op: str, params: dict[str, Any] | None = None, *, device: int = -1, placement: str = "") -> Plan:
+        """An operator configuration, reusable across compute calls; defined at first use."""
+        p = Plan(op, params, device=device, placement=placement)
+        if self._deferred is None:
+            self._define_now(p)
+        return p
+
+    def _define_now(self, obj: Tensor | Plan) -> None:
+        kind = P.DEF_TENSOR if isinstance(obj, Tensor) else P.DEF_PLAN
+        self._call(P.Define, kind, obj.id, obj.version, obj.definition(), obj.site)
+        obj.sent_version = obj.version
 
     # --- data requests (return Pending) ---------------------------------------------------
     def copy(self, dst: Addressable, src: Addressable, nbytes: int | None = None, *, stream: int = 0) -> Pending:
@@ -200,8 +273,21 @@ class Client:
         placement: str = "",
         stream: int = 0,
     ) -> Pending:
-        """Run operator `op` in the daemon on tensors named by VA (see transfer.kernels.OPERATORS)."""
-        return self._submit(P.Compute, op, list(inputs), list(outputs), dict(params or {}), device, placement, stream)
+        """Run an operator on tensors named by VA (see transfer.OPERATORS).
+
+        With a `Plan` and `Tensor` descriptors, only their ids travel once the daemon has them.
+        """
+        if isinstance(op, Plan):
+            if params:
+                raise TypeError("a Plan carries its own parameters: use plan.set(...)")
+            objs = [op, *inputs, *outputs]
+            if not all(isinstance(t, Tensor) for t in objs[1:]):
+                raise TypeError("compute with a Plan takes Tensor descriptors (client.tensor(...))")
+            ref = lambda o: (o.id, o.version)  # noqa: E731
+            return self._submit(P.ComputeRef, [ref(op)], [ref(t) for t in inputs], [ref(t) for t in outputs], stream, objects=objs)
+        ins = [t.ref if isinstance(t, Tensor) else t for t in inputs]
+        outs = [t.ref if isinstance(t, Tensor) else t for t in outputs]
+        return self._submit(P.Compute, op, ins, outs, dict(params or {}), device, placement, stream)
 
     def fence(self, stream: int = 0, timeout: float | None = None) -> None:
         """Wait until everything submitted on `stream` is done; raise the first unobserved failure."""
@@ -237,17 +323,40 @@ class Client:
 
     # --- machinery -------------------------------------------------------------------------
     def _call(self, cls: type[P.Request], *args: Any, timeout: float | None = None) -> Any:
-        return self._submit(cls, *args).result(timeout)
+        """A synchronous call: its frame carries a Wait marker, so the daemon counts the round trip."""
+        return self._submit(cls, *args, blocking=True).result(timeout)
 
-    def _submit(self, cls: type[P.Request], *args: Any) -> Pending:
+    def _submit(self, cls: type[P.Request], *args: Any, objects: Sequence[Any] = (), blocking: bool = False) -> Pending:
         with self._lock:
-            self._core.check_usable()
-            req, pending = self._core.new(cls, *args)
+            core = self._core
+            core.check_usable()
+            defs = self._definitions(cls, args, objects)
+            req, pending = core.new(cls, *args)
+            reqs = [*defs, req]
+            if defs:
+                pending._deps = [core.pending[d.id] for d in defs if d.id in core.pending]
+            if blocking:
+                marker, _ = core.new(P.Wait)
+                core.pending.pop(marker.id, None)  # its reply only counts; nobody waits on it
+                reqs.append(marker)
             if self._batch is not None:
-                self._batch.append(req)
+                self._batch.extend(reqs)
             else:
-                self._send([req])
+                self._send(reqs)
             return pending
+
+    def _definitions(self, cls: type[P.Request], args: tuple[Any, ...], objects: Sequence[Any]) -> list[P.Request]:
+        """Deferred definitions the request needs first: allocations it touches, descriptors it names."""
+        state = self._deferred
+        stale = [o for o in objects if o.sent_version != o.version]
+        if state is None:
+            if not stale:
+                return []
+            state = DeferredState(())
+        elif not (state.buffers or state.frees or stale):
+            return []
+        new = lambda c, *a: self._core.new(c, *a)[0]  # noqa: E731
+        return state.definitions_for(_touched(cls, args), stale, new)
 
     def _send(self, reqs: Sequence[P.Request]) -> None:
         """Send, staying within the daemon's credits: a full window waits for completions."""
@@ -334,6 +443,20 @@ class Client:
                 return
             finally:
                 self._lock.release()
+
+
+def _touched(cls: type[P.Request], args: tuple[Any, ...]) -> list[int]:
+    """The VAs (one per segment is enough) a data request reads or writes."""
+    if cls is P.Copy:
+        return [args[0], args[1]]
+    if cls in (P.Fill, P.Checksum, P.Share):
+        return [args[0]]
+    if cls is P.CopyV:
+        both = np.concatenate([args[0], args[1]]) >> np.uint64(40)
+        return [int(s) << 40 for s in np.unique(both).tolist()]
+    if cls is P.Compute:
+        return [t.va for t in (*args[1], *args[2])]
+    return []
 
 
 def _default_size(dst: Addressable, src: Addressable) -> int:

@@ -236,8 +236,13 @@ async def open_client(
     name: str = "",
     connect_timeout: float = 5.0,
     liveness_timeout: float = 10.0,
+    server_key: Any = None,
+    client_keys: Any = None,
 ) -> AsyncIterator[TrioClient]:
-    """A trio session with the daemon; everything it holds is released on exit."""
+    """A trio session with the daemon; everything it holds is released on exit.
+
+    `server_key` / `client_keys`: CURVE for tcp:// (as `transfer.connect`; a refused
+    handshake shows here as DaemonUnavailable after `connect_timeout`)."""
     endpoint = endpoint or os.environ.get("TRANSFER_ENDPOINT") or default_endpoint()
     path = ipc_path(endpoint)
     if path is not None and not path.exists():
@@ -247,6 +252,10 @@ async def open_client(
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+    if server_key is not None:
+        from ..transport._curve import apply_client
+
+        apply_client(sock, server_key, client_keys)
     sock.connect(endpoint)
     client = TrioClient(endpoint, sock, name or f"pid{os.getpid()}", liveness_timeout)
     try:

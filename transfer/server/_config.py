@@ -40,11 +40,21 @@ class DaemonConfig:
     max_inflight: int = 1 << 16
     #: Superseded by max_inflight; kept until the settings loader is reconciled.
     max_queued_frames: int = 1024
+    #: Segment ids in each session's deferred-allocation arena, per device.
+    arena_ids: int = 256
     #: Requests one scheduler pass takes from a session.
     max_pass: int = 16384
     #: Seconds a graceful shutdown waits for in-flight requests.
     shutdown_grace_s: float = 10.0
     allow_remote_tcp: bool = False
+    #: tcp endpoints need CURVE keys (`curve_dir`, made by `transferd keygen`) unless this is set.
+    allow_insecure_tcp: bool = False
+    #: Directory from `transferd keygen`: server.key_secret, and authorized_clients/*.key.
+    curve_dir: str = ""
+    #: Remote (NIXL) segments: allowed when NIXL is importable; the agent starts on first use.
+    rdma: bool = True
+    #: Seconds one NIXL post may take before its requests fail with TransferTimeout.
+    remote_timeout_s: float = 30.0
     #: Prometheus metrics over HTTP (`transfer.server._metrics`); 0 = off.
     metrics_port: int = 0
     metrics_addr: str = "127.0.0.1"

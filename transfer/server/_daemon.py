@@ -65,9 +65,17 @@ async def serve(
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
     ipc_paths: list[Path] = []
+    secure: zmq.Socket | None = None  # tcp with CURVE: its own ROUTER (ipc peers need no keys)
+    auth = None
     try:
+        curve = bool(config.curve_dir)
         for ep in config.endpoints:
-            check_endpoint(ep, allow_remote_tcp=config.allow_remote_tcp)
+            check_endpoint(ep, allow_remote_tcp=config.allow_remote_tcp, curve=curve, allow_insecure_tcp=config.allow_insecure_tcp)
+            if curve and ep.startswith("tcp://"):
+                if secure is None:
+                    secure, auth = _curve_router(ctx, config)
+                secure.bind(ep)
+                continue
             p = _prepare_ipc(ep)
             sock.bind(ep)
             if p is not None:
@@ -75,12 +83,18 @@ async def serve(
                 ipc_paths.append(p)
         pump = SocketPump(sock)
         server.send = lambda identity, data: pump.send_nowait([identity, data])
+        secure_pump = SocketPump(secure) if secure is not None else None
+        if secure_pump is not None:
+            server.send = _route(pump, secure_pump)
         # Signal receivers need the main thread; an embedded daemon is stopped by its event instead.
         receiver = trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) if stop is None else contextlib.nullcontext(None)
         with receiver as signals:
             async with trio.open_nursery() as nursery:
                 server.nursery = nursery
                 nursery.start_soon(pump.run, server.on_message)
+                if secure_pump is not None:
+                    # Identities from the CURVE socket carry a 0x01 prefix (zmq's own start with 0x00).
+                    nursery.start_soon(secure_pump.run, lambda parts: server.on_message([SECURE_PREFIX + parts[0], *parts[1:]]))
                 nursery.start_soon(server.reap_silent)
                 log.info("transferd %d serving %s (backend %s)", os.getpid(), ", ".join(config.endpoints), server.backend.name)
                 task_status.started(server)
@@ -92,13 +106,53 @@ async def serve(
                         log.info("signal %d: draining", signum)
                         break
                 await _drain(server, pump, config.shutdown_grace_s)
+                if secure_pump is not None:
+                    with trio.move_on_after(1.0):
+                        await secure_pump.wait_drained()
                 nursery.cancel_scope.cancel()
     finally:
         server.close()
         sock.close(linger=500)
+        if secure is not None:
+            secure.close(linger=500)
+        if auth is not None:
+            auth.stop()
         ctx.term()
         for p in ipc_paths:
             p.unlink(missing_ok=True)
+
+
+SECURE_PREFIX = b"\x01"
+
+
+def _curve_router(ctx: zmq.Context, config: DaemonConfig) -> tuple[zmq.Socket, object]:
+    """A ROUTER for tcp with CURVE: the daemon's key pair and a ZAP allowlist (transport._curve)."""
+    from ..transport import _curve
+
+    auth = _curve.start_authenticator(ctx, config.curve_dir)
+    sock = ctx.socket(zmq.ROUTER)
+    try:
+        _curve.apply_server(sock, config.curve_dir)
+    except BaseException:
+        sock.close(0)
+        auth.stop()
+        raise
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.setsockopt(zmq.MAXMSGSIZE, max(64 << 20, config.limits.max_frame_bytes * 4))
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    return sock, auth
+
+
+def _route(plain: SocketPump, secure: SocketPump):  # type: ignore[no-untyped-def]
+    def send(identity: bytes, data: bytes) -> None:
+        if identity[:1] == SECURE_PREFIX:
+            secure.send_nowait([identity[1:], data])
+        else:
+            plain.send_nowait([identity, data])
+
+    return send
 
 
 async def _drain(server: Server, pump: SocketPump, grace: float) -> None:

@@ -26,16 +26,18 @@ from ..kernels import POLICIES, VirtualDevice, make_policy, tensor_extent
 from ..memory import DaemonLock, ShmFile, sweep_stale
 from ._config import DaemonConfig
 from ._scheduler import Planner, assign_waves, execute_waves, plan_requests, replies_for, run_wave_inline
+from ._deferred import define, grant_arenas, release_arenas, resolve
 from ._session import Session
+from ..transport._remote import RemotePlane
 
 __all__ = ["Server"]
 
 log = logging.getLogger("transfer.server")
 
 #: Requests that act as barriers: a pass stops before them, and runs them alone.
-_CONTROL = (P.RegisterHost, P.Unregister, P.Alloc, P.Free, P.Share, P.Attach, P.Close, P.Hello)
+_CONTROL = (P.Define, P.RegisterHost, P.RegisterRemote, P.Unregister, P.Alloc, P.Free, P.Share, P.Attach, P.Close, P.Hello)
 #: Answered once everything taken before them in the pass has completed.
-_AFTER_PASS = (P.Fence, P.Ping, P.Stats)
+_AFTER_PASS = (P.Fence, P.Ping, P.Stats, P.Wait)
 
 
 def _bytes_hint(req: P.Request) -> int:
@@ -62,6 +64,14 @@ class Server:
         self.table: MappingTable[Any] = MappingTable()
         policies = {name: make_policy(name, config.size_threshold) for name in POLICIES}
         self.planner = Planner(self.table, self.devices, make_policy(config.placement, config.size_threshold), policies)
+        # The RDMA data plane (remote segments); its NIXL agent starts with the first RegisterRemote.
+        self.remote = RemotePlane(
+            f"transferd-{os.getpid()}-{secrets.token_hex(3)}",
+            timeout_s=getattr(config, "remote_timeout_s", 30.0),
+            enabled=getattr(config, "rdma", True),
+        )
+        self.planner.remote = self.remote
+        self._remote_start = trio.Lock()
         self.sessions: dict[bytes, Session] = {}
         #: Share tokens -> segment id (see Share/Attach).
         self.shares: dict[bytes, int] = {}
@@ -104,6 +114,7 @@ class Server:
     def close(self) -> None:
         for session in list(self.sessions.values()):
             self._release(session)
+        self.remote.close()
         if self._lock is not None:
             self._lock.release()
             self._lock = None
@@ -174,12 +185,18 @@ class Server:
         bytes touched stay under inline_bytes; anything else goes to the session task.
         """
         q = session.queue
-        if len(q) > self.config.max_pass or any(isinstance(r, _CONTROL) for r in q):
+        if len(q) > self.config.max_pass or any(isinstance(r, (*_CONTROL, P.ComputeRef)) for r in q):
             return False
         data = [r for r in q if not isinstance(r, (P.BadRequest, *_AFTER_PASS))]
+        if self.remote.ep is not None and any(
+            type(r) is P.Copy and self.planner._names_remote(session.id, (r.dst, r.src)) for r in data
+        ):
+            return False  # remote copies are posted from the session task (planned once, there)
         if sum(map(_bytes_hint, data)) >= self.config.inline_bytes:
             return False  # decided from the requests' own sizes, before any planning
         ops, refused = plan_requests(self.planner, session.id, data)
+        if any(op.remote is not None for op in ops):
+            return False  # NIXL posts run on a worker thread, from the session task
         if sum(op.nbytes for op in ops) >= self.config.inline_bytes:
             return False  # planning is pure: the session task will plan again
         taken = list(q)
@@ -222,7 +239,7 @@ class Server:
         self.sessions[identity] = session
         assert self.nursery is not None
         self.nursery.start_soon(self._run_session, session)
-        if self.watch_pids and req.pid > 0:
+        if self.watch_pids and req.pid > 0 and identity[:1] != b"\x01":  # not for CURVE tcp peers (other hosts)
             self.nursery.start_soon(self._watch_pid, session)
         log.info("session %d opened by %r (pid %d)", session.id, req.client, req.pid)
         return session, {
@@ -236,6 +253,7 @@ class Server:
             "heartbeat_s": self.config.heartbeat_s,
             "session_timeout_s": self.config.session_timeout_s,
             "shm_dir": str(self.config.shm_dir),
+            "arenas": grant_arenas(self, session),
         }
 
     # --- per-session execution --------------------------------------------------
@@ -272,7 +290,10 @@ class Server:
                     break  # a barrier: run it alone, once what came before has completed
                 q.popleft()
                 taken += 1
-                replies.append(self._execute_control(session, req))
+                if isinstance(req, P.RegisterRemote):
+                    replies.append(await self._register_remote(session, req))
+                else:
+                    replies.append(self._execute_control(session, req))
                 if session.closing:
                     break
                 continue
@@ -282,6 +303,11 @@ class Server:
                 replies.append(P.Reply(req.id, error=req.error))
             elif isinstance(req, _AFTER_PASS):
                 after.append(req)
+            elif isinstance(req, P.ComputeRef):
+                try:
+                    data.append(resolve(session, req))
+                except E.TransferError as exc:
+                    replies.append(P.Reply(req.id, error=exc))
             else:
                 data.append(req)
         ops: list[Any] = []
@@ -296,6 +322,11 @@ class Server:
             finally:
                 session.busy = False
             replies.extend(replies_for(ops))
+            if any(isinstance(op.error, E.PeerDisconnected) for op in ops if op.remote is not None) and not session.closing:
+                # The producer's NIXL agent is gone (killed mid-transfer): its session goes too.
+                assert self.nursery is not None
+                self.counters["sessions_reaped"] += 1
+                self.nursery.start_soon(self.end_session, session, "NIXL peer disconnected")
         for req in after:
             replies.append(self._execute_control(session, req))
         self._account(session, taken, replies, len(waves), ops)
@@ -311,7 +342,16 @@ class Server:
                 return P.Reply(req.id, self._alloc(session, req.nbytes, req.device))
             if isinstance(req, (P.Unregister, P.Free)):
                 kind = SegmentKind.HOST if isinstance(req, P.Unregister) else SegmentKind.DEVICE
+                if kind == SegmentKind.HOST:
+                    found = self.table.get(req.va >> 40)
+                    if found is not None and found.kind == SegmentKind.REMOTE:
+                        kind = SegmentKind.REMOTE  # Unregister releases remote segments too
                 self._free(session, req.va, kind)
+                return P.Reply(req.id, None)
+            if isinstance(req, P.Define):
+                return P.Reply(req.id, define(self, session, req))
+            if isinstance(req, P.Wait):
+                session.stats.blocking += 1
                 return P.Reply(req.id, None)
             if isinstance(req, P.Share):
                 return P.Reply(req.id, self._share(session, req.va))
@@ -370,6 +410,10 @@ class Server:
         return {"va": seg.va, "nbytes": nbytes, "path": str(shm.path)}
 
     def _alloc(self, session: Session, nbytes: int, device: int) -> dict[str, Any]:
+        return self.alloc_at(session, None, nbytes, device)
+
+    def alloc_at(self, session: Session, segment_id: int | None, nbytes: int, device: int) -> dict[str, Any]:
+        """Allocate a device buffer; under a given (arena) segment id for deferred allocations."""
         self._check_quota(session, nbytes, SegmentKind.DEVICE)
         ndev = len(self.devices)
         if device == -1:
@@ -378,12 +422,17 @@ class Server:
             device = min((d for d in self.devices if d.kind == kind), key=lambda d: (d.info.get("bytes", 0), d.index)).index
         if not 0 <= device < ndev:
             raise E.InvalidField(f"device {device} does not exist (this daemon has {ndev})")
+        if segment_id is not None and self.table.get(segment_id) is not None:
+            raise E.InvalidAddress(f"segment {segment_id} is already allocated (defined twice?)")
         vdev = self.devices[device]
         try:
             mem = vdev.backend.alloc(nbytes, vdev.local_id)
         except MemoryError:
             raise E.OutOfDeviceMemory(f"device {device} cannot allocate {nbytes} bytes") from None
-        seg = self.table.add(SegmentKind.DEVICE, nbytes, session.id, mem, device)
+        if segment_id is None:
+            seg = self.table.add(SegmentKind.DEVICE, nbytes, session.id, mem, device)
+        else:
+            seg = self.table.add_reserved(segment_id, SegmentKind.DEVICE, nbytes, session.id, mem, device)
         session.segments.add(seg.id)
         session.device_bytes += nbytes
         self.device_bytes += nbytes
@@ -411,6 +460,37 @@ class Server:
             session.attached.add(seg.id)
         return {"va": seg.va, "nbytes": seg.nbytes, "kind": seg.kind.name.lower(), "device": seg.device}
 
+    async def _register_remote(self, session: Session, req: P.RegisterRemote) -> P.Reply:
+        """Map a producer's NIXL-registered buffer as a remote segment (agent start and
+        metadata loading run on a worker thread: the first one takes ~0.6 s)."""
+        try:
+            cfg = self.config
+            if not 0 < req.nbytes <= MAX_SEGMENT_BYTES:
+                raise E.InvalidField(f"segment size {req.nbytes} is outside 1..{MAX_SEGMENT_BYTES}")
+            if cfg.max_segments_per_session and len(session.segments) >= cfg.max_segments_per_session:
+                raise E.QuotaExceeded(f"session already has {len(session.segments)} segments (limit {cfg.max_segments_per_session})")
+            if not self.remote.available():
+                raise E.InvalidField(
+                    "remote segments need NIXL in the daemon (pip install --no-deps nixl-cu12==1.5.1)"
+                    if self.remote.enabled else "remote segments are disabled in this daemon"
+                )
+            async with self._remote_start:
+                handle = await trio.to_thread.run_sync(
+                    self.remote.add_segment, session.id, req.metadata, req.descs, req.nbytes
+                )
+            if session.closing or self.sessions.get(session.identity) is not session:
+                self.remote.drop_segment(handle)
+                raise E.SessionClosed("the session is closing")
+            seg = self.table.add(SegmentKind.REMOTE, req.nbytes, session.id, handle)
+            session.segments.add(seg.id)
+            log.info("session %d: remote segment %d of %d bytes from agent %r", session.id, seg.id, req.nbytes, handle.peer)
+            return P.Reply(req.id, {"va": seg.va, "nbytes": req.nbytes, "agent": self.remote.name})
+        except E.TransferError as exc:
+            return P.Reply(req.id, error=exc)
+        except Exception as exc:  # a bug: fail this request, keep serving
+            log.exception("internal error on RegisterRemote")
+            return P.Reply(req.id, error=E.InternalError(f"{type(exc).__name__}: {exc}"))
+
     def _free(self, session: Session, va: int, kind: SegmentKind) -> None:
         seg = self.table.lookup(va, session.id)
         if va != seg.va:
@@ -419,11 +499,18 @@ class Server:
             raise E.InvalidField(f"segment {seg.id} is a {seg.kind.name.lower()} segment")
         self._drop(session, seg)
 
+    def drop_segment(self, session: Session, seg: Segment[Any]) -> None:
+        self._drop(session, seg)
+
     def _drop(self, session: Session, seg: Segment[Any]) -> None:
         self.table.remove(seg.id)
         for token in seg.info.get("tokens", ()):
             self.shares.pop(token, None)
         session.segments.discard(seg.id)
+        if seg.kind == SegmentKind.REMOTE:
+            self.remote.drop_segment(seg.handle)
+            return
+        self.remote.forget_local(seg)  # deregister from our NIXL agent before the memory goes
         if seg.kind == SegmentKind.HOST:
             session.host_bytes -= seg.nbytes
             shm: ShmFile = seg.handle
@@ -445,6 +532,7 @@ class Server:
         if self.sessions.get(session.identity) is session:
             del self.sessions[session.identity]
         session.queue.clear()
+        release_arenas(self, session)
         for sid in session.attached:
             seg = self.table.get(sid)
             if seg is not None:
@@ -455,6 +543,7 @@ class Server:
             if seg is not None:
                 self._drop(session, seg)
         session.segments.clear()
+        self.remote.drop_session(session.id)
 
     async def end_session(self, session: Session, why: str) -> None:
         """Reclaim a dead or silent client's session: stop its work, then free its memory."""
@@ -499,6 +588,7 @@ class Server:
                 "device_bytes": self.device_bytes,
                 "devices": [{"index": d.index, "kind": d.kind, "queued_bytes": d.queued_bytes, "batches": d.completed} for d in self.devices],
                 "uptime_s": round(time.monotonic() - self.started, 3),
+                **self.remote.counters,
             }
         }
         if session is not None:

@@ -22,6 +22,10 @@ class SessionStats:
     requests: int = 0
     errors: int = 0
     bytes_moved: int = 0
+    #: Frames the client blocked on (it marks them with a Wait request).
+    blocking: int = 0
+    #: Deferred definitions received (allocations, frees, tensors, plans).
+    defines: int = 0
 
     def to_wire(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -37,6 +41,10 @@ class Session:
     host_bytes: int = 0
     device_bytes: int = 0
     segments: set[int] = field(default_factory=set)
+    #: Deferred-allocation arenas: device -> (first segment id, count).
+    arenas: dict[int, tuple[int, int]] = field(default_factory=dict)
+    #: Cached definitions: (kind, client id) -> (version, value, creation site).
+    defs: dict[tuple[str, int], tuple[int, Any, str]] = field(default_factory=dict)
     #: Other sessions' segments this one attached to (Share/Attach).
     attached: set[int] = field(default_factory=set)
     stats: SessionStats = field(default_factory=SessionStats)

@@ -104,17 +104,33 @@ def default_endpoint() -> str:
 _LOOPBACK = {"127.0.0.1", "localhost", "::1", "[::1]"}
 
 
-def check_endpoint(endpoint: str, *, allow_remote_tcp: bool = False) -> str:
-    """Validate an endpoint the daemon may bind: ipc://PATH, or tcp:// on loopback."""
+def check_endpoint(
+    endpoint: str, *, allow_remote_tcp: bool = False, curve: bool = False, allow_insecure_tcp: bool = False
+) -> str:
+    """Validate an endpoint the daemon may bind.
+
+    ipc://PATH always (the socket file is 0600 in a 0700 directory). tcp:// needs
+    CURVE (`curve`: the daemon has keys, clients must hold an authorized key);
+    without it, tcp is refused unless `allow_insecure_tcp`, and then only on
+    loopback unless `allow_remote_tcp` too.
+    """
     if endpoint.startswith("ipc://"):
         if not endpoint[6:]:
             raise ValueError("ipc:// endpoint needs a path")
         return endpoint
     if endpoint.startswith("tcp://"):
+        if curve:
+            return endpoint
         host = urlparse(endpoint).hostname or ""
         if host not in _LOOPBACK and not allow_remote_tcp:
             raise ValueError(
-                f"refusing to bind {endpoint}: unauthenticated tcp is only allowed on loopback"
+                f"refusing to bind {endpoint}: unauthenticated tcp is only allowed on loopback "
+                "(give the daemon CURVE keys: transferd keygen DIR, then --curve-dir DIR)"
+            )
+        if not allow_insecure_tcp:
+            raise ValueError(
+                f"refusing to bind {endpoint} without authentication: make CURVE keys with "
+                "`transferd keygen DIR` and pass --curve-dir DIR (or --allow-insecure-tcp, for tests on loopback)"
             )
         return endpoint
     raise ValueError(f"unsupported endpoint {endpoint!r} (use ipc://PATH or tcp://127.0.0.1:PORT)")

@@ -1,0 +1,275 @@
+"""Remote producers over RDMA: transferd with a tcp endpoint, producers in other processes.
+
+The daemon is a real `transferd` process on 127.0.0.1; the test process (and,
+for the kill test, a third process) is the producer: it registers its own
+NumPy memory with NIXL and the daemon pulls (READ) or pushes (WRITE) by VA.
+Skipped when NIXL is not importable. See docs/rdma.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+import transfer
+from transfer import protocol as P
+from transfer.testing import DaemonProcess, start_daemon
+from transfer.transport import _nixl
+
+if not _nixl.available():
+    pytest.skip("NIXL not installed (pip install --no-deps nixl-cu12==1.5.1)", allow_module_level=True)
+
+pytestmark = [pytest.mark.rdma, pytest.mark.timeout(60)]
+
+HERE = Path(__file__).parent
+FAST = ["--heartbeat", "0.2", "--session-timeout", "2.0", "--backend", "numpy"]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _daemon(args: list[str]) -> Iterator[tuple[DaemonProcess, str]]:
+    shm = Path("/dev/shm") / f"transfer-rdma-{uuid.uuid4().hex[:8]}"
+    shm.mkdir(mode=0o700)
+    wd = Path(tempfile.mkdtemp(prefix="transferd-rdma-"))
+    port = _port()
+    d = start_daemon([*FAST, "--endpoint", f"tcp://127.0.0.1:{port}", *args], workdir=wd, shm_dir=shm)
+    try:
+        yield d, f"tcp://127.0.0.1:{port}"
+    finally:
+        assert d.stop() == 0
+        shutil.rmtree(wd, ignore_errors=True)
+        left = [n for n in os.listdir(shm) if not n.endswith(".lock")]
+        shutil.rmtree(shm, ignore_errors=True)
+        assert left == [], "shared memory left behind"
+
+
+@pytest.fixture(scope="module")
+def tcp_daemon() -> Iterator[tuple[DaemonProcess, str]]:
+    yield from _daemon(["--allow-insecure-tcp"])
+
+
+@pytest.fixture(scope="module")
+def client(tcp_daemon: tuple[DaemonProcess, str]) -> Iterator[transfer.Client]:
+    with transfer.connect(tcp_daemon[1], name="rdma-test") as c:
+        yield c
+
+
+def test_read_remote_into_device_buffer(client: transfer.Client) -> None:
+    arr = np.random.default_rng(1).integers(0, 256, 3 << 20, dtype=np.uint8)
+    seg = client.register_remote(arr)
+    buf = client.alloc(arr.nbytes)
+    client.copy(buf, seg).result()
+    assert client.checksum(buf).result() == transfer.checksum64(arr)
+    # A slice, at offsets: the daemon reads exactly the declared bytes.
+    client.copy(buf.at(5), seg.at(1000), 4096).result()
+    assert client.checksum(buf.at(5), 4096).result() == transfer.checksum64(arr[1000:5096])
+    # Into a shared-memory segment too (registered with the daemon's agent as DRAM).
+    shm = client.segment(1 << 20)
+    client.copy(shm, seg.at(77), 1 << 20).result()
+    assert np.array_equal(shm.buffer, arr[77 : 77 + (1 << 20)])
+    client.free(shm)
+    client.free(buf)
+    client.free(seg)
+
+
+def test_write_device_buffer_to_remote(client: transfer.Client) -> None:
+    seg = client.remote_segment(1 << 20)
+    buf = client.alloc(1 << 20)
+    client.fill(buf, 1 << 20, 0x5A).result()
+    client.copy(seg.at(4096), buf, 65536).result()
+    view = seg.buffer
+    assert (view[4096 : 4096 + 65536] == 0x5A).all()
+    assert not view[:4096].any() and not view[4096 + 65536 :].any()
+    client.free(buf)
+    client.free(seg)
+
+
+def test_thousand_small_reads_are_one_nixl_post(client: transfer.Client) -> None:
+    arr = np.random.default_rng(2).integers(0, 256, 1 << 20, dtype=np.uint8)
+    seg = client.register_remote(arr)
+    buf = client.alloc(1000 * 256)
+    before = client.stats()["daemon"]
+    with client.batch():
+        for i in range(1000):  # scattered: every other KiB of the producer's buffer
+            client.copy(buf.at(i * 256), seg.at(i * 1024), 256)
+    client.fence()
+    after = client.stats()["daemon"]
+    assert after["nixl_posts"] - before["nixl_posts"] == 1
+    assert after["nixl_descs"] - before["nixl_descs"] == 1000
+    want = arr[: 1000 * 1024].reshape(1000, 1024)[:, :256].reshape(-1)
+    assert client.checksum(buf).result() == transfer.checksum64(want)
+    # The same as one vector request (CopyV): again one post.
+    i = np.arange(1000, dtype=np.uint64)
+    client.copy_many(buf.va + i * 256, seg.va + i * 1024 + 512, np.full(1000, 256, np.uint64)).result()
+    assert client.stats()["daemon"]["nixl_posts"] - after["nixl_posts"] == 1
+    client.free(buf)
+    client.free(seg)
+
+
+def test_forged_and_out_of_range_remote_vas_are_refused(tcp_daemon: tuple[DaemonProcess, str], client: transfer.Client) -> None:
+    seg = client.remote_segment(64 << 10)
+    buf = client.alloc(64 << 10)
+    with pytest.raises(transfer.OutOfBounds):
+        client.copy(buf, seg.at(60 << 10), 8 << 10).result()  # past the producer's buffer
+    with pytest.raises(transfer.UnknownSegment):
+        client.copy(buf, 999 << 40, 16).result()  # no such segment
+    with pytest.raises(transfer.InvalidField, match="remote"):
+        client.checksum(seg, 16).result()  # only copies may name a remote VA
+    with pytest.raises(transfer.InvalidField, match="two remote"):
+        client.copy(seg, seg.at(100), 10).result()
+    # Another session cannot name our remote segment, nor reuse our NIXL agent's name.
+    with transfer.connect(tcp_daemon[1], name="intruder") as other:
+        theirs = other.alloc(4096)
+        with pytest.raises(transfer.NotOwner):
+            other.copy(theirs, seg.va, 16).result()
+        md = client._remote.ep.metadata
+        descs = _nixl.encode_descs([(seg.buffer.ctypes.data, 4096)])
+        with pytest.raises(transfer.InvalidField, match="already in use"):
+            other._call(P.RegisterRemote, md, descs, 4096)
+        with pytest.raises(transfer.InvalidField):  # not the strict descriptor layout (e.g. a pickle)
+            other._call(P.RegisterRemote, md, b"\x80\x04K\x01.", 4096)
+        with pytest.raises(transfer.InvalidField, match="length"):
+            other._call(P.RegisterRemote, md, descs, 8192)
+    # Our segment still works after all that.
+    client.copy(buf, seg, 64 << 10).result()
+    client.free(buf)
+    client.free(seg)
+
+
+def test_freed_remote_segment_is_dead(client: transfer.Client) -> None:
+    seg = client.remote_segment(4096)
+    buf = client.alloc(4096)
+    va = seg.va
+    client.free(seg)
+    with pytest.raises(transfer.SegmentFreed):
+        client.copy(buf, va, 16).result()
+    client.free(buf)
+
+
+def test_producer_killed_mid_transfer(tcp_daemon: tuple[DaemonProcess, str], client: transfer.Client) -> None:
+    d, endpoint = tcp_daemon
+    base = client.stats()["daemon"]
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "_remote_producer.py"), endpoint, str(32 << 20)],
+        stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+    )
+    try:
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        assert json.loads(line)["checksum"] == transfer.checksum64(
+            np.random.default_rng(7).integers(0, 256, 32 << 20, dtype=np.uint8)
+        )
+        assert client.stats()["daemon"]["sessions"] == base["sessions"] + 1
+        time.sleep(0.15)  # it is streaming 32 MiB READs now
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            st = client.stats()["daemon"]
+            if st["sessions"] == base["sessions"] and st["nixl_peers"] == base["nixl_peers"]:
+                break
+            time.sleep(0.1)
+        assert st["sessions"] == base["sessions"], st
+        assert st["nixl_peers"] == base["nixl_peers"], st
+        assert st["segments"] == base["segments"], st
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # The daemon and this session keep going.
+    assert d.alive()
+    seg = client.remote_segment(1 << 20)
+    seg.buffer[:] = 3
+    buf = client.alloc(1 << 20)
+    client.copy(buf, seg).result()
+    assert client.checksum(buf).result() == transfer.checksum64(np.full(1 << 20, 3, np.uint8))
+    client.free(buf)
+    client.free(seg)
+
+
+# --- CURVE ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transfer.cli._keys import keygen
+
+    d = tmp_path_factory.mktemp("keys") / "curve"
+    keygen(d, ["good"])
+    keygen(tmp_path_factory.mktemp("other") / "curve", ["bad"])  # a pair the daemon never saw
+    return d
+
+
+@pytest.fixture(scope="module")
+def curve_daemon(keys: Path) -> Iterator[tuple[DaemonProcess, str]]:
+    yield from _daemon(["--curve-dir", str(keys)])
+
+
+def test_curve_keys_admit_the_pinned_client(keys: Path, curve_daemon: tuple[DaemonProcess, str]) -> None:
+    with transfer.connect(curve_daemon[1], server_key=str(keys / "server.key"), client_keys=str(keys / "clients" / "good.key_secret")) as c:
+        seg = c.remote_segment(4096)
+        seg.buffer[:] = 9
+        buf = c.alloc(4096)
+        c.copy(buf, seg).result()
+        assert c.checksum(buf).result() == transfer.checksum64(b"\x09" * 4096)
+
+
+def test_wrong_curve_keys_are_refused_quickly(keys: Path, curve_daemon: tuple[DaemonProcess, str]) -> None:
+    other = keys.parent.parent / [p for p in os.listdir(keys.parent.parent) if p.startswith("other")][0] / "curve"
+    good_client = str(keys / "clients" / "good.key_secret")
+    cases = [
+        dict(server_key=str(other / "server.key"), client_keys=good_client),  # wrong server key
+        dict(server_key=str(keys / "server.key"), client_keys=str(other / "clients" / "bad.key_secret")),  # unknown client
+        dict(),  # no keys at all
+    ]
+    for kw in cases:
+        t0 = time.monotonic()
+        with pytest.raises(transfer.DaemonUnavailable, match="handshake"):
+            transfer.connect(curve_daemon[1], connect_timeout=5.0, **kw)
+        assert time.monotonic() - t0 < 2.0, kw
+
+
+def test_tcp_without_keys_is_refused_unless_insecure_allowed(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "transfer.cli.transferd", "--endpoint", f"tcp://127.0.0.1:{_port()}", "--shm-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=30,
+    )
+    assert r.returncode == 1 and "without authentication" in r.stderr and "keygen" in r.stderr
+
+
+def test_keygen_subcommand(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "transfer.cli.transferd", "keygen", str(tmp_path / "k"), "--client", "a"],
+        capture_output=True, text=True, timeout=30,
+    )
+    assert r.returncode == 0, r.stderr
+    paths = json.loads(r.stdout)
+    assert Path(paths["server_key"]).exists() and Path(paths["client:a"]).exists()
+    assert (tmp_path / "k" / "authorized_clients" / "a.key").exists()
+    assert os.stat(paths["server_secret"]).st_mode & 0o077 == 0
+
+
+def test_trio_client_with_curve_keys(keys: Path, curve_daemon: tuple[DaemonProcess, str]) -> None:
+    import trio
+
+    async def main() -> None:
+        async with transfer.open_client(curve_daemon[1], server_key=str(keys / "server.key"), client_keys=str(keys / "clients" / "good.key_secret")) as c:
+            buf = await c.alloc(4096)
+            await c.fill(buf, 4096, 1)
+            assert await c.checksum(buf, 4096) == transfer.checksum64(b"\x01" * 4096)
+
+    trio.run(main)

@@ -1,0 +1,219 @@
+"""Deferred creation, client side: answer create/configure calls locally.
+
+At hello the daemon grants the session an *arena* per device: a block of
+segment ids (each id is a 1 TiB VA range) and a byte quota. `alloc` picks a
+free id from that block and returns its VA at once; nothing is sent. The
+allocation's definition (size, device, and where in the user's code it was
+created) travels inside the first frame that touches its VA; frees travel
+with the next frame. Tensor descriptors and operator plans work the same
+way: created and changed here, defined on the daemon at first use, re-sent
+with a new version when changed after use, never used stale.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from .. import errors as E
+from .. import protocol as P
+from ..addressing import OFFSET_BITS
+from ..kernels import DTYPES, OPERATORS, TensorRef, tensor_extent
+
+__all__ = ["Arena", "DeferredBuffer", "Tensor", "Plan", "DeferredState", "creation_site"]
+
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def creation_site() -> str:
+    """file:line of the first frame outside this package (where the user created the resource)."""
+    f = sys._getframe(1)
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_PKG_DIR):
+        f = f.f_back  # type: ignore[assignment]
+    if f is None:
+        return "<unknown>"
+    return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
+
+
+@dataclass
+class Arena:
+    device: int
+    first_id: int
+    count: int
+    quota: int
+    used: int = 0
+    free_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.free_ids = list(range(self.first_id + self.count - 1, self.first_id - 1, -1))
+
+
+class DeferredBuffer:
+    """A device buffer whose VA exists before the daemon has allocated it."""
+
+    def __init__(self, va: int, nbytes: int, device: int, site: str) -> None:
+        self.va = va
+        self.nbytes = nbytes
+        self.device = device
+        self.site = site
+        self.defined = False  # the daemon has (been sent) its definition
+        self.freed = False
+
+    def at(self, offset: int) -> int:
+        if not 0 <= offset <= self.nbytes:
+            raise E.OutOfBounds(f"offset {offset} is outside the buffer's {self.nbytes} bytes")
+        return self.va + offset
+
+    def tensor(self, shape: int | Sequence[int], dtype: Any = np.uint8, offset: int = 0, strides: Sequence[int] | None = None) -> TensorRef:
+        from ._core import make_tensor
+
+        return make_tensor(self, shape, dtype, offset, strides)
+
+    def __repr__(self) -> str:
+        return f"<DeferredBuffer va={self.va:#x} nbytes={self.nbytes} device={self.device} {'defined' if self.defined else 'pending'}>"
+
+
+_ids = itertools.count(1)
+
+
+class Tensor:
+    """A tensor descriptor with a client-side id: created and changed here, defined at first use."""
+
+    def __init__(self, owner: Any, shape: Sequence[int], dtype: Any, offset: int = 0, strides: Sequence[int] | None = None) -> None:
+        self.id = next(_ids)
+        self.version = 0
+        self.sent_version = -1
+        self.site = creation_site()
+        self._owner = owner
+        self.set(shape=shape, dtype=dtype, offset=offset, strides=strides)
+
+    def set(self, *, shape: Sequence[int] | None = None, dtype: Any = None, offset: int | None = None, strides: Sequence[int] | None = None) -> "Tensor":
+        """Change the description; a new version is sent with the next use."""
+        shape = tuple(int(d) for d in (shape if shape is not None else self.ref.shape))
+        dt = np.dtype(dtype if dtype is not None else self.ref.dtype)
+        if dt.name not in DTYPES:
+            raise TypeError(f"dtype {dt} is not supported; use one of {', '.join(DTYPES)}")
+        off = offset if offset is not None else (self.ref.va - self._owner.va)
+        ref = TensorRef(self._owner.va + off, dt.name, shape, None if strides is None else tuple(int(s) for s in strides))
+        if off < 0 or off + tensor_extent(ref) > self._owner.nbytes:
+            raise E.OutOfBounds(f"tensor {shape} {dt} at offset {off} exceeds {self._owner.nbytes} bytes (created at {self.site})")
+        self.ref = ref
+        self.version += 1
+        return self
+
+    def definition(self) -> list[Any]:
+        return self.ref.to_wire()
+
+    def __repr__(self) -> str:
+        return f"<Tensor #{self.id} v{self.version} {self.ref.shape} {self.ref.dtype}>"
+
+
+class Plan:
+    """An operator configuration (operator, parameters, placement) with a client-side id."""
+
+    def __init__(self, op: str, params: dict[str, Any] | None = None, *, device: int = -1, placement: str = "") -> None:
+        if op not in OPERATORS:
+            raise E.UnknownOperation(f"unknown operator {op!r}; known: {', '.join(sorted(OPERATORS))}")
+        self.id = next(_ids)
+        self.version = 1
+        self.sent_version = -1
+        self.site = creation_site()
+        self.op = op
+        self.params = dict(params or {})
+        self.device = device
+        self.placement = placement
+
+    def set(self, **params: Any) -> "Plan":
+        """Change parameters; the next use re-sends the plan under a new version."""
+        self.params.update(params)
+        self.version += 1
+        return self
+
+    def definition(self) -> list[Any]:
+        return [self.op, self.params, self.device, self.placement, self.site]
+
+    def __repr__(self) -> str:
+        return f"<Plan #{self.id} v{self.version} {self.op}>"
+
+
+class DeferredState:
+    """Arenas, pending definitions and frees: what the next frame must carry first."""
+
+    def __init__(self, arenas: Iterable[dict[str, int]]) -> None:
+        self.arenas = {a["device"]: Arena(a["device"], a["first_id"], a["count"], a["quota"]) for a in arenas}
+        self.buffers: dict[int, DeferredBuffer] = {}  # segment id -> buffer not yet defined
+        self.frees: list[int] = []
+
+    def alloc(self, nbytes: int, device: int, site: str) -> DeferredBuffer:
+        if not self.arenas:
+            raise E.SessionError("the daemon granted no arena (deferred allocation unavailable)")
+        if device == -1:
+            device = min(self.arenas)
+        arena = self.arenas.get(device)
+        if arena is None:
+            raise E.InvalidField(f"alloc at {site}: device {device} does not exist (arenas: {sorted(self.arenas)})")
+        if nbytes <= 0 or nbytes > (1 << OFFSET_BITS):
+            raise E.InvalidField(f"alloc of {nbytes} bytes at {site}: size must be in 1..{1 << OFFSET_BITS}")
+        if arena.quota and arena.used + nbytes > arena.quota:
+            raise E.QuotaExceeded(
+                f"alloc of {_human(nbytes)} created at {site} exceeds the session's device quota of {_human(arena.quota)} "
+                f"({_human(arena.used)} in use)"
+            )
+        if not arena.free_ids:
+            raise E.QuotaExceeded(f"alloc at {site}: the session's arena on device {device} has no free ids ({arena.count})")
+        sid = arena.free_ids.pop()
+        arena.used += nbytes
+        buf = DeferredBuffer(sid << OFFSET_BITS, nbytes, device, site)
+        self.buffers[sid] = buf
+        return buf
+
+    def free(self, buf: DeferredBuffer) -> None:
+        if buf.freed:
+            raise E.SegmentFreed(f"buffer created at {buf.site} was already freed")
+        buf.freed = True
+        sid = buf.va >> OFFSET_BITS
+        if not buf.defined:
+            # Never reached the daemon: nothing to tell it.
+            self.buffers.pop(sid, None)
+            self._recycle(buf)
+            return
+        self.frees.append(buf.va)
+        self._recycle(buf)
+
+    def _recycle(self, buf: DeferredBuffer) -> None:
+        arena = self.arenas[buf.device]
+        arena.used -= buf.nbytes
+        arena.free_ids.append(buf.va >> OFFSET_BITS)
+
+    def definitions_for(self, vas: Iterable[int], objects: Iterable[Any], new: Any) -> list[P.Request]:
+        """Define requests that must precede a request touching `vas` and using `objects`."""
+        out: list[P.Request] = []
+        if self.frees:
+            out.extend(new(P.Define, P.DEF_FREE, 0, 0, va, "") for va in self.frees)
+            self.frees = []
+        for va in vas:
+            buf = self.buffers.pop(va >> OFFSET_BITS, None)
+            if buf is not None and not buf.defined and not buf.freed:
+                buf.defined = True
+                out.append(new(P.Define, P.DEF_ALLOC, 0, 0, [buf.va, buf.nbytes, buf.device], buf.site))
+        for obj in objects:
+            if obj.sent_version != obj.version:
+                if isinstance(obj, Tensor):
+                    for d in self.definitions_for([obj.ref.va], (), new):
+                        out.append(d)
+                kind = P.DEF_TENSOR if isinstance(obj, Tensor) else P.DEF_PLAN
+                out.append(new(P.Define, kind, obj.id, obj.version, obj.definition(), obj.site))
+                obj.sent_version = obj.version
+        return out
+
+
+def _human(n: int) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size} {unit}"
+    return f"{n} bytes"

@@ -1,0 +1,108 @@
+"""Client side of remote (NIXL) segments: the producer's own buffers, pulled or pushed by the daemon.
+
+A producer on another host (or one that simply prefers its own memory)
+registers a NumPy buffer with its NIXL agent and tells the daemon about it
+(RegisterRemote: agent metadata + the buffer's descriptor list in the strict
+`encode_descs` layout). The daemon maps it as a `remote` segment: its VAs can
+be the source of a copy (one-sided READ into daemon memory) or the
+destination (WRITE). The bytes never cross the control socket.
+
+Order on release matters (docs/rdma.md: deregistration is not revocation):
+the daemon drops the segment and acknowledges *before* the producer
+deregisters or frees the memory. `RemoteSegment.free()` / `Client.free()`
+does exactly that.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from typing import Any, Sequence
+
+import numpy as np
+
+from .. import errors as E
+from .. import protocol as P
+from ..kernels import TensorRef
+from ._core import make_tensor
+
+__all__ = ["RemoteSegment", "RemoteAgent"]
+
+
+class RemoteAgent:
+    """This process's NIXL agent for one client session (created on first use)."""
+
+    def __init__(self, session_id: int) -> None:
+        from ..transport._nixl import NixlEndpoint
+
+        # Agent names are chosen by us and checked for clashes by the daemon.
+        self.name = f"tx-s{session_id}-p{os.getpid()}-{secrets.token_hex(4)}"
+        self.ep = NixlEndpoint(self.name, progress="event")
+
+    def close(self) -> None:
+        self.ep.close()
+
+
+class RemoteSegment:
+    """A buffer in this process that the daemon reads and writes by VA (over NIXL)."""
+
+    def __init__(self, client: Any, va: int, array: np.ndarray, registration: Any) -> None:
+        self._client = client
+        self.va = va
+        self.nbytes = int(array.nbytes)
+        self._array: np.ndarray | None = array
+        self._reg = registration
+
+    @property
+    def buffer(self) -> np.ndarray:
+        """The registered memory as a flat uint8 array (what the daemon reads or writes)."""
+        if self._array is None:
+            raise E.SegmentFreed(f"remote segment {self.va:#x} has been freed")
+        return self._array.reshape(-1).view(np.uint8)
+
+    @property
+    def array(self) -> np.ndarray:
+        """The array as registered (its own shape and dtype)."""
+        if self._array is None:
+            raise E.SegmentFreed(f"remote segment {self.va:#x} has been freed")
+        return self._array
+
+    def at(self, offset: int) -> int:
+        if not 0 <= offset <= self.nbytes:
+            raise E.OutOfBounds(f"offset {offset} is outside the segment's {self.nbytes} bytes")
+        return self.va + offset
+
+    def tensor(self, shape: int | Sequence[int], dtype: Any = np.uint8, offset: int = 0, strides: Sequence[int] | None = None) -> TensorRef:
+        return make_tensor(self, shape, dtype, offset, strides)
+
+    @property
+    def freed(self) -> bool:
+        return self._array is None
+
+    def free(self) -> None:
+        self._client.free(self)
+
+    def _deregister(self, agent: RemoteAgent | None) -> None:
+        if self._reg is not None and agent is not None and not agent.ep.closed:
+            agent.ep.deregister(self._reg)
+        self._reg = None
+        self._array = None
+
+    def __repr__(self) -> str:
+        return f"<RemoteSegment va={self.va:#x} nbytes={self.nbytes}{' freed' if self.freed else ''}>"
+
+
+def register(client: Any, agent: RemoteAgent, array: np.ndarray, call: Any) -> RemoteSegment:
+    """Register `array` with our agent, then with the daemon (`call(cls, *args)` waits for the reply)."""
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"register_remote takes a NumPy array, got {type(array).__name__}")
+    if not array.flags.c_contiguous or not array.flags.writeable or array.nbytes == 0:
+        raise E.InvalidField("register_remote needs a writable, C-contiguous, non-empty array")
+    reg = agent.ep.register(array)
+    try:
+        # Metadata is taken after registering: it carries the new buffer's remote key.
+        info = call(P.RegisterRemote, agent.ep.metadata, reg.descs_bytes, int(array.nbytes))
+    except BaseException:
+        agent.ep.deregister(reg)
+        raise
+    return RemoteSegment(client, int(info["va"]), array, reg)

@@ -1,0 +1,269 @@
+"""The daemon's side of the RDMA data plane: one NIXL agent, remote segments, batched posts.
+
+`RemotePlane` owns the daemon's NIXL agent (created lazily, on a worker
+thread, by the first RegisterRemote: it takes ~0.6 s and most daemons never
+need it). It knows:
+
+* which producer agent belongs to which session (agent names are chosen by
+  the peer: a name already used by another session is refused);
+* what each producer *declared* (its descriptor list): every range the daemon
+  ever reads or writes on a peer is checked with `check_ranges_within`
+  against that session's declared ranges, whatever NIXL itself would accept;
+* which of the daemon's own memory (device buffers, shared-memory segments)
+  is registered with the agent as DRAM (lazily, once per segment; released
+  with the segment).
+
+`post()` runs ONE NIXL transfer for a whole descriptor list and waits for it;
+it blocks (a same-host `cma` READ copies inside the post), so the scheduler
+calls it on a worker thread. Nothing here knows sessions' wire messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import errors as E
+from ..addressing import SegmentKind
+from . import _nixl as N
+
+__all__ = ["RemotePlane", "RemoteHandle", "RemoteWork"]
+
+log = logging.getLogger("transfer.remote")
+
+
+@dataclass(eq=False)
+class RemoteHandle:
+    """The mapping table's handle for a `remote` segment: (agent, remote address, length)."""
+
+    peer: str
+    addr: int
+    nbytes: int
+    session: int
+
+
+@dataclass(eq=False, slots=True)
+class RemoteWork:
+    """What one planned op asks of the data plane: ranges of one peer, one direction."""
+
+    plane: "RemotePlane"
+    peer: str
+    op: str  # "READ" (remote -> local) or "WRITE" (local -> remote)
+    local: np.ndarray  # (N, 2) uint64: (address, nbytes) in the daemon's memory
+    remote: np.ndarray  # (N, 2) uint64: (address, nbytes) in the peer's memory
+
+
+@dataclass
+class _Peer:
+    name: str
+    session: int
+    declared: list[tuple[int, int]] = field(default_factory=list)
+    #: (N, 2) view of `declared`, rebuilt on change (for the vectorised check).
+    ranges: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.uint64))
+    dead: bool = False
+
+
+class RemotePlane:
+    """The daemon's NIXL agent and everything it has been told."""
+
+    def __init__(self, name: str, timeout_s: float = 30.0, enabled: bool = True) -> None:
+        self.name = name
+        self.timeout_s = timeout_s
+        self.enabled = enabled
+        self.ep: N.NixlEndpoint | None = None
+        self._lock = threading.Lock()  # NIXL calls from the loop and from post threads
+        self._peers: dict[str, _Peer] = {}
+        self._by_session: dict[int, str] = {}
+        self.counters = {"nixl_posts": 0, "nixl_descs": 0, "nixl_bytes": 0, "nixl_failures": 0, "nixl_peers": 0}
+
+    # --- lifecycle -----------------------------------------------------------------------
+    def available(self) -> bool:
+        return self.enabled and N.available()
+
+    def ensure_started(self) -> N.NixlEndpoint:
+        """Create the agent (blocking, ~0.6 s: call it on a worker thread)."""
+        with self._lock:
+            if self.ep is None:
+                if not self.enabled:
+                    raise E.InvalidField("remote segments are disabled in this daemon (--rdma false)")
+                self.ep = N.NixlEndpoint(self.name, progress="event")
+                log.info("NIXL agent %r started", self.name)
+            return self.ep
+
+    def close(self) -> None:
+        with self._lock:
+            if self.ep is not None:
+                self.ep.close()
+                self.ep = None
+            self._peers.clear()
+            self._by_session.clear()
+
+    # --- peers and segments ------------------------------------------------------------------
+    def add_segment(self, session: int, metadata: bytes, descs: bytes, nbytes: int) -> RemoteHandle:
+        """Load a producer's metadata (first time: its agent becomes this session's peer) and
+        declare one remote buffer. Blocking (loads metadata): call it on a worker thread."""
+        declared = N.decode_descs(descs)  # strict; never pickle
+        if declared.mem_type != "DRAM":
+            raise E.InvalidField(f"remote segments must be host memory (DRAM), got {declared.mem_type}")
+        if len(declared) != 1:
+            raise E.InvalidField(f"a remote segment is one registered range, got {len(declared)} descriptors")
+        addr, length = (int(x) for x in declared.ranges[0])
+        if length != nbytes:
+            raise E.InvalidField(f"descriptor length {length} != nbytes {nbytes}")
+        name = N.peek_agent_name(metadata)
+        ep = self.ensure_started()
+        with self._lock:
+            known = self._by_session.get(session)
+            if known is not None and name != known:
+                raise E.InvalidField(f"this session's NIXL agent is {known!r}; metadata names {name!r}")
+            other = self._peers.get(name)
+            if known is None and (other is not None or name == self.name):
+                raise E.InvalidField(f"NIXL agent name {name!r} is already in use: choose a unique name")
+            try:
+                # Re-loading our own session's agent merges the new registrations.
+                loaded = ep.add_peer(metadata, expected_name=name) if known else ep.add_peer(metadata)
+            except E.NixlError as exc:
+                raise E.InvalidField(f"unusable NIXL metadata: {exc}") from None
+            peer = self._peers.get(loaded)
+            if peer is None:
+                peer = self._peers[loaded] = _Peer(loaded, session)
+                self._by_session[session] = loaded
+                self.counters["nixl_peers"] += 1
+            peer.declared.append((addr, length))
+            peer.ranges = np.array(peer.declared, dtype=np.uint64).reshape(-1, 2)
+        return RemoteHandle(loaded, addr, length, session)
+
+    def drop_segment(self, handle: RemoteHandle) -> None:
+        """Forget one declared range (before the producer may deregister it)."""
+        with self._lock:
+            peer = self._peers.get(handle.peer)
+            if peer is None:
+                return
+            try:
+                peer.declared.remove((handle.addr, handle.nbytes))
+            except ValueError:
+                pass
+            peer.ranges = np.array(peer.declared, dtype=np.uint64).reshape(-1, 2)
+
+    def drop_session(self, session: int) -> None:
+        """The session ended: forget its peer and disconnect from it."""
+        with self._lock:
+            name = self._by_session.pop(session, None)
+            if name is None:
+                return
+            self._peers.pop(name, None)
+            self.counters["nixl_peers"] -= 1
+            if self.ep is not None:
+                try:
+                    self.ep.remove_peer(name)
+                except E.NixlError as exc:
+                    log.warning("removing NIXL peer %r: %s", name, exc)
+
+    def check_remote(self, handle: RemoteHandle, ranges: np.ndarray) -> None:
+        """Every range must lie inside what this peer declared (and still declares)."""
+        peer = self._peers.get(handle.peer)
+        if peer is None or peer.session != handle.session:
+            raise E.SegmentFreed(f"NIXL peer {handle.peer!r} is gone")
+        N.check_ranges_within(peer.ranges, ranges)
+
+    def check_remote_one(self, handle: RemoteHandle, addr: int, nbytes: int) -> None:
+        """`check_remote` for one range, without NumPy."""
+        peer = self._peers.get(handle.peer)
+        if peer is None or peer.session != handle.session:
+            raise E.SegmentFreed(f"NIXL peer {handle.peer!r} is gone")
+        for a, n in peer.declared:
+            if a <= addr and addr + nbytes <= a + n:
+                return
+        raise E.RemoteRangeError(f"range (0x{addr:x}, {nbytes} bytes) lies outside every range the producer registered")
+
+    # --- the daemon's own memory ---------------------------------------------------------------
+    def local_base(self, seg: Any) -> int:
+        """The address of a local segment's memory, registered with our agent (once)."""
+        reg = seg.info.get("nixl_reg")
+        if reg is not None:
+            return reg.addr
+        if self.ep is None:
+            raise E.InvalidField("no remote segment registered yet")
+        if seg.kind == SegmentKind.HOST:
+            arr = seg.handle.array
+        elif isinstance(seg.handle, np.ndarray):
+            arr = seg.handle
+        else:
+            # CuPy memory would be registered as VRAM; not wired up yet.
+            raise E.InvalidField(
+                "remote copies to or from GPU memory are not supported yet: copy through a host segment"
+            )
+        with self._lock:
+            reg = self.ep.register(arr)
+        seg.info["nixl_reg"] = reg
+        return reg.addr
+
+    def forget_local(self, seg: Any) -> None:
+        reg = seg.info.pop("nixl_reg", None)
+        if reg is not None and self.ep is not None:
+            with self._lock:
+                try:
+                    self.ep.deregister(reg)
+                except E.NixlError as exc:
+                    log.warning("deregistering segment %d: %s", seg.id, exc)
+
+    # --- transfers -------------------------------------------------------------------------------
+    def post(self, peer: str, op: str, local: np.ndarray, remote: np.ndarray) -> None:
+        """ONE NIXL transfer for the whole list; blocks until done (call on a worker thread)."""
+        xfer = self.start(peer, op, local, remote)
+        self.finish(xfer, wait=True)
+
+    def start(self, peer: str, op: str, local: np.ndarray, remote: np.ndarray) -> Any:
+        """Post ONE transfer for the whole descriptor list; return it (maybe done already:
+        a same-host `cma` transfer copies inside the post)."""
+        ep = self.ep
+        if ep is None:
+            raise E.BackendError("the NIXL agent is not running")
+        p = self._peers.get(peer)
+        if p is None:
+            raise E.PeerDisconnected(f"NIXL peer {peer!r} is gone (its session ended)")
+        if p.dead:
+            raise E.PeerDisconnected(f"NIXL peer {peer!r} disconnected earlier")
+        self.counters["nixl_posts"] += 1
+        self.counters["nixl_descs"] += int(local.shape[0])
+        try:
+            with self._lock:
+                return ep.read(peer, local, remote) if op == "READ" else ep.write(peer, local, remote)
+        except E.NixlError as exc:
+            self._failed(p, exc)
+            raise
+
+    def finish(self, xfer: Any, *, wait: bool) -> bool:
+        """Complete a started transfer: True when done (then released); False if `wait` is
+        False and it is still in flight. Raises (and releases) on failure or timeout."""
+        try:
+            if wait:
+                xfer.wait(self.timeout_s)
+            elif not xfer.poll():
+                if time.perf_counter() - xfer.posted_at < self.timeout_s:
+                    return False
+                raise E.TransferTimeout(f"{xfer.op} of {xfer.nbytes} bytes with {xfer.peer!r} not done after {self.timeout_s} s")
+        except E.NixlError as exc:
+            self._failed(self._peers.get(xfer.peer), exc)
+            self._release(xfer)
+            raise
+        self.counters["nixl_bytes"] += xfer.nbytes
+        self._release(xfer)
+        return True
+
+    def _failed(self, peer: _Peer | None, exc: Exception) -> None:
+        self.counters["nixl_failures"] += 1
+        if peer is not None and isinstance(exc, E.PeerDisconnected):
+            peer.dead = True
+
+    @staticmethod
+    def _release(xfer: Any) -> None:
+        try:
+            xfer.release()
+        except E.NixlError as exc:  # still in flight (timeout): the endpoint's close() retries
+            log.warning("releasing %r: %s", xfer, exc)
