@@ -59,6 +59,8 @@ class Client:
         self._liveness_timeout = liveness_timeout
         self._max_inflight = max_inflight
         self._batch: list[P.Request] | None = None
+        #: Frames (zmq messages) this client has sent: what deferred creation saves.
+        self.frames_sent = 0
         self._segments: dict[int, HostSegment] = {}
         self._closed = False
         self._daemon_pidfd = -1
@@ -371,6 +373,7 @@ class Client:
                     self._drain_until(lambda: len(pending) - unsent + len(chunk) <= limit, None)
                 for frame in self._core.encode(chunk):
                     self._sock.send(frame, copy=len(frame) < 65536)
+                    self.frames_sent += 1
             self._last_tx = time.monotonic()
 
     def _wait_for(self, pending: Pending, timeout: float | None) -> None:
