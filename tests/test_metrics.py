@@ -152,3 +152,35 @@ def test_transferd_metrics_port(shm_dir: Path, tmp_path: Path) -> None:
             assert probe.connect_ex(("127.0.0.1", port)) == 0
     finally:
         assert d.stop() == 0
+
+
+def test_daemon_counts_requests_bytes_and_errors(daemon_factory) -> None:
+    """The live daemon's own counters, scraped over HTTP after real traffic."""
+    import socket
+    import urllib.request
+
+    import numpy as np
+
+    import transfer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = daemon_factory("--metrics-port", str(port))
+    with transfer.connect(d.endpoint) as c:
+        seg = c.segment(1 << 20)
+        buf = c.alloc(1 << 20)
+        for _ in range(5):
+            c.copy(buf, seg).result()
+        with pytest.raises(transfer.OutOfBounds):
+            c.copy(buf.va + 1, seg.va, 1 << 20).result()
+        c.compute("checksum", [seg.tensor(1 << 20, np.uint8)]).result()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    def value(prefix: str) -> float:
+        lines = [ln for ln in text.splitlines() if ln.startswith(prefix)]
+        assert lines, f"no {prefix} in metrics"
+        return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
+    assert value('transfer_requests_total{op="copy"') >= 5
+    assert value('transfer_requests_total{op="compute"') >= 1
+    assert value('transfer_errors_total{code="204"') >= 1
+    assert value("transfer_bytes_moved_total") >= 6 << 20

@@ -233,6 +233,7 @@ def _defaults() -> tuple[Setting, ...]:
         ("placement", _str, "placement of host-only work: size, least-loaded or round-robin", "--placement", {}),
         ("size_threshold", parse_size, "size placement: inputs below this many bytes go to a CPU device", "--size-threshold", {"minimum": 0, "metavar": "BYTES"}),
         ("shutdown_grace_s", _float, "seconds SIGTERM/SIGINT waits for queued work before releasing everything", "--shutdown-grace", {"minimum": 0, "metavar": "SECONDS"}),
+        ("arena_ids", _int, "segment ids in each session's deferred-allocation arena, per device", "--arena-ids", {"minimum": 1}),
         ("allow_remote_tcp", _bool, "bind insecure tcp on non-loopback addresses (with --curve-dir, any address is allowed)", "--allow-remote-tcp", {"boolean": True}),
         ("allow_insecure_tcp", _bool, "serve tcp without CURVE keys (tests on loopback; anyone who can connect gets a session)", "--allow-insecure-tcp", {"boolean": True}),
         ("curve_dir", _str, "CURVE keys from `transferd keygen DIR`: tcp clients must hold an authorized key", "--curve-dir", {"metavar": "DIR"}),
@@ -251,6 +252,8 @@ def _defaults() -> tuple[Setting, ...]:
     out: list[Setting] = []
     covered: set[str] = set()
     for key, parse, help_, flag, extra in table:
+        if key in covered:
+            continue  # listed twice: the first entry wins
         extra = dict(extra)
         target = extra.setdefault("target", "limits" if key.startswith("limits.") else "daemon")
         owner = {"limits": lim, "daemon": d}.get(target)
@@ -265,7 +268,7 @@ def _defaults() -> tuple[Setting, ...]:
         default = getattr(d, f.name)
         parse = _auto_parser(f.name, default)
         if parse is not None:
-            out.append(Setting(f.name, parse, default, f.name.replace("_", " "), "--" + f.name.removesuffix("_s").replace("_", "-")))
+            out.append(Setting(f.name, parse, default, f.name.replace("_", " "), "--" + f.name.removesuffix("_s").replace("_", "-"), boolean=isinstance(default, bool)))
     for f in dataclasses.fields(Limits):
         key = f"limits.{f.name}"
         if key not in covered:

@@ -17,7 +17,7 @@ from .. import protocol as P
 from ..kernels import DTYPES, TensorRef, tensor_extent
 from ..memory import ShmFile
 
-__all__ = ["Pending", "ClientCore", "HostSegment", "DeviceBuffer", "SharedSegment", "Addressable", "resolve_va", "make_tensor"]
+__all__ = ["Addressed", "Pending", "ClientCore", "HostSegment", "DeviceBuffer", "SharedSegment", "Addressable", "resolve_va", "make_tensor"]
 
 
 def make_tensor(owner: Any, shape: int | Sequence[int], dtype: Any, offset: int, strides: Sequence[int] | None) -> TensorRef:
@@ -93,7 +93,27 @@ class Pending:
         return f"<Pending #{self.id} {state}>"
 
 
-class HostSegment:
+class Addressed:
+    """What every resource named by a VA shares: byte addresses and tensor descriptions.
+
+    Subclasses set `va` and `nbytes`; both methods check bounds locally, with no round trip.
+    """
+
+    va: int
+    nbytes: int
+
+    def at(self, offset: int) -> int:
+        """The VA of byte `offset` (plain arithmetic)."""
+        if not 0 <= offset <= self.nbytes:
+            raise E.OutOfBounds(f"offset {offset} is outside {type(self).__name__} of {self.nbytes} bytes")
+        return self.va + offset
+
+    def tensor(self, shape: int | Sequence[int], dtype: Any = np.uint8, offset: int = 0, strides: Sequence[int] | None = None) -> TensorRef:
+        """Describe (not copy) a tensor here, for compute requests."""
+        return make_tensor(self, shape, dtype, offset, strides)
+
+
+class HostSegment(Addressed):
     """Shared memory mapped by this process and the daemon."""
 
     def __init__(self, client: Any, va: int, nbytes: int, shm: ShmFile) -> None:
@@ -121,16 +141,6 @@ class HostSegment:
             raise E.OutOfBounds(f"view of {nbytes} bytes at offset {offset} exceeds the segment's {self.nbytes} bytes")
         return np.ndarray(shape_t, dtype=dt, buffer=self.buffer, offset=offset)
 
-    def tensor(self, shape: int | Sequence[int], dtype: Any = np.uint8, offset: int = 0, strides: Sequence[int] | None = None) -> TensorRef:
-        """Describe (not copy) a tensor in this segment, for compute requests."""
-        return make_tensor(self, shape, dtype, offset, strides)
-
-    def at(self, offset: int) -> int:
-        """The VA of byte `offset` (plain arithmetic, bounds-checked locally)."""
-        if not 0 <= offset <= self.nbytes:
-            raise E.OutOfBounds(f"offset {offset} is outside the segment's {self.nbytes} bytes")
-        return self.va + offset
-
     def _unmap(self) -> None:
         if self._shm is not None:
             self._shm.close()
@@ -144,7 +154,7 @@ class HostSegment:
         return f"<HostSegment va={self.va:#x} nbytes={self.nbytes}{' freed' if self.freed else ''}>"
 
 
-class DeviceBuffer:
+class DeviceBuffer(Addressed):
     """Memory on one of the daemon's devices, named by its VA."""
 
     def __init__(self, client: Any, va: int, nbytes: int, device: int) -> None:
@@ -153,20 +163,11 @@ class DeviceBuffer:
         self.nbytes = nbytes
         self.device = device
 
-    def at(self, offset: int) -> int:
-        if not 0 <= offset <= self.nbytes:
-            raise E.OutOfBounds(f"offset {offset} is outside the buffer's {self.nbytes} bytes")
-        return self.va + offset
-
-    def tensor(self, shape: int | Sequence[int], dtype: Any = np.uint8, offset: int = 0, strides: Sequence[int] | None = None) -> TensorRef:
-        """Describe a tensor in this device buffer, for compute requests."""
-        return make_tensor(self, shape, dtype, offset, strides)
-
     def __repr__(self) -> str:
         return f"<DeviceBuffer va={self.va:#x} nbytes={self.nbytes} device={self.device}>"
 
 
-class SharedSegment:
+class SharedSegment(Addressed):
     """Another session's segment or buffer this session attached to: addressable by VA, not mapped here."""
 
     def __init__(self, va: int, nbytes: int, kind: str, device: int) -> None:
@@ -174,14 +175,6 @@ class SharedSegment:
         self.nbytes = nbytes
         self.kind = kind
         self.device = device
-
-    def at(self, offset: int) -> int:
-        if not 0 <= offset <= self.nbytes:
-            raise E.OutOfBounds(f"offset {offset} is outside the shared segment's {self.nbytes} bytes")
-        return self.va + offset
-
-    def tensor(self, shape: int | Sequence[int], dtype: Any = np.uint8, offset: int = 0, strides: Sequence[int] | None = None) -> TensorRef:
-        return make_tensor(self, shape, dtype, offset, strides)
 
     def __repr__(self) -> str:
         return f"<SharedSegment {self.kind} va={self.va:#x} nbytes={self.nbytes}>"

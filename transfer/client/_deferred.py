@@ -24,6 +24,7 @@ from .. import errors as E
 from .. import protocol as P
 from ..addressing import OFFSET_BITS
 from ..kernels import DTYPES, OPERATORS, TensorRef, tensor_extent
+from ._core import Addressed
 
 __all__ = ["Arena", "DeferredBuffer", "Tensor", "Plan", "DeferredState", "creation_site"]
 
@@ -53,7 +54,7 @@ class Arena:
         self.free_ids = list(range(self.first_id + self.count - 1, self.first_id - 1, -1))
 
 
-class DeferredBuffer:
+class DeferredBuffer(Addressed):
     """A device buffer whose VA exists before the daemon has allocated it."""
 
     def __init__(self, va: int, nbytes: int, device: int, site: str) -> None:
@@ -63,16 +64,6 @@ class DeferredBuffer:
         self.site = site
         self.defined = False  # the daemon has (been sent) its definition
         self.freed = False
-
-    def at(self, offset: int) -> int:
-        if not 0 <= offset <= self.nbytes:
-            raise E.OutOfBounds(f"offset {offset} is outside the buffer's {self.nbytes} bytes")
-        return self.va + offset
-
-    def tensor(self, shape: int | Sequence[int], dtype: Any = np.uint8, offset: int = 0, strides: Sequence[int] | None = None) -> TensorRef:
-        from ._core import make_tensor
-
-        return make_tensor(self, shape, dtype, offset, strides)
 
     def __repr__(self) -> str:
         return f"<DeferredBuffer va={self.va:#x} nbytes={self.nbytes} device={self.device} {'defined' if self.defined else 'pending'}>"

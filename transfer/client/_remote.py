@@ -24,7 +24,7 @@ import numpy as np
 from .. import errors as E
 from .. import protocol as P
 from ..kernels import TensorRef
-from ._core import make_tensor
+from ._core import Addressed
 
 __all__ = ["RemoteSegment", "RemoteAgent"]
 
@@ -43,7 +43,7 @@ class RemoteAgent:
         self.ep.close()
 
 
-class RemoteSegment:
+class RemoteSegment(Addressed):
     """A buffer in this process that the daemon reads and writes by VA (over NIXL)."""
 
     def __init__(self, client: Any, va: int, array: np.ndarray, registration: Any) -> None:
@@ -66,14 +66,6 @@ class RemoteSegment:
         if self._array is None:
             raise E.SegmentFreed(f"remote segment {self.va:#x} has been freed")
         return self._array
-
-    def at(self, offset: int) -> int:
-        if not 0 <= offset <= self.nbytes:
-            raise E.OutOfBounds(f"offset {offset} is outside the segment's {self.nbytes} bytes")
-        return self.va + offset
-
-    def tensor(self, shape: int | Sequence[int], dtype: Any = np.uint8, offset: int = 0, strides: Sequence[int] | None = None) -> TensorRef:
-        return make_tensor(self, shape, dtype, offset, strides)
 
     @property
     def freed(self) -> bool:

@@ -32,6 +32,7 @@ from ..kernels import OPERATORS, REGISTRY, Placement, TensorRef, VirtualDevice, 
 __all__ = ["Op", "Planner", "plan_requests", "assign_waves", "coalesce", "execute_waves", "run_wave_inline", "replies_for"]
 
 Range = tuple[int, int, int]  # (segment id, start offset, end offset)
+_KIND_NAMES = {P.Copy: "copy", P.CopyV: "copyv", P.Fill: "fill", P.Checksum: "checksum", P.Compute: "compute"}
 
 
 @dataclass(slots=True, eq=False)
@@ -50,6 +51,8 @@ class Op:
     error: E.TransferError | None = None
     #: Further requests this op completes (a run of plain copies planned as one vector).
     more_rids: list[int] | None = None
+    #: The request kind, for metrics ("copy", "fill", "compute", ...).
+    kind: str = "copy"
     #: Copies to or from a remote (NIXL) segment: posted with the rest of the wave's, as one transfer.
     remote: Any = None
 
@@ -388,6 +391,11 @@ class Planner:
 
     # --- requests -------------------------------------------------------------------------------
     def plan(self, owner: Any, req: P.Request) -> Op:
+        op = self._plan(owner, req)
+        op.kind = _KIND_NAMES.get(type(req), "other")
+        return op
+
+    def _plan(self, owner: Any, req: P.Request) -> Op:
         if isinstance(req, P.Copy):
             n = req.nbytes
             if self.remote is not None and self._names_remote(owner, (req.dst, req.src)):

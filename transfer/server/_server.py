@@ -27,6 +27,7 @@ from ..memory import DaemonLock, ShmFile, sweep_stale
 from ._config import DaemonConfig
 from ._scheduler import Planner, assign_waves, execute_waves, plan_requests, replies_for, run_wave_inline
 from ._deferred import define, grant_arenas, release_arenas, resolve
+from ._metrics import Metrics
 from ._session import Session
 from ..transport._remote import RemotePlane
 
@@ -83,6 +84,8 @@ class Server:
             "passes": 0, "waves": 0, "ops": 0,
         }
         self.watch_pids = any(e.startswith("ipc://") for e in config.endpoints)
+        #: Prometheus counters (served by transferd --metrics-port); updated on the trio thread only.
+        self.metrics = Metrics()
         self._lock: DaemonLock | None = None
         # Set by the daemon loop:
         self.send: Callable[[bytes, bytes], None] = lambda identity, data: None
@@ -172,6 +175,9 @@ class Server:
             self._reply_all(identity, reqs, E.QuotaExceeded(f"more than {self.config.max_inflight} requests in flight for this session"))
             return
         idle = not session.queue and not session.busy
+        if not session.queue:
+            session.arrived = time.perf_counter()
+        self.metrics.batch(len(reqs))
         session.queue.extend(reqs)
         session.inflight += len(reqs)
         if idle and self._try_inline_pass(session):
@@ -217,12 +223,28 @@ class Server:
         self.counters["ops"] += len(ops)
         session.stats.bytes_moved += sum(op.nbytes for op in ops)
         session.inflight -= taken
-        failed = sum(1 for r in replies if r.error is not None)
+        failed = 0
+        metrics = self.metrics
+        for r in replies:
+            if r.error is not None:
+                failed += 1
+                metrics.error(r.error.code)
         session.stats.errors += failed
         self.counters["errors"] += failed
+        # Latency from the first queued arrival to this pass's completion, per op kind.
+        dt = time.perf_counter() - session.arrived if session.arrived else 0.0
+        session.arrived = time.perf_counter() if session.queue else 0.0
+        kinds: dict[str, int] = {}
+        for op in ops:
+            name = op.kind
+            kinds[name] = kinds.get(name, 0) + 1 + len(op.more_rids or ())
+            metrics.bytes_moved(op.device.kind, op.nbytes)
+        for name, n in kinds.items():
+            metrics.request_done(name, dt, n)
 
     def _reply_all(self, identity: bytes, reqs: list[P.Decoded], err: E.TransferError) -> None:
         self.counters["errors"] += len(reqs)
+        self.metrics.error(err.code, len(reqs))
         self.send(identity, P.encode_replies([P.Reply(r.id, error=err) for r in reqs]))
 
     def _immediate(self, session: Session, req: P.Decoded) -> P.Reply:
@@ -241,7 +263,7 @@ class Server:
         self.nursery.start_soon(self._run_session, session)
         if self.watch_pids and req.pid > 0 and identity[:1] != b"\x01":  # not for CURVE tcp peers (other hosts)
             self.nursery.start_soon(self._watch_pid, session)
-        log.info("session %d opened by %r (pid %d)", session.id, req.client, req.pid)
+        log.info("session %d opened by %r (pid %d)", session.id, req.client, req.pid, extra={"session": session.id})
         return session, {
             "session": session.id,
             "server_pid": os.getpid(),
@@ -295,6 +317,11 @@ class Server:
                 else:
                     replies.append(self._execute_control(session, req))
                 if session.closing:
+                    # Answer what was queued behind the Close in the same reply frame.
+                    err = E.SessionClosed("the session closed before this request ran")
+                    replies.extend(P.Reply(r.id, error=err) for r in q)
+                    taken += len(q)
+                    q.clear()
                     break
                 continue
             q.popleft()
@@ -531,7 +558,11 @@ class Server:
         """Forget a session and everything it owns. Idempotent."""
         if self.sessions.get(session.identity) is session:
             del self.sessions[session.identity]
-        session.queue.clear()
+        if session.queue:
+            # Every request gets an answer: those queued behind a Close (or a reclaim) too.
+            err = E.SessionClosed("the session closed before this request ran")
+            self.send(session.identity, P.encode_replies([P.Reply(r.id, error=err) for r in session.queue]))
+            session.queue.clear()
         release_arenas(self, session)
         for sid in session.attached:
             seg = self.table.get(sid)
@@ -547,7 +578,7 @@ class Server:
 
     async def end_session(self, session: Session, why: str) -> None:
         """Reclaim a dead or silent client's session: stop its work, then free its memory."""
-        log.info("session %d ended: %s", session.id, why)
+        log.info("session %d ended: %s", session.id, why, extra={"session": session.id})
         session.closing = True
         session.cancel_scope.cancel()
         await session.finished.wait()  # a copy running on a thread finishes first
@@ -573,6 +604,12 @@ class Server:
         while True:
             await trio.sleep(min(1.0, self.config.session_timeout_s / 4))
             now = time.monotonic()
+            self.metrics.set_gauges(
+                sessions=len(self.sessions),
+                segments=len(self.table),
+                queued=sum(len(s.queue) for s in self.sessions.values()),
+                device_bytes=self.device_bytes,
+            )
             for session in list(self.sessions.values()):
                 if now - session.last_seen > self.config.session_timeout_s and not session.closing:
                     self.counters["sessions_reaped"] += 1

@@ -57,6 +57,8 @@ class Session:
     draining: bool = False
     #: A pass is executing (on a worker thread): new frames wait for the session task.
     busy: bool = False
+    #: perf_counter() when the oldest queued request arrived (request latency metrics).
+    arrived: float = 0.0
     cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     finished: trio.Event = field(default_factory=trio.Event)
     closing: bool = False
