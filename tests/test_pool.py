@@ -137,3 +137,16 @@ def test_fan_in_producers_write_into_a_consumers_segment(daemon) -> None:
         consumer.free(out)
         with pytest.raises(transfer.SegmentFreed):
             p1.fill(out.va, 4, 0).result()  # the grant died with the segment
+
+
+def test_embedded_daemon_leaves_nothing_behind(tmp_path) -> None:
+    import os
+
+    before = set(os.listdir("/tmp"))
+    with transfer.serve_in_process(backend="numpy", shm_dir=tmp_path) as d:
+        sock_dir = d.endpoint[len("ipc://") :].rsplit("/", 1)[0]
+        with transfer.connect(d.endpoint) as c:
+            c.fill(c.alloc(4096), 4096, 1).result()
+    assert not os.path.exists(sock_dir)
+    assert set(os.listdir("/tmp")) - before == set()
+    assert [n for n in os.listdir(tmp_path) if not n.endswith(".lock")] == []

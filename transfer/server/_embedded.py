@@ -9,6 +9,7 @@ all take it) and, on a GPU, `__cuda_array_interface__`.
 
 from __future__ import annotations
 
+import shutil
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -64,8 +65,9 @@ class DeviceView:
 class EmbeddedDaemon:
     """A running daemon on a background thread of this process."""
 
-    def __init__(self, config: DaemonConfig) -> None:
+    def __init__(self, config: DaemonConfig, owned_dir: Path | None = None) -> None:
         self.config = config
+        self._owned_dir = owned_dir  # a private socket directory we made, removed on close
         self._started = threading.Event()
         self._server: Server | None = None
         self._token: trio.lowlevel.TrioToken | None = None
@@ -122,6 +124,9 @@ class EmbeddedDaemon:
         if self._token is not None and self._stop is not None and self._thread.is_alive():
             trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
         self._thread.join(30)
+        if self._owned_dir is not None:
+            shutil.rmtree(self._owned_dir, ignore_errors=True)
+            self._owned_dir = None
         if self._error is not None:
             raise self._error
 
@@ -144,11 +149,17 @@ def serve_in_process(
     import os
     import tempfile
 
+    owned = None
     if endpoint is None:
-        d = tempfile.mkdtemp(prefix="transferd-")
-        os.chmod(d, 0o700)
-        endpoint = f"ipc://{d}/transferd.sock"
+        owned = Path(tempfile.mkdtemp(prefix="transferd-"))
+        os.chmod(owned, 0o700)
+        endpoint = f"ipc://{owned}/transferd.sock"
     cfg = replace(DaemonConfig(), endpoints=(endpoint,), backend=backend, devices=devices, **overrides)
     if shm_dir is not None:
         cfg = replace(cfg, shm_dir=Path(shm_dir))
-    return EmbeddedDaemon(cfg)
+    try:
+        return EmbeddedDaemon(cfg, owned)
+    except BaseException:
+        if owned is not None:
+            shutil.rmtree(owned, ignore_errors=True)
+        raise
