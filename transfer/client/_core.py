@@ -17,7 +17,7 @@ from .. import protocol as P
 from ..kernels import DTYPES, TensorRef, tensor_extent
 from ..memory import ShmFile
 
-__all__ = ["Addressed", "Pending", "ClientCore", "HostSegment", "DeviceBuffer", "SharedSegment", "Addressable", "resolve_va", "make_tensor"]
+__all__ = ["Addressed", "RequestMethods", "Pending", "ClientCore", "HostSegment", "DeviceBuffer", "SharedSegment", "Addressable", "resolve_va", "make_tensor"]
 
 
 def make_tensor(owner: Any, shape: int | Sequence[int], dtype: Any, offset: int, strides: Sequence[int] | None) -> TensorRef:
@@ -178,6 +178,38 @@ class SharedSegment(Addressed):
 
     def __repr__(self) -> str:
         return f"<SharedSegment {self.kind} va={self.va:#x} nbytes={self.nbytes}>"
+
+
+class RequestMethods:
+    """Data requests both clients submit the same way; only `_submit` (and what it returns) differs."""
+
+    def _submit(self, cls: type[P.Request], *args: Any) -> Any:
+        raise NotImplementedError
+
+    def copy(self, dst: Addressable, src: Addressable, nbytes: int | None = None, *, stream: int = 0) -> Any:
+        """Copy `nbytes` from `src` to `dst` inside the daemon (VAs or segments/buffers)."""
+        if nbytes is None:
+            sizes = [getattr(x, "nbytes") for x in (dst, src) if hasattr(x, "nbytes")]
+            if not sizes:
+                raise TypeError("nbytes is required when copying between plain VAs")
+            nbytes = min(sizes)
+        return self._submit(P.Copy, resolve_va(dst), resolve_va(src), nbytes, stream)
+
+    def copy_many(self, dst: Sequence[int] | np.ndarray, src: Sequence[int] | np.ndarray, nbytes: Sequence[int] | np.ndarray, *, stream: int = 0) -> Any:
+        """Many copies as one vector request; the daemon merges contiguous ones."""
+        d, s, n = (np.asarray(x, dtype=np.uint64) for x in (dst, src, nbytes))
+        if not (d.ndim == s.ndim == n.ndim == 1 and len(d) == len(s) == len(n)):
+            raise ValueError("copy_many needs three 1-D sequences of equal length")
+        return self._submit(P.CopyV, d, s, n, stream)
+
+    def fill(self, dst: Addressable, nbytes: int, value: int = 0, *, stream: int = 0) -> Any:
+        return self._submit(P.Fill, resolve_va(dst), nbytes, value, stream)
+
+    def checksum(self, src: Addressable, nbytes: int | None = None, *, stream: int = 0) -> Any:
+        """The daemon reads the range in place and answers its checksum64."""
+        if nbytes is None:
+            nbytes = int(getattr(src, "nbytes"))
+        return self._submit(P.Checksum, resolve_va(src), nbytes, stream)
 
 
 class ClientCore:

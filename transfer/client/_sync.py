@@ -28,13 +28,13 @@ if TYPE_CHECKING:
     from ._pool import SlotPool
 
 from ._deferred import DeferredBuffer, DeferredState, Plan, Tensor, creation_site
-from ._core import Addressable, ClientCore, DeviceBuffer, HostSegment, Pending, SharedSegment, resolve_va
+from ._core import Addressable, ClientCore, RequestMethods, DeviceBuffer, HostSegment, Pending, SharedSegment, resolve_va
 from ._remote import RemoteAgent, RemoteSegment, register as _register_remote
 
 __all__ = ["Client", "connect"]
 
 
-class Client:
+class Client(RequestMethods):
     """A session with a transfer daemon. Use as a context manager."""
 
     def __init__(
@@ -240,30 +240,6 @@ class Client:
         obj.sent_version = obj.version
 
     # --- data requests (return Pending) ---------------------------------------------------
-    def copy(self, dst: Addressable, src: Addressable, nbytes: int | None = None, *, stream: int = 0) -> Pending:
-        """Copy `nbytes` from `src` to `dst` inside the daemon (VAs or segments/buffers)."""
-        if nbytes is None:
-            nbytes = _default_size(dst, src)
-        return self._submit(P.Copy, resolve_va(dst), resolve_va(src), nbytes, stream)
-
-    def copy_many(self, dst: Sequence[int] | np.ndarray, src: Sequence[int] | np.ndarray, nbytes: Sequence[int] | np.ndarray, *, stream: int = 0) -> Pending:
-        """Many copies as one vector request; the daemon merges contiguous ones."""
-        d = np.asarray(dst, dtype=np.uint64)
-        s = np.asarray(src, dtype=np.uint64)
-        n = np.asarray(nbytes, dtype=np.uint64)
-        if not (d.ndim == s.ndim == n.ndim == 1 and len(d) == len(s) == len(n)):
-            raise ValueError("copy_many needs three 1-D sequences of equal length")
-        return self._submit(P.CopyV, d, s, n, stream)
-
-    def fill(self, dst: Addressable, nbytes: int, value: int = 0, *, stream: int = 0) -> Pending:
-        return self._submit(P.Fill, resolve_va(dst), nbytes, value, stream)
-
-    def checksum(self, src: Addressable, nbytes: int | None = None, *, stream: int = 0) -> Pending:
-        """The daemon reads the range in place and answers its checksum64."""
-        if nbytes is None:
-            nbytes = int(getattr(src, "nbytes"))
-        return self._submit(P.Checksum, resolve_va(src), nbytes, stream)
-
     def compute(
         self,
         op: str,
@@ -461,12 +437,6 @@ def _touched(cls: type[P.Request], args: tuple[Any, ...]) -> list[int]:
         return [t.va for t in (*args[1], *args[2])]
     return []
 
-
-def _default_size(dst: Addressable, src: Addressable) -> int:
-    sizes = [getattr(x, "nbytes") for x in (dst, src) if hasattr(x, "nbytes")]
-    if not sizes:
-        raise TypeError("nbytes is required when copying between plain VAs")
-    return min(sizes)
 
 
 def connect(endpoint: str | None = None, **kwargs: Any) -> Client:

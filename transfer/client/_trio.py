@@ -25,8 +25,7 @@ from .. import protocol as P
 from ..memory import ShmFile
 from ..transport._zmq import SocketPump, default_endpoint, ipc_path
 from ..kernels import TensorRef
-from ._core import Addressable, ClientCore, DeviceBuffer, HostSegment, Pending, SharedSegment, resolve_va
-from ._sync import _default_size
+from ._core import Addressable, ClientCore, RequestMethods, DeviceBuffer, HostSegment, Pending, SharedSegment, resolve_va
 
 __all__ = ["TrioClient", "open_client", "TrioPending"]
 
@@ -63,7 +62,7 @@ def _no_blocking_wait(p: Pending, timeout: float | None) -> None:
     raise RuntimeError("in a trio client, await the request instead of calling result()")
 
 
-class TrioClient:
+class TrioClient(RequestMethods):
     def __init__(self, endpoint: str, sock: zmq.Socket, name: str, liveness_timeout: float) -> None:
         self.endpoint = endpoint
         self._sock = sock
@@ -120,25 +119,6 @@ class TrioClient:
         return SharedSegment(info["va"], info["nbytes"], info["kind"], info["device"])
 
     # --- data requests -----------------------------------------------------------------
-    def copy(self, dst: Addressable, src: Addressable, nbytes: int | None = None, *, stream: int = 0) -> TrioPending:
-        if nbytes is None:
-            nbytes = _default_size(dst, src)
-        return self._submit(P.Copy, resolve_va(dst), resolve_va(src), nbytes, stream)
-
-    def copy_many(self, dst: Sequence[int] | np.ndarray, src: Sequence[int] | np.ndarray, nbytes: Sequence[int] | np.ndarray, *, stream: int = 0) -> TrioPending:
-        d, s, n = (np.asarray(x, dtype=np.uint64) for x in (dst, src, nbytes))
-        if not (d.ndim == s.ndim == n.ndim == 1 and len(d) == len(s) == len(n)):
-            raise ValueError("copy_many needs three 1-D sequences of equal length")
-        return self._submit(P.CopyV, d, s, n, stream)
-
-    def fill(self, dst: Addressable, nbytes: int, value: int = 0, *, stream: int = 0) -> TrioPending:
-        return self._submit(P.Fill, resolve_va(dst), nbytes, value, stream)
-
-    def checksum(self, src: Addressable, nbytes: int | None = None, *, stream: int = 0) -> TrioPending:
-        if nbytes is None:
-            nbytes = int(getattr(src, "nbytes"))
-        return self._submit(P.Checksum, resolve_va(src), nbytes, stream)
-
     def compute(
         self,
         op: str,
