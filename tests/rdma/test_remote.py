@@ -101,6 +101,26 @@ def test_write_device_buffer_to_remote(client: transfer.Client) -> None:
     client.free(seg)
 
 
+def test_compute_pulls_remote_inputs_first(client: transfer.Client) -> None:
+    """A compute naming a remote VA: the daemon READs it into staging, then runs the kernel."""
+    x = np.arange(4096, dtype=np.float32)
+    seg = client.register_remote(x)
+    out = client.segment(x.nbytes)
+    posts = client.stats()["daemon"]["nixl_posts"]
+    client.compute("scale_add", [seg.tensor(4096, np.float32)], [out.tensor(4096, np.float32)], {"a": 2.0, "b": 1.0}).result()
+    assert np.array_equal(out.ndarray(4096, np.float32), x * 2 + 1)
+    # A strided view of the remote array, and a reduction into a device buffer.
+    acc = client.alloc(8)
+    client.compute("sum", [seg.tensor((64, 64), np.float32)], [acc.tensor((), np.float64)]).result()
+    back = client.segment(8)
+    client.copy(back, acc).result()
+    assert back.ndarray((), np.float64) == x.astype(np.float64).sum()
+    assert client.stats()["daemon"]["nixl_posts"] >= posts + 2
+    with pytest.raises(transfer.InvalidField, match="cannot write a remote segment"):
+        client.compute("fill", [], [seg.tensor(16, np.float32)], {"value": 0}).result()
+    client.free(seg)
+
+
 def test_thousand_small_reads_are_one_nixl_post(client: transfer.Client) -> None:
     arr = np.random.default_rng(2).integers(0, 256, 1 << 20, dtype=np.uint8)
     seg = client.register_remote(arr)

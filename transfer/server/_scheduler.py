@@ -14,6 +14,7 @@ leave them (tests/test_scheduler.py proves it with hypothesis).
 
 from __future__ import annotations
 
+import itertools
 from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -53,6 +54,8 @@ class Op:
     more_rids: list[int] | None = None
     #: The request kind, for metrics ("copy", "fill", "compute", ...).
     kind: str = "copy"
+    #: Extra state an op keeps for its execution (a staging buffer's registration).
+    info: Any = None
     #: Copies to or from a remote (NIXL) segment: posted with the rest of the wave's, as one transfer.
     remote: Any = None
 
@@ -390,12 +393,15 @@ class Planner:
         return Span(seg.kind, seg.handle, off, nbytes)
 
     # --- requests -------------------------------------------------------------------------------
-    def plan(self, owner: Any, req: P.Request) -> Op:
-        op = self._plan(owner, req)
-        op.kind = _KIND_NAMES.get(type(req), "other")
-        return op
+    def plan(self, owner: Any, req: P.Request) -> Op | list[Op]:
+        """One op per request; a compute with remote inputs also gets the ops that pull them."""
+        out = self._plan(owner, req)
+        kind = _KIND_NAMES.get(type(req), "other")
+        for op in out if isinstance(out, list) else (out,):
+            op.kind = kind
+        return out
 
-    def _plan(self, owner: Any, req: P.Request) -> Op:
+    def _plan(self, owner: Any, req: P.Request) -> Op | list[Op]:
         if isinstance(req, P.Copy):
             n = req.nbytes
             if self.remote is not None and self._names_remote(owner, (req.dst, req.src)):
@@ -611,10 +617,18 @@ class Planner:
         if len(req.inputs) != op.n_inputs or len(req.outputs) != op.n_outputs:
             raise E.InvalidField(f"{req.op} takes {op.n_inputs} input(s) and {op.n_outputs} output(s)")
         op.check(req.inputs, req.outputs, req.params)
-        placed: list[tuple[TensorRef, Segment[Any], int, int]] = []
-        for t in (*req.inputs, *req.outputs):
+        placed: list[tuple[TensorRef, Any, int, int]] = []
+        pulls: list[Op] = []
+        for k, t in enumerate((*req.inputs, *req.outputs)):
             extent = tensor_extent(t)
-            seg, off = self._translate(owner, t.va, extent)
+            seg, off = self.table.translate(t.va, extent, owner)
+            if seg.kind == SegmentKind.REMOTE and k < op.n_inputs:
+                # A remote input is pulled first (one NIXL READ into a staging buffer); the
+                # staging buffer's synthetic segment makes the compute wait for the pull.
+                pull, seg, off = self._pull(owner, req.id, seg, off, extent)
+                pulls.append(pull)
+            elif seg.kind == SegmentKind.REMOTE:
+                raise E.InvalidField("compute cannot write a remote segment: write a daemon buffer, then copy it out")
             placed.append((t, seg, off, extent))
         n_in = op.n_inputs
         reads = [(seg.id, off, off + ext) for _, seg, off, ext in placed[:n_in]]
@@ -634,7 +648,55 @@ class Planner:
         backend, params = dev.backend, req.params
         ins = [(t, self._span(seg, off, ext)) for t, seg, off, ext in placed[:n_in]]
         outs = [(t, self._span(seg, off, ext)) for t, seg, off, ext in placed[n_in:]]
-        return Op(req.id, reads, writes, dev, nbytes, lambda: backend.compute(kernel, ins, outs, params, dev.local_id))
+        if not pulls:
+            return Op(req.id, reads, writes, dev, nbytes, lambda: backend.compute(kernel, ins, outs, params, dev.local_id))
+
+        def run() -> Any:
+            try:
+                for pull in pulls:
+                    if pull.error is not None:
+                        raise pull.error  # the input never arrived: this request fails with the reason
+                return backend.compute(kernel, ins, outs, params, dev.local_id)
+            finally:
+                for pull in pulls:
+                    self.remote.release_staging(pull.info)
+
+        return [*pulls, Op(req.id, reads, writes, dev, nbytes, run)]
+
+    def _pull(self, owner: Any, rid: int, rseg: Segment[Any], roff: int, nbytes: int) -> tuple[Op, Any, int]:
+        """An internal op (no reply of its own) reading a remote range into a staging buffer."""
+        plane = self.remote
+        if plane is None:
+            raise E.InvalidField("remote segments are served by the RDMA data plane (not enabled in this daemon)")
+        if rseg.owner != owner:
+            raise E.NotOwner(f"remote segment {rseg.id} belongs to another session (remote segments are not shareable)")
+        handle = rseg.handle
+        raddr = handle.addr + roff
+        plane.check_remote_one(handle, raddr, nbytes)
+        arr, reg = plane.staging(nbytes)
+        staged = _Staged(-next(_staging_ids), arr)
+        work = RemoteWork(plane, handle.peer, "READ", np.array([[reg.addr, nbytes]], np.uint64), np.array([[raddr, nbytes]], np.uint64))
+        pull = Op(
+            0, [(rseg.id, roff, roff + nbytes)], [(staged.id, 0, nbytes)], self.devices[0], nbytes,
+            lambda: plane.post(work.peer, work.op, work.local, work.remote), remote=work,
+        )
+        pull.info = reg
+        return pull, staged, 0
+
+
+class _Staged:
+    """A staging buffer seen as a host segment (for spans and hazard ranges)."""
+
+    kind = SegmentKind.HOST
+
+    def __init__(self, sid: int, array: np.ndarray) -> None:
+        self.id = sid
+        self.array = array
+        self.handle = self
+        self.device = -1
+
+
+_staging_ids = itertools.count(1)
 
 
 def _hulls(sids: np.ndarray, offs: np.ndarray, sizes: np.ndarray) -> list[Range]:
@@ -658,7 +720,8 @@ def plan_requests(planner: Planner, owner: Any, reqs: Sequence[P.Request]) -> tu
 
     def one(req: P.Request) -> None:
         try:
-            ops.append(planner.plan(owner, req))
+            planned = planner.plan(owner, req)
+            ops.extend(planned) if isinstance(planned, list) else ops.append(planned)
         except E.TransferError as exc:
             refused.append(P.Reply(req.id, error=exc))
         except Exception as exc:  # a bug: fail this request, keep serving
@@ -693,6 +756,8 @@ def plan_requests(planner: Planner, owner: Any, reqs: Sequence[P.Request]) -> tu
 def replies_for(ops: Sequence[Op]) -> list[P.Reply]:
     out: list[P.Reply] = []
     for op in ops:
+        if op.rid == 0:
+            continue  # internal (a pull for a compute): its request answers for it
         out.append(P.Reply(op.rid, op.result if op.error is None else None, op.error))
         if op.more_rids:
             out.extend(P.Reply(rid, None, op.error) for rid in op.more_rids)

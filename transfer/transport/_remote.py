@@ -203,6 +203,23 @@ class RemotePlane:
         seg.info["nixl_reg"] = reg
         return reg.addr
 
+    def staging(self, nbytes: int) -> tuple[np.ndarray, Any]:
+        """A private buffer registered with our agent: where a compute's remote inputs land."""
+        if self.ep is None:
+            raise E.InvalidField("no remote segment registered yet")
+        arr = np.empty(max(nbytes, 1), np.uint8)
+        with self._lock:
+            reg = self.ep.register(arr)
+        return arr, reg
+
+    def release_staging(self, reg: Any) -> None:
+        if self.ep is not None:
+            with self._lock:
+                try:
+                    self.ep.deregister(reg)
+                except E.NixlError as exc:
+                    log.warning("deregistering a staging buffer: %s", exc)
+
     def forget_local(self, seg: Any) -> None:
         reg = seg.info.pop("nixl_reg", None)
         if reg is not None and self.ep is not None:
