@@ -28,16 +28,24 @@ def _transfer_ok() -> bool:
     return transfer_available()[0]
 
 
+def _nixl_ok() -> bool:
+    from transfer._bench.runner import mode_available
+
+    return mode_available("remote")[0]
+
+
 def _methods(with_transfer: bool) -> str:
+    """Every method of the local/compute modes (nixl-raw is the remote mode's baseline)."""
     from transfer._bench.common import METHODS_ALL
 
-    return ",".join(m for m in METHODS_ALL if with_transfer or m != "transfer")
+    return ",".join(m for m in METHODS_ALL if (with_transfer or m != "transfer") and m != "nixl-raw")
 
 
-def _run(args: list[str], tmp: Path, timeout: float = 90) -> tuple[subprocess.CompletedProcess, str, Path]:
+def _run(args: list[str], tmp: Path, timeout: float = 90,
+         env_extra: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, str, Path]:
     tag = uuid.uuid4().hex
     shm_dir = Path(tempfile.mkdtemp(prefix="tb-test-", dir="/dev/shm"))
-    env = dict(os.environ, TRANSFER_BENCH_TEST_TAG=tag, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, TRANSFER_BENCH_TEST_TAG=tag, PYTHONPATH=str(ROOT), **(env_extra or {}))
     try:
         proc = subprocess.run([sys.executable, "-m", "transfer.cli.bench", *args, "--daemon-shm-dir", str(shm_dir)],
                               cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
@@ -80,7 +88,8 @@ def test_full_preset_tiny_all_methods(tmp_path: Path) -> None:
     args = ["full", "--sizes", "4K,64K", "--producers", "2", "--modes", "local,compute,remote,gpu",
             "--methods", _methods(with_transfer), "--verify-every", "1",
             "--json", str(out), "--plot", str(png), *TINY]
-    proc, tag, _ = _run(args, tmp_path)
+    # NIXL made unimportable: the remote mode must be skipped with a note, not fail.
+    proc, tag, _ = _run(args, tmp_path, env_extra={"TRANSFER_NIXL_MODULE": "no_such_nixl_module"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     _assert_nothing_left(tag)
 
@@ -107,11 +116,41 @@ def test_full_preset_tiny_all_methods(tmp_path: Path) -> None:
     assert "GB/s" in proc.stdout
 
 
-@pytest.mark.parametrize("method", ["transfer", "zmq-copy", "shm-pipe"])
-def test_checksum_mismatch_fails_loudly(tmp_path: Path, method: str) -> None:
+def test_remote_mode_tiny(tmp_path: Path) -> None:
+    """transfer (the daemon READs the producer's own memory over NIXL) vs raw NIXL READs."""
+    if not _transfer_ok():
+        pytest.skip("transfer core not available")
+    if not _nixl_ok():
+        pytest.skip("NIXL not importable")
+    out = tmp_path / "r.json"
+    md = tmp_path / "r.md"
+    args = ["--sizes", "64K,1M", "--producers", "1", "--modes", "remote", "--methods", "transfer,nixl-raw",
+            "--json", str(out), "--markdown", str(md), *TINY]
+    proc, tag, _ = _run(args, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _assert_nothing_left(tag)
+    doc = json.loads(out.read_text())
+    res = [r for r in doc["results"] if not r["method"].startswith("limit:")]
+    assert {(r["method"], r["size"]) for r in res} == {(m, s) for m in ("transfer", "nixl-raw")
+                                                       for s in (65536, 1 << 20)}
+    for r in res:
+        assert r["mode"] == "remote"
+        assert r["gbps"] > 0 and r["verified_groups"] == r["groups"] > 0  # quick: every group verified
+        assert r["vs_nixl-raw"] is not None and r["vs_nixl-raw"] > 0
+        if r["method"] == "nixl-raw":
+            assert r["vs_nixl-raw"] == 1.0
+    assert "x nixl-raw" in proc.stdout and "× nixl-raw" in md.read_text()
+
+
+@pytest.mark.parametrize("method,mode", [("transfer", "local"), ("zmq-copy", "local"), ("shm-pipe", "local"),
+                                         ("transfer", "remote"), ("nixl-raw", "remote")])
+def test_checksum_mismatch_fails_loudly(tmp_path: Path, method: str, mode: str) -> None:
     if method == "transfer" and not _transfer_ok():
         pytest.skip("transfer core not available")
-    args = ["--sizes", "64K", "--producers", "1", "--methods", method, "--inject-corruption", "3", *TINY]
+    if mode == "remote" and not _nixl_ok():
+        pytest.skip("NIXL not importable")
+    args = ["--sizes", "64K", "--producers", "1", "--modes", mode, "--methods", method,
+            "--inject-corruption", "3", *TINY]
     proc, tag, _ = _run(args, tmp_path)
     assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
     assert "mismatch" in proc.stderr

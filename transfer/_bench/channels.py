@@ -6,7 +6,9 @@ and moves one *group* (one slot: ``batch`` items) per ``submit``. The consumer
 side (absent for ``transfer``: the daemon is the consumer) hands the generic
 consumer loop uint8 views of the received items; the loop copies them into a
 "device" buffer and checksums them exactly as the daemon does for
-``transfer``. Completions come back as ``(group, ok)``.
+``transfer``. In ``remote`` mode (``nixl-raw``) the channel itself READs the
+group into the consumer's registered device buffer over NIXL, and the loop
+only checksums. Completions come back as ``(group, ok)``.
 
 Plumbing (endpoints, pipes, queues) is created by the coordinator with
 :func:`make_plumbing` and passed to the processes as arguments.
@@ -67,6 +69,12 @@ def make_plumbing(cell: Cell, ctx, run_dir: str, run_id: str, endpoint: str | No
     if m == "mp-pipe":
         pipes = [ctx.Pipe(duplex=True) for _ in range(P)]
         return ({"conns": [b for _, b in pipes]}, [{"conn": a} for a, _ in pipes])
+    if m == "nixl-raw":
+        # One duplex pipe per producer: its NIXL metadata at setup, then group
+        # notifications (producer -> consumer) and acks (consumer -> producer).
+        pipes = [ctx.Pipe(duplex=True) for _ in range(P)]
+        return ({"conns": [b for _, b in pipes], "run_id": run_id},
+                [{"conn": a, "run_id": run_id} for a, _ in pipes])
     if m == "shm-pipe":
         note_r, note_w = ctx.Pipe(duplex=False)
         acks = [ctx.Pipe(duplex=False) for _ in range(P)]
@@ -229,13 +237,18 @@ class ShmProducer(_AckMixin):
 
 
 class TransferProducer:
-    """``transfer``: the batch is written into a HostSegment; only VAs and sizes travel.
+    """``transfer``: only VAs and sizes travel; the daemon moves and checks the bytes.
 
-    ``local`` mode: one ``copy`` (segment -> DeviceBuffer) per item, plus one
-    ``checksum`` per item on verified groups (the daemon reads the segment in
-    place). ``compute`` mode: one ``checksum`` per item, always. A group's
-    requests leave in one frame (``c.batch()``; ``copy_many`` for the copies
-    when a group has several items).
+    ``local`` mode: the batch is written into a HostSegment (shared memory);
+    one ``copy`` (segment -> DeviceBuffer) per item, plus one ``checksum`` per
+    item of the segment on verified groups (the daemon reads it in place).
+    ``compute`` mode: one ``checksum`` per item of the segment, always.
+    ``remote`` mode: the batch is written into a plain NumPy array in this
+    process (not shared memory) registered with ``register_remote``; the
+    copies are NIXL READs by the daemon into a DeviceBuffer, and the verified
+    groups' ``checksum`` requests read the DeviceBuffer (what arrived).
+    A group's requests leave in one frame (``c.batch()``; ``copy_many`` for
+    the copies when a group has several items).
     """
 
     def __init__(self, cell: Cell, idx: int, spec: dict) -> None:
@@ -243,10 +256,17 @@ class TransferProducer:
 
         self.cell = cell
         self.client = transfer.connect(spec["endpoint"])
-        self.seg = self.client.segment(cell.buffer_bytes)
-        self.buffer = self.seg.ndarray((cell.buffer_bytes,), np.uint8)
-        self.buffer[:] = 0
-        self.dev = self.client.alloc(cell.buffer_bytes) if cell.mode == "local" else None
+        self.remote = cell.mode == "remote"
+        if self.remote:
+            host = np.zeros(cell.buffer_bytes, np.uint8)
+            host[:] = 0  # fault the pages in, as a segment's are
+            self.seg = self.client.register_remote(host)
+            self.buffer = self.seg.buffer
+        else:
+            self.seg = self.client.segment(cell.buffer_bytes)
+            self.buffer = self.seg.ndarray((cell.buffer_bytes,), np.uint8)
+            self.buffer[:] = 0
+        self.dev = self.client.alloc(cell.buffer_bytes) if cell.mode in ("local", "remote") else None
         self.inflight: list[tuple[int, list, list, Any]] = []  # FIFO of (g, pendings, cks, expected)
         S, K = cell.size, cell.batch
         self._offsets = np.arange(K, dtype=np.uint64) * np.uint64(S)
@@ -258,18 +278,21 @@ class TransferProducer:
         S, K = cell.size, cell.batch
         base = slot * cell.slot_bytes
         src0 = self.seg.va + base
+        ck0 = src0  # what the daemon checksums: the source in place ...
         pend: list = []
         cks: list = []
         with c.batch():
             if self.dev is not None:
                 dst0 = self.dev.va + base
+                if self.remote:
+                    ck0 = dst0  # ... or, remote, what the READ delivered (a remote VA is copy-only)
                 if self._use_many:
                     pend.append(c.copy_many(np.uint64(dst0) + self._offsets,
                                             np.uint64(src0) + self._offsets, self._sizes))
                 else:
                     pend.extend(c.copy(dst0 + i * S, src0 + i * S, S) for i in range(K))
             if verify or self.dev is None:
-                cks.extend(c.checksum(src0 + i * S, S) for i in range(K))
+                cks.extend(c.checksum(ck0 + i * S, S) for i in range(K))
         self.inflight.append((g, pend, cks, expected))
 
     def poll(self, block: bool) -> list[tuple[int, bool]]:
@@ -299,7 +322,49 @@ class TransferProducer:
 
     def close(self) -> None:
         self.buffer = None  # drop our view of the segment before the client unmaps it
+        if self.remote and not self.seg.freed:
+            # The daemon forgets the segment (and acknowledges) before we deregister it.
+            self.client.free(self.seg)
         self.client.close()
+
+
+class NixlRawProducer(_AckMixin):
+    """``nixl-raw`` (remote mode): the batch stays in this process's own memory,
+    registered with this process's NIXL agent; the consumer READs it.
+
+    Setup: the agent metadata and the buffer's descriptor list go to the
+    consumer over the pipe. Per group: one small header (as ``shm-pipe``),
+    an ack back when the consumer has read (and, verified groups, checked) it.
+    """
+
+    def __init__(self, cell: Cell, idx: int, spec: dict) -> None:
+        from transfer.transport._nixl import NixlEndpoint
+
+        self.idx = idx
+        self.conn = spec["conn"]
+        self.ack_conn = self.conn
+        self._bye = False
+        self.ep = NixlEndpoint(f"{spec['run_id']}-p{idx}-{os.getpid()}", progress="event")
+        self.buffer = np.zeros(cell.buffer_bytes, np.uint8)
+        self.buffer[:] = 0
+        self.reg = self.ep.register(self.buffer)
+        # Metadata after registering: it carries the buffer's remote key.
+        self.conn.send_bytes(pickle.dumps((idx, self.ep.metadata, self.reg.descs_bytes), protocol=5))
+
+    def submit(self, g, slot, verify, expected) -> None:
+        self.conn.send_bytes(pack_header(self.idx, g, slot, VERIFY if verify else 0, expected))
+
+    def bye(self) -> None:
+        self.conn.send_bytes(pack_header(self.idx, -1, 0, BYE, None))
+        self._bye = True
+
+    def close(self) -> None:
+        # Deregistration is not revocation (docs/rdma.md): wait until the consumer
+        # has dropped us as a peer before the memory goes.
+        if self._bye and self.conn.poll(30):
+            self.conn.recv_bytes()
+        self.ep.close()
+        self.conn.close()
 
 
 PRODUCERS = {
@@ -309,6 +374,7 @@ PRODUCERS = {
     "mp-queue": QueueProducer,
     "mp-pipe": PipeProducer,
     "shm-pipe": ShmProducer,
+    "nixl-raw": NixlRawProducer,
 }
 
 
@@ -437,10 +503,87 @@ class ShmConsumer:
         pass
 
 
+class NixlRawConsumer:
+    """Raw NIXL READ baseline: this process's own agent pulls each group from the
+    producer's registered buffer into its registered "device" buffer.
+
+    One READ per group (one descriptor per request), waited, then handed to the
+    generic consumer loop (which checksums verified groups, as the daemon does
+    for ``transfer``). Remote ranges are computed here from the slot index and
+    checked against the producer's registration once, at setup.
+    """
+
+    delivers_to_device = True
+
+    def __init__(self, cell: Cell, spec: dict) -> None:
+        from multiprocessing.connection import wait
+
+        from transfer.transport._nixl import NixlEndpoint, check_ranges_within, decode_descs
+
+        self._wait = wait
+        self.conns = list(spec["conns"])
+        self.live = list(self.conns)
+        self.ready: list = []
+        S, K, D = cell.size, cell.batch, cell.depth
+        self.ep = NixlEndpoint(f"{spec['run_id']}-c-{os.getpid()}", progress="event")
+        self.dev = np.zeros(cell.slot_bytes, np.uint8)
+        self.dev[:] = 0
+        self.reg = self.ep.register(self.dev)
+        self.items = [self.dev[i * S:(i + 1) * S] for i in range(K)]
+        offs = np.arange(K, dtype=np.uint64) * np.uint64(S)
+        self.local = np.stack([np.uint64(self.reg.addr) + offs, np.full(K, S, np.uint64)], axis=1)
+        self.peers: list[str | None] = [None] * len(self.conns)
+        self.slots: list[list[np.ndarray] | None] = [None] * len(self.conns)
+        for conn in self.conns:
+            if not conn.poll(120):
+                raise RuntimeError("nixl-raw: no metadata from a producer within 120 s")
+            idx, md, descs = pickle.loads(conn.recv_bytes())
+            rd = decode_descs(descs)
+            base = np.uint64(int(rd.ranges[0, 0]))
+            slots = []
+            for d in range(D):
+                rem = np.stack([base + np.uint64(d * cell.slot_bytes) + offs, np.full(K, S, np.uint64)], axis=1)
+                check_ranges_within(rd.ranges, rem)
+                slots.append(rem)
+            name = self.ep.add_peer(md)
+            self.ep.connect(name)
+            self.peers[idx], self.slots[idx] = name, slots
+            self._read(idx, 0)  # wire-up, outside the timed repetitions
+
+    def _read(self, idx: int, slot: int) -> None:
+        x = self.ep.read(self.peers[idx], self.local, self.slots[idx][slot])
+        try:
+            x.wait(60)
+        finally:
+            x.release()
+
+    def recv(self):
+        while not self.ready:
+            self.ready = list(self._wait(self.live))
+        conn = self.ready.pop(0)
+        idx, g, slot, flags, expected = unpack_header(conn.recv_bytes())
+        if flags & BYE:
+            self.live.remove(conn)
+            self.ep.remove_peer(self.peers[idx])
+            conn.send_bytes(ACK.pack(-1, 1))  # the producer may deregister now
+            return idx, g, slot, flags, expected, []
+        self._read(idx, slot)
+        return idx, g, slot, flags, expected, self.items
+
+    def ack(self, idx, g, ok) -> None:
+        self.conns[idx].send_bytes(ACK.pack(g, ok))
+
+    def close(self) -> None:
+        self.ep.close()
+        for c in self.conns:
+            c.close()
+
+
 CONSUMERS = {
     "zmq-copy": ZmqConsumer,
     "zmq-zerocopy": ZmqConsumer,
     "mp-queue": QueueConsumer,
     "mp-pipe": PipeConsumer,
     "shm-pipe": ShmConsumer,
+    "nixl-raw": NixlRawConsumer,
 }

@@ -20,9 +20,24 @@ now = time.perf_counter
 #: one word per 4 KiB page, so every page of every batch changes.
 STAMP_STRIDE_WORDS = 512
 
-METHODS_ALL = ("transfer", "zmq-copy", "zmq-zerocopy", "mp-queue", "mp-pipe", "shm-pipe")
+METHODS_ALL = ("transfer", "zmq-copy", "zmq-zerocopy", "mp-queue", "mp-pipe", "shm-pipe", "nixl-raw")
 METHODS_QUICK = ("transfer", "zmq-copy", "zmq-zerocopy")
 MODES_ALL = ("local", "compute", "remote", "gpu")
+
+#: Methods that run in every mode but ``remote``; ``remote`` has its own baseline.
+METHODS_REMOTE = ("transfer", "nixl-raw")
+
+
+def method_runs_in(method: str, mode: str) -> bool:
+    """Whether ``method`` has a meaningful ``mode`` cell.
+
+    ``remote``: the producer's own (non-shared) memory, read over NIXL: only
+    ``transfer`` (the daemon READs) and ``nixl-raw`` (a consumer READs) apply.
+    ``nixl-raw`` is the baseline of ``remote`` only.
+    """
+    if mode == "remote":
+        return method in METHODS_REMOTE
+    return method != "nixl-raw"
 
 METHOD_LABELS = {
     "transfer": "transfer (shm + VA requests)",
@@ -31,6 +46,7 @@ METHOD_LABELS = {
     "mp-queue": "multiprocessing.Queue",
     "mp-pipe": "multiprocessing.Pipe, pickle 5 out-of-band",
     "shm-pipe": "hand-rolled shm + pipe notify",
+    "nixl-raw": "raw NIXL READ by a consumer process (remote mode)",
     "limit:memcpy": "in-process memcpy (one core)",
     "limit:read": "in-process u64 read (one core)",
     "limit:checksum": "in-process checksum64 (one core)",

@@ -13,8 +13,14 @@ from typing import Any, Iterable
 
 from .common import METHOD_LABELS, fmt_size
 
-LIMIT_FOR_MODE = {"local": "limit:memcpy", "compute": "limit:read"}
-BASELINE_COLS = (("zmq-copy", "x zmq-copy"), ("zmq-zerocopy", "x zmq-0copy"))
+#: remote: the READ lands bytes in a buffer, as a memcpy does (cma: process_vm_readv).
+LIMIT_FOR_MODE = {"local": "limit:memcpy", "compute": "limit:read", "remote": "limit:memcpy"}
+BASELINE_COLS = (("zmq-copy", "x zmq-copy"), ("zmq-zerocopy", "x zmq-0copy"), ("nixl-raw", "x nixl-raw"))
+
+
+def _has_remote(results: list[dict]) -> bool:
+    """The ``x nixl-raw`` column is shown only when a remote baseline ran."""
+    return any(r["method"] == "nixl-raw" for r in results)
 
 
 def machine_info() -> dict[str, Any]:
@@ -137,11 +143,17 @@ def render_table(results: list[dict], limits: dict[int, dict[str, dict]], title:
     from rich.table import Table
 
     t = Table(title=title, title_justify="left", header_style="bold")
-    for col, just in (("method", "left"), ("mode", "left"), ("size", "right"), ("P", "right"),
-                      ("D", "right"), ("GB/s", "right"), ("min-max", "right"), ("req/s", "right"),
-                      ("p50 µs", "right"), ("p99 µs", "right"), ("x zmq-copy", "right"),
-                      ("x zmq-0copy", "right"), ("x limit", "right")):
+    nixl = _has_remote(results)
+    cols = [("method", "left"), ("mode", "left"), ("size", "right"), ("P", "right"),
+            ("D", "right"), ("GB/s", "right"), ("min-max", "right"), ("req/s", "right"),
+            ("p50 µs", "right"), ("p99 µs", "right"), ("x zmq-copy", "right"),
+            ("x zmq-0copy", "right")]
+    if nixl:
+        cols.append(("x nixl-raw", "right"))
+    cols.append(("x limit", "right"))
+    for col, just in cols:
         t.add_column(col, justify=just, no_wrap=True)
+    extra = ("-",) if nixl else ()
     sizes = sorted({r["size"] for r in results} | set(limits))
     for i, size in enumerate(sizes):
         if i:
@@ -149,7 +161,7 @@ def render_table(results: list[dict], limits: dict[int, dict[str, dict]], title:
         for name, v in limits.get(size, {}).items():
             t.add_row(f"[dim]{name}[/]", "-", fmt_size(size), "1", "-", f"[dim]{v['gbps']:.2f}[/]",
                       f"[dim]{v['min_gbps']:.1f}-{v['max_gbps']:.1f}[/]", _rps(v["rps"]),
-                      "-", "-", "-", "-", "-")
+                      "-", "-", "-", "-", *extra, "-")
         rows = sorted((r for r in results if r["size"] == size),
                       key=lambda r: (r["mode"], r["producers"], r.get("depth") or 0,
                                      _METHOD_ORDER.get(r["method"], 99)))
@@ -162,27 +174,31 @@ def render_table(results: list[dict], limits: dict[int, dict[str, dict]], title:
                       f"{r['gbps']:.2f}", f"{r['min_gbps']:.1f}-{r['max_gbps']:.1f}", _rps(r["rps"]),
                       _us(r["p50_us"]), _us(r["p99_us"]),
                       _f(r.get("vs_zmq-copy"), ".2f"), _f(r.get("vs_zmq-zerocopy"), ".2f"),
+                      *((_f(r.get("vs_nixl-raw"), ".2f"),) if nixl else ()),
                       _f(r.get("vs_limit"), ".2f"))
     return t
 
 
 _COLORS = {"transfer": "tab:red", "zmq-copy": "tab:blue", "zmq-zerocopy": "tab:orange",
-           "mp-queue": "tab:green", "mp-pipe": "tab:purple", "shm-pipe": "tab:brown"}
+           "mp-queue": "tab:green", "mp-pipe": "tab:purple", "shm-pipe": "tab:brown",
+           "nixl-raw": "tab:gray"}
 
 _METHOD_ORDER = {m: i for i, m in enumerate(
-    ("transfer", "zmq-copy", "zmq-zerocopy", "mp-queue", "mp-pipe", "shm-pipe"))}
+    ("transfer", "zmq-copy", "zmq-zerocopy", "mp-queue", "mp-pipe", "shm-pipe", "nixl-raw"))}
 
 
 def markdown_table(results: list[dict], limits: dict[int, dict[str, dict]]) -> str:
     """The same table as Markdown (for docs/benchmarks.md)."""
+    nixl = _has_remote(results)
     head = ("| method | mode | size | P | D | GB/s | min–max | req/s | p50 µs | p99 µs "
-            "| × zmq copy | × zmq 0-copy | × limit |")
-    lines = [head, "|" + "---|" * 13]
+            "| × zmq copy | × zmq 0-copy |" + (" × nixl-raw |" if nixl else "") + " × limit |")
+    lines = [head, "|" + "---|" * (14 if nixl else 13)]
+    extra = " – |" if nixl else ""
     sizes = sorted({r["size"] for r in results} | set(limits))
     for size in sizes:
         for name, v in limits.get(size, {}).items():
             lines.append(f"| *{name}* | – | {fmt_size(size)} | 1 | – | {v['gbps']:.2f} | "
-                         f"{v['min_gbps']:.1f}–{v['max_gbps']:.1f} | {_rps(v['rps'])} | – | – | – | – | – |")
+                         f"{v['min_gbps']:.1f}–{v['max_gbps']:.1f} | {_rps(v['rps'])} | – | – | – | – |{extra} – |")
         rows = sorted((r for r in results if r["size"] == size),
                       key=lambda r: (r["mode"], r["producers"], r.get("depth") or 0,
                                      _METHOD_ORDER.get(r["method"], 99)))
@@ -193,7 +209,9 @@ def markdown_table(results: list[dict], limits: dict[int, dict[str, dict]]) -> s
                 f"| {name} | {r['mode']} | {fmt_size(size)}{b} | {r['producers']} | {r.get('depth')} | "
                 f"{r['gbps']:.2f} | {r['min_gbps']:.1f}–{r['max_gbps']:.1f} | {_rps(r['rps'])} | "
                 f"{_us(r['p50_us'])} | {_us(r['p99_us'])} | {_f(r.get('vs_zmq-copy'), '.2f')} | "
-                f"{_f(r.get('vs_zmq-zerocopy'), '.2f')} | {_f(r.get('vs_limit'), '.2f')} |")
+                f"{_f(r.get('vs_zmq-zerocopy'), '.2f')} |"
+                + (f" {_f(r.get('vs_nixl-raw'), '.2f')} |" if nixl else "")
+                + f" {_f(r.get('vs_limit'), '.2f')} |")
     return "\n".join(lines)
 
 
@@ -223,7 +241,7 @@ def write_plot(path: str, results: list[dict], limits: dict[int, dict[str, dict]
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise SystemExit(f"--plot needs matplotlib (pip install 'transfer[plot]'): {e}") from None
-    modes = [m for m in ("local", "compute") if any(r["mode"] == m for r in results)] or ["local"]
+    modes = [m for m in ("local", "compute", "remote") if any(r["mode"] == m for r in results)] or ["local"]
     fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 4.8), squeeze=False)
     for ax, mode in zip(axes[0], modes):
         rows = [r for r in results if r["mode"] == mode]

@@ -50,7 +50,17 @@ def mode_available(mode: str) -> tuple[bool, str]:
             return False, f"gpu: no usable CUDA device ({type(e).__name__})"
         return False, "gpu: device-side producer path not implemented in transfer-bench yet"
     if mode == "remote":
-        return False, "remote: needs NIXL and a second host (not implemented in transfer-bench yet)"
+        # The producer's own memory read over NIXL (UCX: cma/tcp on one host, RDMA
+        # across hosts); the daemon stays the embedded ipc one, the data plane is NIXL's.
+        try:
+            from transfer.transport import _nixl
+
+            if not _nixl.available():
+                return False, ("remote: NIXL not importable "
+                               "(pip install --no-deps nixl-cu12, see docs/rdma.md)")
+        except Exception as e:  # noqa: BLE001
+            return False, f"remote: NIXL wrapper unavailable ({type(e).__name__}: {e})"
+        return True, ""
     return False, f"unknown mode {mode!r}"
 
 

@@ -113,9 +113,13 @@ def consumer_main(cell: Cell, ctrl, spec: dict) -> None:
         cks, _ = get_checksum()
         ch = CONSUMERS[cell.method](cell, spec)
         S = cell.size
-        dev = np.zeros(cell.slot_bytes, np.uint8)  # the "device" buffer
-        dev_items = [dev[i * S:(i + 1) * S] for i in range(cell.batch)]
-        local = cell.mode == "local"
+        # local: copy into a "device" buffer, checksum verified groups; compute:
+        # checksum every group in place; remote: the channel already delivered
+        # the group into its device buffer (a NIXL READ), checksum verified groups.
+        copy_in = cell.mode == "local" and not getattr(ch, "delivers_to_device", False)
+        check_all = cell.mode == "compute"
+        dev = np.zeros(cell.slot_bytes if copy_in else 0, np.uint8)  # the "device" buffer
+        dev_items = [dev[i * S:(i + 1) * S] for i in range(cell.batch)] if copy_in else []
         ctrl.send(("ready", {}))
         byes = groups = checked = 0
         mismatches = []
@@ -127,9 +131,9 @@ def consumer_main(cell: Cell, ctrl, spec: dict) -> None:
             verify = bool(flags & VERIFY)
             ok = True
             for i, v in enumerate(items):
-                if local:
+                if copy_in:
                     np.copyto(dev_items[i], v)
-                if verify or not local:
+                if verify or check_all:
                     c = cks(v)
                     if verify and c != expected[i]:
                         ok = False

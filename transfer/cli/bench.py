@@ -4,15 +4,17 @@
                                    processes, 4 KiB (requests/s), 64 KiB, 1 MiB, 64 MiB,
                                    transfer vs pyzmq copy/zero-copy and the physical limits
     transfer-bench full            the sweep: 4 KiB..256 MiB, producers 1..N, depth,
-                                   modes local/compute (remote/gpu: hooks, skipped when
-                                   unavailable), every baseline
+                                   modes local/compute/remote (remote: NIXL; gpu: hook;
+                                   skipped when unavailable), every baseline
     transfer-bench --json r.json --plot r.png
 
 Every method does the same work: producers (separate processes) write fresh
 contents into each batch; the consumer copies the bytes into a device buffer
 and checksums them (for ``transfer`` the daemon does both, reading the
-producer's shared memory in place). Any checksum mismatch fails the run
-(exit status 1). See docs/benchmarks.md.
+producer's shared memory in place). ``remote`` mode: the producer's own
+(non-shared) memory is registered with NIXL; the daemon READs it
+(``transfer``) or a consumer process does (``nixl-raw``, the baseline).
+Any checksum mismatch fails the run (exit status 1). See docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", help="groups in flight per producer, or a list (default 4)")
     p.add_argument("--batch", type=int, help="requests per group (default: 64 for 4 KiB, 256 KiB/size, >= 1)")
     p.add_argument("--modes", help="local,compute,remote,gpu (quick: local; full: all, unavailable skipped)")
-    p.add_argument("--methods", help="transfer,zmq-copy,zmq-zerocopy,mp-queue,mp-pipe,shm-pipe")
+    p.add_argument("--methods", help="transfer,zmq-copy,zmq-zerocopy,mp-queue,mp-pipe,shm-pipe,nixl-raw "
+                                     "(remote mode: transfer and nixl-raw only; nixl-raw: remote only)")
     p.add_argument("--verify-every", type=int, help="verify every Nth group (quick: 1 = all; full: 8)")
     p.add_argument("--reps", type=int, help="measured repetitions per cell (quick: 5, full: 3)")
     p.add_argument("--rep-seconds", type=float, help="duration of one repetition (quick: 0.3, full: 0.4)")
@@ -82,8 +85,10 @@ def _main(args) -> int:
         producers = _int_list(args.producers or (str(min(4, max(2, cores))) if full else "2"), sweep=full)
         depths = _int_list(args.depth or "4", sweep=False)
         modes = [m.strip() for m in (args.modes or ("local,compute,remote,gpu" if full else "local")).split(",")]
-        methods = [m.strip() for m in (args.methods or ",".join(
-            common.METHODS_ALL if full else common.METHODS_QUICK)).split(",")]
+        default_methods = list(common.METHODS_ALL if full else common.METHODS_QUICK)
+        if "remote" in modes and "nixl-raw" not in default_methods:
+            default_methods.append("nixl-raw")  # the remote mode's baseline
+        methods = [m.strip() for m in (args.methods or ",".join(default_methods)).split(",")]
     except ValueError as e:
         print(f"transfer-bench: {e}", file=sys.stderr)
         return 2
@@ -125,7 +130,15 @@ def _main(args) -> int:
     cells = [Cell(method=m, mode=mode, size=s, producers=p, depth=d,
                   batch=args.batch or common.default_batch_items(s), verify_every=verify_every,
                   corrupt_group=args.inject_corruption)
-             for s in sizes for mode in run_modes for p in producers for d in depths for m in methods]
+             for s in sizes for mode in run_modes for p in producers for d in depths for m in methods
+             if common.method_runs_in(m, mode)]
+    for mode in run_modes:
+        left_out = [m for m in methods if not common.method_runs_in(m, mode)]
+        if left_out and args.methods:
+            notes.append(f"mode {mode}: not run for {', '.join(left_out)} "
+                         f"(remote runs {', '.join(common.METHODS_REMOTE)}; nixl-raw is remote only)")
+    if "nixl-raw" in methods and "remote" not in run_modes and args.methods:
+        notes.append("method nixl-raw: runs in remote mode only, which is not in this run")
 
     progress = _Progress(len(cells), len(sizes), plain=args.no_progress or not sys.stderr.isatty())
     for n in notes:
