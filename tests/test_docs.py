@@ -22,3 +22,16 @@ def test_readme_starts_with_the_two_commands() -> None:
 def test_ci_runs_exactly_the_readme_test_command() -> None:
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert readme_commands()[1] in ci
+
+
+def test_readme_producer_snippet_runs() -> None:
+    """The README's example, against a real (embedded) daemon instead of a fixed socket path."""
+    import numpy as np
+
+    import transfer
+
+    code = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)[0]
+    code = re.sub(r'transfer\.connect\("[^"]*"\)', "transfer.connect(daemon.endpoint)", code)
+    code = code.replace("decode_images()", "np.random.default_rng(0).integers(0, 256, batch.shape, dtype=np.uint8)")
+    with transfer.serve_in_process(backend="numpy") as daemon:
+        exec(compile(code, "README.md", "exec"), {"np": np, "transfer": transfer, "daemon": daemon})
