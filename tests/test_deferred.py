@@ -133,3 +133,31 @@ def test_never_used_allocation_costs_nothing(daemon) -> None:
         b = c.alloc(1 << 30)
         c.free(b)
         assert c.stats()["session"]["defines"] == 0
+
+
+def test_trio_client_defers_too(daemon) -> None:
+    import trio
+
+    async def main() -> None:
+        async with transfer.open_client(daemon.endpoint) as c:
+            host = await c.segment(2 * 4096)
+            host.ndarray(1024, np.float32)[:] = 2.0
+            st0 = (await c.stats())["session"]
+            a = await c.alloc(4096)  # no message
+            b = await c.alloc(4096)
+            ta, tb = await c.tensor(a, 1024, np.float32), await c.tensor(b, 1024, np.float32)
+            plan = await c.plan("scale_add", {"a": 3.0})
+            c.copy(a, host.va, 4096)
+            c.compute(plan, [ta], [tb])
+            c.copy(host.va + 4096, b.va, 4096)
+            await c.fence()
+            st1 = (await c.stats())["session"]
+            assert (host.ndarray(1024, np.float32, offset=4096) == 6.0).all()
+            assert st1["blocking"] - st0["blocking"] - 1 == 1  # only the fence blocked
+            await c.free(a)
+            await c.free(b)
+            c.fill(host, 16, 0)
+            await c.fence()
+            assert (await c.stats())["daemon"]["device_bytes"] == 0  # the frees travelled with that frame
+
+    trio.run(main)

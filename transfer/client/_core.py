@@ -183,7 +183,7 @@ class SharedSegment(Addressed):
 class RequestMethods:
     """Data requests both clients submit the same way; only `_submit` (and what it returns) differs."""
 
-    def _submit(self, cls: type[P.Request], *args: Any) -> Any:
+    def _submit(self, cls: type[P.Request], *args: Any, objects: Sequence[Any] = (), blocking: bool = False) -> Any:
         raise NotImplementedError
 
     def copy(self, dst: Addressable, src: Addressable, nbytes: int | None = None, *, stream: int = 0) -> Any:
@@ -211,6 +211,36 @@ class RequestMethods:
             nbytes = int(getattr(src, "nbytes"))
         return self._submit(P.Checksum, resolve_va(src), nbytes, stream)
 
+    def compute(
+        self,
+        op: Any,
+        inputs: Sequence[Any],
+        outputs: Sequence[Any] = (),
+        params: dict[str, Any] | None = None,
+        *,
+        device: int = -1,
+        placement: str = "",
+        stream: int = 0,
+    ) -> Any:
+        """Run an operator on tensors named by VA (see transfer.OPERATORS).
+
+        `op` is an operator name with TensorRefs, or a `Plan` with `Tensor` descriptors,
+        in which case only their ids travel once the daemon has their definitions.
+        """
+        from ._deferred import Plan, Tensor
+
+        if isinstance(op, Plan):
+            if params:
+                raise TypeError("a Plan carries its own parameters: use plan.set(...)")
+            objs = [op, *inputs, *outputs]
+            if not all(isinstance(t, Tensor) for t in objs[1:]):
+                raise TypeError("compute with a Plan takes Tensor descriptors (client.tensor(...))")
+            ref = lambda o: (o.id, o.version)  # noqa: E731
+            return self._submit(P.ComputeRef, [ref(op)], [ref(t) for t in inputs], [ref(t) for t in outputs], stream, objects=objs)
+        ins = [t.ref if isinstance(t, Tensor) else t for t in inputs]
+        outs = [t.ref if isinstance(t, Tensor) else t for t in outputs]
+        return self._submit(P.Compute, op, ins, outs, dict(params or {}), device, placement, stream)
+
 
 class ClientCore:
     """Request ids, pending table, reply dispatch; no sockets."""
@@ -224,6 +254,37 @@ class ClientCore:
         self.limits = P.Limits()
         self.broken: E.TransferError | None = None
         self.pid = os.getpid()
+        #: Deferred-creation state (arenas, pending definitions); None in eager mode.
+        self.deferred: Any = None
+
+    def prepare(self, cls: type[P.Request], args: tuple[Any, ...], objects: Sequence[Any] = (), blocking: bool = False) -> tuple[list[P.Request], Pending]:
+        """The frame's worth of requests for one call: deferred definitions it needs first,
+        the request, and a Wait marker when the caller will block on it."""
+        self.check_usable()
+        defs = self._definitions(cls, args, objects)
+        req, pending = self.new(cls, *args)
+        reqs = [*defs, req]
+        if defs:
+            pending._deps = [self.pending[d.id] for d in defs if d.id in self.pending]
+        if blocking:
+            marker, _ = self.new(P.Wait)
+            self.pending.pop(marker.id, None)  # its reply only counts; nobody waits on it
+            reqs.append(marker)
+        return reqs, pending
+
+    def _definitions(self, cls: type[P.Request], args: tuple[Any, ...], objects: Sequence[Any]) -> list[P.Request]:
+        """Deferred definitions a request needs first: allocations it touches, descriptors it names."""
+        from ._deferred import DeferredState
+
+        state = self.deferred
+        stale = [o for o in objects if o.sent_version != o.version]
+        if state is None:
+            if not stale:
+                return []
+            state = DeferredState(())
+        elif not (state.buffers or state.frees or stale):
+            return []
+        return state.definitions_for(_touched(cls, args), stale, lambda c, *a: self.new(c, *a)[0])
 
     def new(self, cls: type[P.Request], *args: Any) -> tuple[P.Request, Pending]:
         rid = self._next_id
@@ -279,3 +340,17 @@ class ClientCore:
         if len(errs) > 1:
             first.add_note(f"{len(errs) - 1} more request(s) also failed since the last fence")
         return first
+
+
+def _touched(cls: type[P.Request], args: tuple[Any, ...]) -> list[int]:
+    """The VAs (one per segment is enough) a data request reads or writes."""
+    if cls is P.Copy:
+        return [args[0], args[1]]
+    if cls in (P.Fill, P.Checksum, P.Share):
+        return [args[0]]
+    if cls is P.CopyV:
+        both = np.concatenate([args[0], args[1]]) >> np.uint64(40)
+        return [int(x) << 40 for x in np.unique(both).tolist()]
+    if cls is P.Compute:
+        return [t.va for t in (*args[1], *args[2])]
+    return []

@@ -23,12 +23,11 @@ from .. import errors as E
 from .. import protocol as P
 from ..memory import ShmFile
 from ..transport._zmq import default_endpoint, ipc_path
-from ..kernels import TensorRef
 if TYPE_CHECKING:
     from ._pool import SlotPool
 
 from ._deferred import DeferredBuffer, DeferredState, Plan, Tensor, creation_site
-from ._core import Addressable, ClientCore, RequestMethods, DeviceBuffer, HostSegment, Pending, SharedSegment, resolve_va
+from ._core import ClientCore, RequestMethods, DeviceBuffer, HostSegment, Pending, SharedSegment
 from ._remote import RemoteAgent, RemoteSegment, register as _register_remote
 
 __all__ = ["Client", "connect"]
@@ -110,7 +109,7 @@ class Client(RequestMethods):
         self._max_inflight = max(1, min(self._max_inflight, int(info.get("max_inflight", self._max_inflight))))
         # Deferred creation: allocations, descriptors and plans are answered here and
         # travel with their first use. deferred=False sends each at once (for debugging).
-        self._deferred = DeferredState(info.get("arenas", ())) if deferred and info.get("arenas") else None
+        self._core.deferred = DeferredState(info.get("arenas", ())) if deferred and info.get("arenas") else None
         if path is not None and watch_daemon_pid:
             with contextlib.suppress(OSError):
                 self._daemon_pidfd = os.pidfd_open(self.server_pid)
@@ -169,9 +168,9 @@ class Client(RequestMethods):
         the daemon allocates when the first request touching it arrives; an error
         then names the line that called alloc.
         """
-        if self._deferred is not None:
+        if self._core.deferred is not None:
             with self._lock:
-                return self._deferred.alloc(nbytes, device, creation_site())
+                return self._core.deferred.alloc(nbytes, device, creation_site())
         info = self._call(P.Alloc, nbytes, device)
         return DeviceBuffer(self, info["va"], info["nbytes"], info["device"])
 
@@ -185,7 +184,7 @@ class Client(RequestMethods):
             self._call(P.Free, resource.va)
         elif isinstance(resource, DeferredBuffer):
             with self._lock:
-                self._deferred.free(resource)  # type: ignore[union-attr]  # travels with the next frame
+                self._core.deferred.free(resource)  # type: ignore[union-attr]  # travels with the next frame
         elif isinstance(resource, RemoteSegment):
             if not resource.freed:
                 self._call(P.Unregister, resource.va)  # the daemon lets go first, then we deregister
@@ -223,14 +222,14 @@ class Client(RequestMethods):
     def tensor(self, owner: Any, shape: int | Sequence[int], dtype: Any = np.uint8, offset: int = 0, strides: Sequence[int] | None = None) -> Tensor:
         """A tensor descriptor over a buffer or segment: defined on the daemon at first use."""
         t = Tensor(owner, (shape,) if isinstance(shape, int) else shape, dtype, offset, strides)
-        if self._deferred is None:
+        if self._core.deferred is None:
             self._define_now(t)
         return t
 
     def plan(self, op: str, params: dict[str, Any] | None = None, *, device: int = -1, placement: str = "") -> Plan:
         """An operator configuration, reusable across compute calls; defined at first use."""
         p = Plan(op, params, device=device, placement=placement)
-        if self._deferred is None:
+        if self._core.deferred is None:
             self._define_now(p)
         return p
 
@@ -240,32 +239,6 @@ class Client(RequestMethods):
         obj.sent_version = obj.version
 
     # --- data requests (return Pending) ---------------------------------------------------
-    def compute(
-        self,
-        op: str,
-        inputs: Sequence[TensorRef],
-        outputs: Sequence[TensorRef] = (),
-        params: dict[str, Any] | None = None,
-        *,
-        device: int = -1,
-        placement: str = "",
-        stream: int = 0,
-    ) -> Pending:
-        """Run an operator on tensors named by VA (see transfer.OPERATORS).
-
-        With a `Plan` and `Tensor` descriptors, only their ids travel once the daemon has them.
-        """
-        if isinstance(op, Plan):
-            if params:
-                raise TypeError("a Plan carries its own parameters: use plan.set(...)")
-            objs = [op, *inputs, *outputs]
-            if not all(isinstance(t, Tensor) for t in objs[1:]):
-                raise TypeError("compute with a Plan takes Tensor descriptors (client.tensor(...))")
-            ref = lambda o: (o.id, o.version)  # noqa: E731
-            return self._submit(P.ComputeRef, [ref(op)], [ref(t) for t in inputs], [ref(t) for t in outputs], stream, objects=objs)
-        ins = [t.ref if isinstance(t, Tensor) else t for t in inputs]
-        outs = [t.ref if isinstance(t, Tensor) else t for t in outputs]
-        return self._submit(P.Compute, op, ins, outs, dict(params or {}), device, placement, stream)
 
     def fence(self, stream: int = 0, timeout: float | None = None) -> None:
         """Wait until everything submitted on `stream` is done; raise the first unobserved failure."""
@@ -306,35 +279,12 @@ class Client(RequestMethods):
 
     def _submit(self, cls: type[P.Request], *args: Any, objects: Sequence[Any] = (), blocking: bool = False) -> Pending:
         with self._lock:
-            core = self._core
-            core.check_usable()
-            defs = self._definitions(cls, args, objects)
-            req, pending = core.new(cls, *args)
-            reqs = [*defs, req]
-            if defs:
-                pending._deps = [core.pending[d.id] for d in defs if d.id in core.pending]
-            if blocking:
-                marker, _ = core.new(P.Wait)
-                core.pending.pop(marker.id, None)  # its reply only counts; nobody waits on it
-                reqs.append(marker)
+            reqs, pending = self._core.prepare(cls, args, objects, blocking)
             if self._batch is not None:
                 self._batch.extend(reqs)
             else:
                 self._send(reqs)
             return pending
-
-    def _definitions(self, cls: type[P.Request], args: tuple[Any, ...], objects: Sequence[Any]) -> list[P.Request]:
-        """Deferred definitions the request needs first: allocations it touches, descriptors it names."""
-        state = self._deferred
-        stale = [o for o in objects if o.sent_version != o.version]
-        if state is None:
-            if not stale:
-                return []
-            state = DeferredState(())
-        elif not (state.buffers or state.frees or stale):
-            return []
-        new = lambda c, *a: self._core.new(c, *a)[0]  # noqa: E731
-        return state.definitions_for(_touched(cls, args), stale, new)
 
     def _send(self, reqs: Sequence[P.Request]) -> None:
         """Send, staying within the daemon's credits: a full window waits for completions."""
@@ -423,19 +373,6 @@ class Client(RequestMethods):
             finally:
                 self._lock.release()
 
-
-def _touched(cls: type[P.Request], args: tuple[Any, ...]) -> list[int]:
-    """The VAs (one per segment is enough) a data request reads or writes."""
-    if cls is P.Copy:
-        return [args[0], args[1]]
-    if cls in (P.Fill, P.Checksum, P.Share):
-        return [args[0]]
-    if cls is P.CopyV:
-        both = np.concatenate([args[0], args[1]]) >> np.uint64(40)
-        return [int(s) << 40 for s in np.unique(both).tolist()]
-    if cls is P.Compute:
-        return [t.va for t in (*args[1], *args[2])]
-    return []
 
 
 

@@ -24,8 +24,8 @@ from .. import errors as E
 from .. import protocol as P
 from ..memory import ShmFile
 from ..transport._zmq import SocketPump, default_endpoint, ipc_path
-from ..kernels import TensorRef
-from ._core import Addressable, ClientCore, RequestMethods, DeviceBuffer, HostSegment, Pending, SharedSegment, resolve_va
+from ._deferred import DeferredBuffer, DeferredState, Plan, Tensor, creation_site
+from ._core import ClientCore, RequestMethods, DeviceBuffer, HostSegment, Pending, SharedSegment
 
 __all__ = ["TrioClient", "open_client", "TrioPending"]
 
@@ -89,7 +89,10 @@ class TrioClient(RequestMethods):
         self._segments[seg.va] = seg
         return seg
 
-    async def alloc(self, nbytes: int, device: int = -1) -> DeviceBuffer:
+    async def alloc(self, nbytes: int, device: int = -1) -> DeviceBuffer | DeferredBuffer:
+        """A zeroed device buffer; deferred (the default): its VA at once, allocated at first use."""
+        if self._core.deferred is not None:
+            return self._core.deferred.alloc(nbytes, device, creation_site())
         info = await self._call(P.Alloc, nbytes, device)
         return DeviceBuffer(self, info["va"], info["nbytes"], info["device"])
 
@@ -100,8 +103,29 @@ class TrioClient(RequestMethods):
             resource._unmap()
         elif isinstance(resource, DeviceBuffer):
             await self._call(P.Free, resource.va)
+        elif isinstance(resource, DeferredBuffer):
+            self._core.deferred.free(resource)  # travels with the next frame
         else:
             raise TypeError(f"cannot free {type(resource).__name__}")
+
+    async def tensor(self, owner: Any, shape: int | Sequence[int], dtype: Any = np.uint8, offset: int = 0, strides: Sequence[int] | None = None) -> Tensor:
+        """A tensor descriptor, defined on the daemon at first use (at once in eager mode)."""
+        t = Tensor(owner, (shape,) if isinstance(shape, int) else shape, dtype, offset, strides)
+        if self._core.deferred is None:
+            await self._define_now(t)
+        return t
+
+    async def plan(self, op: str, params: dict[str, Any] | None = None, *, device: int = -1, placement: str = "") -> Plan:
+        """An operator configuration, defined on the daemon at first use (at once in eager mode)."""
+        p = Plan(op, params, device=device, placement=placement)
+        if self._core.deferred is None:
+            await self._define_now(p)
+        return p
+
+    async def _define_now(self, obj: Tensor | Plan) -> None:
+        kind = P.DEF_TENSOR if isinstance(obj, Tensor) else P.DEF_PLAN
+        await self._call(P.Define, kind, obj.id, obj.version, obj.definition(), obj.site)
+        obj.sent_version = obj.version
 
     async def pool(self, slot_nbytes: int, slots: int = 4) -> Any:
         """Batch slots over one segment (see SlotPool); `await pool.acquire()`."""
@@ -119,19 +143,6 @@ class TrioClient(RequestMethods):
         return SharedSegment(info["va"], info["nbytes"], info["kind"], info["device"])
 
     # --- data requests -----------------------------------------------------------------
-    def compute(
-        self,
-        op: str,
-        inputs: Sequence[TensorRef],
-        outputs: Sequence[TensorRef] = (),
-        params: dict[str, Any] | None = None,
-        *,
-        device: int = -1,
-        placement: str = "",
-        stream: int = 0,
-    ) -> TrioPending:
-        """Run operator `op` in the daemon on tensors named by VA (see transfer.kernels.OPERATORS)."""
-        return self._submit(P.Compute, op, list(inputs), list(outputs), dict(params or {}), device, placement, stream)
 
     async def fence(self, stream: int = 0) -> None:
         await self._call(P.Fence, stream)
@@ -158,15 +169,15 @@ class TrioClient(RequestMethods):
 
     # --- machinery -----------------------------------------------------------------------
     async def _call(self, cls: type[P.Request], *args: Any) -> Any:
-        return await self._submit(cls, *args)
+        """A call the task waits on: its frame carries a Wait marker (a counted round trip)."""
+        return await self._submit(cls, *args, blocking=True)
 
-    def _submit(self, cls: type[P.Request], *args: Any) -> TrioPending:
-        self._core.check_usable()
-        req, pending = self._core.new(cls, *args)
+    def _submit(self, cls: type[P.Request], *args: Any, objects: Sequence[Any] = (), blocking: bool = False) -> TrioPending:
+        reqs, pending = self._core.prepare(cls, args, objects, blocking)
         if self._batch is not None:
-            self._batch.append(req)
+            self._batch.extend(reqs)
         else:
-            self._send([req])
+            self._send(reqs)
         return TrioPending(pending)
 
     def _send(self, reqs: Sequence[P.Request]) -> None:
@@ -218,6 +229,7 @@ async def open_client(
     liveness_timeout: float = 10.0,
     server_key: Any = None,
     client_keys: Any = None,
+    deferred: bool = True,
 ) -> AsyncIterator[TrioClient]:
     """A trio session with the daemon; everything it holds is released on exit.
 
@@ -251,6 +263,8 @@ async def open_client(
             client._shm_dir = Path(info["shm_dir"])
             client._heartbeat_s = float(info["heartbeat_s"])
             client._max_inflight = max(1, int(info.get("max_inflight", client._max_inflight)))
+            if deferred and info.get("arenas"):
+                client._core.deferred = DeferredState(info["arenas"])
             client._core.limits = P.Limits(**{k: int(v) for k, v in info["limits"].items() if k in P.Limits.__dataclass_fields__})
             nursery.start_soon(client._liveness)
             if path is not None:
