@@ -157,3 +157,15 @@ def test_idle_client_keeps_its_session(daemon) -> None:
         seg = c.segment(4096)
         time.sleep(3.0)  # longer than the 2 s session timeout: heartbeats keep it
         assert c.checksum(seg).result() == transfer.checksum64(np.zeros(4096, np.uint8))
+
+
+def test_closed_sessions_leave_no_watcher_behind(daemon) -> None:
+    """A long-lived producer opening many sessions must not leak a pidfd per session."""
+    fds = lambda: len(os.listdir(f"/proc/{daemon.pid}/fd"))  # noqa: E731
+    with transfer.connect(daemon.endpoint):
+        pass
+    base = fds()
+    for _ in range(30):
+        with transfer.connect(daemon.endpoint) as c:
+            c.fence()
+    wait_until(lambda: fds() <= base + 2, 5, "the daemon's descriptors to return to baseline")

@@ -558,6 +558,8 @@ class Server:
         """Forget a session and everything it owns. Idempotent."""
         if self.sessions.get(session.identity) is session:
             del self.sessions[session.identity]
+        if session.pid_watch is not None:
+            session.pid_watch.cancel()  # its task and pidfd go now, not when the client process exits
         if session.queue:
             # Every request gets an answer: those queued behind a Close (or a reclaim) too.
             err = E.SessionClosed("the session closed before this request ran")
@@ -592,7 +594,7 @@ class Server:
             return  # not visible (other pid namespace) or too old a kernel: heartbeats still apply
         try:
             with trio.CancelScope() as scope:
-                session.info["pid_scope"] = scope
+                session.pid_watch = scope  # cancelled by _release: a closed session needs no watcher
                 await trio.lowlevel.wait_readable(pidfd)
                 self.counters["sessions_reaped"] += 1
                 await self.end_session(session, f"client pid {session.pid} exited")

@@ -60,6 +60,8 @@ class Session:
     #: perf_counter() when the oldest queued request arrived (request latency metrics).
     arrived: float = 0.0
     cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    #: The pidfd watcher's scope (same-host clients), cancelled when the session ends.
+    pid_watch: trio.CancelScope | None = None
     finished: trio.Event = field(default_factory=trio.Event)
     closing: bool = False
     info: dict[str, Any] = field(default_factory=dict)
