@@ -38,8 +38,6 @@ class DaemonConfig:
     size_threshold: int = 1 << 20
     #: Requests a session may have queued or running (credits announced in hello).
     max_inflight: int = 1 << 16
-    #: Superseded by max_inflight; kept until the settings loader is reconciled.
-    max_queued_frames: int = 1024
     #: Segment ids in each session's deferred-allocation arena, per device.
     arena_ids: int = 256
     #: Requests one scheduler pass takes from a session.
