@@ -97,7 +97,7 @@ def main() -> None:
     daemon_args = ["--endpoint", endpoint, "--allow-insecure-tcp", "--backend", "numpy"]
     src = np.random.default_rng(0).integers(0, 256, BUF, dtype=np.uint8)
     results: dict = {}
-    with run_daemon(daemon_args) as d, transfer.connect(endpoint, name="bench-remote") as c:
+    with run_daemon(daemon_args), transfer.connect(endpoint, name="bench-remote") as c:
         seg = c.register_remote(src)
         dev = c.alloc(BUF)
         c.copy(dev, seg).result()  # wire-up, and verify once

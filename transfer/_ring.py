@@ -43,7 +43,7 @@ import time
 import warnings
 from enum import IntEnum
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 

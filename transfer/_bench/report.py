@@ -7,7 +7,6 @@ import os
 import platform
 import shutil
 import subprocess
-import sys
 import textwrap
 from typing import Any, Iterable
 

@@ -65,7 +65,7 @@ def _run_rep(idx, cell: Cell, ch, views, words, cks, g, t_start, t_end, verify_e
     mismatches: list[int] = []
 
     def handle(completions):
-        nonlocal done_items, verified
+        nonlocal done_items
         t = now()
         for gg, ok in completions:
             g0, t0 = inflight.pop(gg % D)

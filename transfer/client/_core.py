@@ -7,8 +7,10 @@ size, so `seg.va + offset` names a byte without asking the daemon.
 
 from __future__ import annotations
 
+import contextlib
+
 import os
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, Union
+from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence, Union
 
 import numpy as np
 
@@ -183,8 +185,32 @@ class SharedSegment(Addressed):
 class RequestMethods:
     """Data requests both clients submit the same way; only `_submit` (and what it returns) differs."""
 
+    _batch: list[P.Request] | None
+
     def _submit(self, cls: type[P.Request], *args: Any, objects: Sequence[Any] = (), blocking: bool = False) -> Any:
         raise NotImplementedError
+
+    def _send(self, reqs: Sequence[P.Request]) -> None:
+        raise NotImplementedError
+
+    def _io_lock(self) -> ContextManager[Any]:
+        """Held while touching the outgoing batch (the blocking client is thread-safe)."""
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Requests submitted inside the block leave in one frame when it exits."""
+        with self._io_lock():
+            outer = self._batch
+            if outer is None:
+                self._batch = []
+            try:
+                yield
+            finally:
+                if outer is None:
+                    reqs, self._batch = self._batch or [], None
+                    if reqs:
+                        self._send(reqs)
 
     def copy(self, dst: Addressable, src: Addressable, nbytes: int | None = None, *, stream: int = 0) -> Any:
         """Copy `nbytes` from `src` to `dst` inside the daemon (VAs or segments/buffers)."""

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import os
 import secrets
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from .. import errors as E
 from .. import protocol as P
-from ..kernels import TensorRef
 from ._core import Addressed
 
 __all__ = ["RemoteSegment", "RemoteAgent"]

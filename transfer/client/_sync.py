@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import zmq
@@ -257,20 +257,8 @@ class Client(RequestMethods):
     def stats(self) -> dict[str, Any]:
         return self._call(P.Stats)
 
-    @contextlib.contextmanager
-    def batch(self) -> Iterator[None]:
-        """Requests submitted inside the block leave in one frame when it exits."""
-        with self._lock:
-            outer = self._batch
-            if outer is None:
-                self._batch = []
-            try:
-                yield
-            finally:
-                if outer is None:
-                    reqs, self._batch = self._batch or [], None
-                    if reqs:
-                        self._send(reqs)
+    def _io_lock(self) -> threading.RLock:
+        return self._lock
 
     # --- machinery -------------------------------------------------------------------------
     def _call(self, cls: type[P.Request], *args: Any, timeout: float | None = None) -> Any:

@@ -14,7 +14,7 @@ import os
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 import numpy as np
 import trio
@@ -153,19 +153,6 @@ class TrioClient(RequestMethods):
     async def stats(self) -> dict[str, Any]:
         return await self._call(P.Stats)
 
-    @contextlib.contextmanager
-    def batch(self) -> Iterator[None]:
-        """Requests submitted inside the block leave in one frame when it exits."""
-        outer = self._batch
-        if outer is None:
-            self._batch = []
-        try:
-            yield
-        finally:
-            if outer is None:
-                reqs, self._batch = self._batch or [], None
-                if reqs:
-                    self._send(reqs)
 
     # --- machinery -----------------------------------------------------------------------
     async def _call(self, cls: type[P.Request], *args: Any) -> Any:
