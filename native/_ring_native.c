@@ -379,6 +379,22 @@ static PyObject *Queue_wait(QueueObject *self, PyObject *args, PyObject *kwds)
     return PyLong_FromLongLong(n);
 }
 
+static PyObject *Queue_arm(QueueObject *self, PyObject *unused)
+{
+    if (check_open(self) < 0)
+        return NULL;
+    int64_t n = trq_arm(&self->q, self->producer ? TRQ_WAIT_SPACE : TRQ_WAIT_DATA);
+    return n < 0 ? corrupt(self) : PyLong_FromLongLong(n);
+}
+
+static PyObject *Queue_disarm(QueueObject *self, PyObject *unused)
+{
+    if (check_open(self) < 0)
+        return NULL;
+    trq_disarm(&self->q, self->producer ? TRQ_WAIT_SPACE : TRQ_WAIT_DATA);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Queue_notify(QueueObject *self, PyObject *unused)
 {
     if (check_open(self) < 0)
@@ -430,6 +446,10 @@ static PyMethodDef Queue_methods[] = {
     {"wait", (PyCFunction)(void (*)(void))Queue_wait, METH_VARARGS | METH_KEYWORDS,
      "wait(need=1, timeout=None, spin=50e-6) -> int: spin, then futex-sleep, until need "
      "slots are available (consumer) or free (producer), the peer closes, or timeout."},
+    {"arm", (PyCFunction)Queue_arm, METH_NOARGS,
+     "arm() -> int: set my waiter word (the peer's next publish will ring), fence, "
+     "and return what is available (consumer) or free (producer)"},
+    {"disarm", (PyCFunction)Queue_disarm, METH_NOARGS, "clear my waiter word"},
     {"notify", (PyCFunction)Queue_notify, METH_NOARGS,
      "ring the doorbell: wake the peer if it sleeps on this queue; True if it did"},
     {"wake_peer", (PyCFunction)Queue_wake_peer, METH_NOARGS, "wake the peer unconditionally"},

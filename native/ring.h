@@ -310,4 +310,28 @@ static inline int64_t trq_wait(trq_t *q, int what, uint64_t need, uint64_t timeo
 #undef TRQ_CHECK
 }
 
+/*
+ * The first half of a sleep, for a waiter that sleeps elsewhere (an event
+ * loop polling a pipe): C1..C3 of trq_wait, leaving the word set. The caller
+ * re-checks the returned count and only then sleeps; the waker (P2..P4)
+ * clears the word and, besides its FUTEX_WAKE, rings whatever the waiter
+ * sleeps on (transfer/_ring.py writes the daemon's doorbell pipe). The same
+ * Dekker argument as in trq_wait applies: either this re-check sees the
+ * waker's index, or the waker sees the word set.
+ */
+static inline int64_t trq_arm(trq_t *q, int what)
+{
+    _Atomic uint32_t *w = what == TRQ_WAIT_DATA ? q->data_waiter : q->space_waiter;
+    atomic_store_explicit(w, 1, memory_order_relaxed);                     /* C1 */
+    atomic_thread_fence(memory_order_seq_cst);                             /* C2 */
+    return what == TRQ_WAIT_DATA ? trq_available(q) : trq_free(q);         /* C3 */
+}
+
+/* Awake again (found work after arming): stop making the peer's publishes syscalls. */
+static inline void trq_disarm(trq_t *q, int what)
+{
+    atomic_store_explicit(what == TRQ_WAIT_DATA ? q->data_waiter : q->space_waiter, 0,
+                          memory_order_relaxed);
+}
+
 #endif /* TRANSFER_RING_H */

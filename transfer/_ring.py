@@ -464,6 +464,19 @@ class _PyQueue:
         finally:
             self._waiting -= 1
 
+    def arm(self) -> int:
+        if self._closed:
+            raise ValueError("ring queue is closed")
+        word = self._sw if self._producer else self._dw
+        word[0] = 1  # C1
+        _fence()  # C2
+        return self._free() if self._producer else self._available()  # C3
+
+    def disarm(self) -> None:
+        if self._closed:
+            raise ValueError("ring queue is closed")
+        (self._sw if self._producer else self._dw)[0] = 0
+
     def notify(self) -> bool:
         if self._closed:
             raise ValueError("ring queue is closed")
@@ -556,6 +569,7 @@ class Ring:
         self._peer_closed = peer_closed // 4
         self._closed = False
         self.spin = 50e-6
+        self._bell = -1
 
     # -- construction
     @classmethod
@@ -658,14 +672,36 @@ class Ring:
         ring._words[(56 if role == "server" else 60) // 4] = os.getpid()
         return ring
 
+    # -- doorbell for a peer that sleeps in an event loop
+    def set_doorbell(self, fd: int) -> None:
+        """Also ring ``fd`` (a pipe or FIFO the peer polls; we write one byte) whenever
+        the peer armed its inbox (``arm()``) instead of sleeping on the futex.
+        The fd stays the caller's; -1 turns it off."""
+        self._bell = fd
+
+    def _ring(self) -> None:
+        self.notify()
+
+    def arm(self) -> int:
+        """Consumer about to sleep elsewhere (the bell): set the waiter word so the
+        peer's next publish rings, fence, and return what is available now. Sleep
+        only if that is 0; ``disarm()`` when you find work instead."""
+        return self.inbox.arm()
+
+    def disarm(self) -> None:
+        self.inbox.disarm()
+
     # -- outbox (producer side)
     def push(self, desc: tuple, *, wake: bool = True, timeout: float = 0.0) -> bool:
         """Publish one descriptor tuple (fields in dtype order; missing trailing
         fields are 0). False if the outbox stayed full for ``timeout`` seconds."""
-        if self.outbox.push(desc, wake):
+        bell = wake and self._bell >= 0
+        if self.outbox.push(desc, wake and not bell) or (
+            timeout > 0 and self.outbox.wait(1, timeout, self.spin) >= 1 and self.outbox.push(desc, wake and not bell)
+        ):
+            if bell:
+                self._ring()
             return True
-        if timeout > 0 and self.outbox.wait(1, timeout, self.spin) >= 1:
-            return self.outbox.push(desc, wake)
         return False
 
     def push_many(self, descs: np.ndarray, *, wake: bool = True, timeout: float = 0.0) -> int:
@@ -678,16 +714,21 @@ class Ring:
         descs = np.ascontiguousarray(descs).reshape(-1)
         raw = descs.view(np.uint8)
         total = len(descs)
+        bell = wake and self._bell >= 0
+        wake = wake and not bell
         done = self.outbox.push_buffer(raw, total, wake)
-        if done == total or timeout <= 0:
-            return done
-        deadline = time.monotonic() + timeout
-        ss = self.out_dtype.itemsize
-        while done < total:
-            left = deadline - time.monotonic()
-            if left <= 0 or self.outbox.wait(1, left, self.spin) < 1:
-                break
-            done += self.outbox.push_buffer(raw[done * ss :], total - done, wake)
+        if done < total and timeout > 0:
+            deadline = time.monotonic() + timeout
+            ss = self.out_dtype.itemsize
+            while done < total:
+                left = deadline - time.monotonic()
+                if left <= 0 or self.outbox.wait(1, left, self.spin) < 1:
+                    break
+                if bell and done:
+                    self._ring()  # let the peer drain what is in while we wait for space
+                done += self.outbox.push_buffer(raw[done * ss :], total - done, wake)
+        if bell and done:
+            self._ring()
         return done
 
     def free(self) -> int:
@@ -700,7 +741,13 @@ class Ring:
 
     def notify(self) -> bool:
         """Ring the peer's doorbell for what was pushed with ``wake=False``."""
-        return self.outbox.notify()
+        woke = self.outbox.notify()
+        if woke and self._bell >= 0:
+            try:
+                os.write(self._bell, b"\0")
+            except (BlockingIOError, BrokenPipeError):
+                pass  # a full pipe is already ringing; a closed one has nobody to wake
+        return woke
 
     # -- inbox (consumer side)
     def pop(self, *, wake: bool = True) -> tuple | None:

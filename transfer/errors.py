@@ -33,6 +33,7 @@ __all__ = [
     "SessionError",
     "NoSession",
     "SessionClosed",
+    "RingUnavailable",
     "ConnectionLost",
     "DaemonUnavailable",
     "RequestTimeout",
@@ -195,6 +196,12 @@ class SessionClosed(SessionError):
     """The session was closed; its resources are gone."""
 
     code = 402
+
+
+class RingUnavailable(SessionError):
+    """The session cannot have a shared-memory request ring (disabled, another host, or one is open)."""
+
+    code = 403
 
 
 # --- 500: the connection (raised by clients, never sent) --------------------

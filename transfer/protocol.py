@@ -43,6 +43,7 @@ __all__ = [
     "RegisterRemote",
     "Share",
     "Attach",
+    "OpenRing",
     "Copy",
     "CopyV",
     "Fill",
@@ -386,6 +387,20 @@ class Attach(Request):
     token: bytes
 
 
+@_request(18, ("capacity", u32))
+@dataclass(slots=True)
+class OpenRing(Request):
+    """Open this session's shared-memory request ring (same host only; docs/ring.md).
+
+    Reply {path, bell, capacity, completion_capacity}: the client maps the ring
+    file and unlinks it, and writes a byte to the daemon's doorbell FIFO `bell`
+    when the daemon sleeps. `capacity` is rounded up to a power of two.
+    """
+
+    id: int
+    capacity: int = 1024
+
+
 @_request(20, ("dst", u64), ("src", u64), ("nbytes", u64), ("stream", u32))
 @dataclass(slots=True)
 class Copy(Request):
@@ -535,6 +550,7 @@ REQUEST_TYPES: dict[int, type[Request]] = {
         RegisterRemote,
         Share,
         Attach,
+        OpenRing,
         Copy,
         CopyV,
         Fill,

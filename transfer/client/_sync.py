@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 from ._deferred import DeferredBuffer, DeferredState, Plan, Tensor, creation_site
 from ._core import ClientCore, RequestMethods, DeviceBuffer, HostSegment, Pending, SharedSegment
 from ._remote import RemoteAgent, RemoteSegment, register as _register_remote
+from ._ringlink import RingLink, ring_able
 
 __all__ = ["Client", "connect"]
 
@@ -48,9 +49,12 @@ class Client(RequestMethods):
         server_key: Any = None,
         client_keys: Any = None,
         deferred: bool = True,
+        ring: bool | int = False,
     ) -> None:
         """`server_key` pins the daemon's CURVE public key (z85 or a key file) for tcp://;
-        `client_keys` is this client's pair (a ``NAME.key_secret`` file or (public, secret))."""
+        `client_keys` is this client's pair (a ``NAME.key_secret`` file or (public, secret)).
+        `ring` (same host only) opens a shared-memory request ring (an int: its capacity,
+        default 1024): copies, fills, checksums and fences then skip the socket (docs/ring.md)."""
         self._remote: Any = None  # the NIXL agent, made by the first register_remote
         self.endpoint = endpoint or os.environ.get("TRANSFER_ENDPOINT") or default_endpoint()
         self._lock = threading.RLock()
@@ -58,6 +62,7 @@ class Client(RequestMethods):
         self._liveness_timeout = liveness_timeout
         self._max_inflight = max_inflight
         self._batch: list[P.Request] | None = None
+        self._ring: RingLink | None = None
         #: Frames (zmq messages) this client has sent: what deferred creation saves.
         self.frames_sent = 0
         self._segments: dict[int, HostSegment] = {}
@@ -114,6 +119,12 @@ class Client(RequestMethods):
             with contextlib.suppress(OSError):
                 self._daemon_pidfd = os.pidfd_open(self.server_pid)
                 self._poller.register(self._daemon_pidfd, zmq.POLLIN)
+        if ring:
+            try:
+                self._open_ring(1024 if ring is True else int(ring))
+            except BaseException:
+                self.close()
+                raise
         self._stop_heartbeat = threading.Event()
         self._hb_thread = threading.Thread(target=self._heartbeat, name="transfer-heartbeat", daemon=True)
         self._hb_thread.start()
@@ -130,7 +141,8 @@ class Client(RequestMethods):
         if self._closed:
             return
         self._closed = True
-        self._stop_heartbeat.set()
+        if hasattr(self, "_stop_heartbeat"):
+            self._stop_heartbeat.set()
         with self._lock:
             try:
                 if self._core.broken is None and os.getpid() == self._core.pid:
@@ -144,6 +156,9 @@ class Client(RequestMethods):
                     seg._unmap()
                 self._segments.clear()
                 self._sock.close(0)
+                if self._ring is not None:
+                    self._ring.close()
+                    self._ring = None
                 if self._daemon_pidfd >= 0:
                     os.close(self._daemon_pidfd)
                     self._daemon_pidfd = -1
@@ -151,6 +166,55 @@ class Client(RequestMethods):
                 if self._remote is not None:  # after Close: the daemon no longer reads our buffers
                     self._remote.close()
                     self._remote = None
+
+    # --- the request ring ---------------------------------------------------------------------
+    def _open_ring(self, capacity: int) -> None:
+        info = self._call(P.OpenRing, capacity)
+        self._ring = RingLink(info, self._shm_dir)
+
+    @property
+    def ring(self) -> bool:
+        """Whether data requests take the shared-memory ring."""
+        return self._ring is not None
+
+    def _ring_route(self, reqs: Sequence[P.Request]) -> bool:
+        """The ring keeps order only with itself: use it when nothing sent on the socket is pending.
+
+        (The daemon takes what is in the ring before each frame it reads, so the other
+        direction, ring then socket, is ordered already.)"""
+        link = self._ring
+        if link is None or not ring_able(reqs):
+            return False
+        pending = self._core.pending
+        unsent = (reqs[0].id in pending if len(reqs) == 1 else sum(1 for r in reqs if r.id in pending)) + len(self._batch or ())
+        return len(pending) - len(link.outstanding) - unsent == 0
+
+    def _ring_reap(self) -> None:
+        if self._ring is not None and self._ring.outstanding:
+            self._ring.reap(self._core.pending, self._core.unobserved)
+
+    def _ring_wait(self, done: Any, timeout: float | None) -> None:
+        """Spin, then sleep on the completion futex, until done(); the socket is looked at between sleeps."""
+        link, core = self._ring, self._core
+        assert link is not None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            link.reap(core.pending, core.unobserved)
+            if done():
+                return
+            core.check_usable()
+            step = self._heartbeat_s
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise E.RequestTimeout(f"no completion within {timeout}s")
+                step = min(step, left)
+            if link.ring.wait(timeout=step) == 0:
+                if link.ring.peer_closed:
+                    core.fail_all(E.SessionClosed("the daemon ended this session (its ring is closed)"))
+                    link.outstanding.clear()
+                else:
+                    self._poll_once(0)
 
     # --- resources -------------------------------------------------------------------------
     def segment(self, nbytes: int) -> HostSegment:
@@ -243,6 +307,10 @@ class Client(RequestMethods):
     def fence(self, stream: int = 0, timeout: float | None = None) -> None:
         """Wait until everything submitted on `stream` is done; raise the first unobserved failure."""
         self._call(P.Fence, stream, timeout=timeout)
+        link = self._ring
+        if link is not None and not link.details_in():
+            with self._lock:  # failures seen on the ring: their messages come on the socket
+                self._drain_until(link.details_in, timeout)
         err = self._core.take_unobserved()
         if err is not None:
             raise err
@@ -277,6 +345,11 @@ class Client(RequestMethods):
     def _send(self, reqs: Sequence[P.Request]) -> None:
         """Send, staying within the daemon's credits: a full window waits for completions."""
         with self._lock:
+            if self._ring_route(reqs):
+                link = self._ring
+                assert link is not None
+                link.push(reqs, self._core.pending, lambda: self._ring_wait(lambda: len(link.outstanding) < link.credits, None))
+                return
             pending, limit = self._core.pending, self._max_inflight
             step = max(1, limit // 2)
             for i in range(0, len(reqs), step):
@@ -298,11 +371,19 @@ class Client(RequestMethods):
             if self._batch:
                 reqs, self._batch = self._batch, []
                 self._send(reqs)
+            if self._ring is not None and pending.id in self._ring.outstanding:
+                start = time.monotonic()
+                link = self._ring
+                self._ring_wait(lambda: pending._done or pending.id not in link.outstanding, timeout)
+                if pending._done:
+                    return
+                if timeout is not None:  # failed on the ring: its error's message is on the socket
+                    timeout = max(0.0, timeout - (time.monotonic() - start))
             self._drain_until(lambda: pending._done, timeout)
 
     def _drain_until(self, done: Any, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
-        sock, core = self._sock, self._core
+        core = self._core
         while not done():
             core.check_usable()
             now = time.monotonic()
@@ -312,18 +393,25 @@ class Client(RequestMethods):
                     return
                 raise E.RequestTimeout(f"no reply within {timeout}s")
             step = self._heartbeat_s
+            if self._ring is not None and self._ring.outstanding:
+                step = 0.001  # completions arrive on the ring, not the socket: look there often
             if deadline is not None:
                 step = min(step, deadline - now)
-            events = dict(self._poller.poll(max(step, 0) * 1000))
-            if sock in events:
-                self._recv_all()
-            elif self._daemon_pidfd >= 0 and self._daemon_pidfd in events:
-                core.fail_all(E.ConnectionLost(f"the daemon (pid {self.server_pid}) exited"))
-            elif not events:
-                self._idle_check()
+            self._poll_once(step)
+
+    def _poll_once(self, step: float) -> None:
+        """One look at the socket and the daemon's pidfd (waiting up to `step` seconds)."""
+        events = dict(self._poller.poll(max(step, 0) * 1000))
+        if self._sock in events:
+            self._recv_all()
+        elif self._daemon_pidfd >= 0 and self._daemon_pidfd in events:
+            self._core.fail_all(E.ConnectionLost(f"the daemon (pid {self.server_pid}) exited"))
+        elif not events:
+            self._idle_check()
 
     def _recv_all(self) -> None:
         sock, core = self._sock, self._core
+        self._ring_reap()
         while True:
             try:
                 data = sock.recv(zmq.NOBLOCK)

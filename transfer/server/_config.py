@@ -53,6 +53,12 @@ class DaemonConfig:
     rdma: bool = True
     #: Seconds one NIXL post may take before its requests fail with TransferTimeout.
     remote_timeout_s: float = 30.0
+    #: Same-host clients may open a shared-memory request ring (docs/ring.md).
+    rings: bool = True
+    #: Largest ring (descriptors) a session may ask for.
+    max_ring_capacity: int = 1 << 16
+    #: After the last ring request, the daemon busy-polls the rings this long before sleeping.
+    ring_spin_s: float = 200e-6
     #: Prometheus metrics over HTTP (`transfer.server._metrics`); 0 = off.
     metrics_port: int = 0
     metrics_addr: str = "127.0.0.1"

@@ -58,6 +58,8 @@ class Op:
     info: Any = None
     #: Copies to or from a remote (NIXL) segment: posted with the rest of the wave's, as one transfer.
     remote: Any = None
+    #: Descriptor id(s) when the op came through the session's ring: answered there, not by a reply.
+    ring_ids: Any = None
 
 
 class _Intervals:
@@ -747,7 +749,10 @@ def plan_requests(planner: Planner, owner: Any, reqs: Sequence[P.Request]) -> tu
             continue
         if run:
             flush()
-        one(req)
+        if isinstance(req, P.Request):
+            one(req)
+        else:  # a RingBatch (server._ringpath): its descriptors, validated and planned in order
+            ops.extend(req.plan_ops(planner, owner))
     if run:
         flush()
     return ops, refused
@@ -756,8 +761,8 @@ def plan_requests(planner: Planner, owner: Any, reqs: Sequence[P.Request]) -> tu
 def replies_for(ops: Sequence[Op]) -> list[P.Reply]:
     out: list[P.Reply] = []
     for op in ops:
-        if op.rid == 0:
-            continue  # internal (a pull for a compute): its request answers for it
+        if op.rid == 0 or op.ring_ids is not None:
+            continue  # internal (a pull for a compute), or answered on the ring
         out.append(P.Reply(op.rid, op.result if op.error is None else None, op.error))
         if op.more_rids:
             out.extend(P.Reply(rid, None, op.error) for rid in op.more_rids)

@@ -27,6 +27,8 @@ from ..memory import DaemonLock, ShmFile, sweep_stale
 from ._config import DaemonConfig
 from ._scheduler import Planner, assign_waves, execute_waves, plan_requests, replies_for, run_wave_inline
 from ._deferred import define, grant_arenas, release_arenas, resolve
+from ._ringpath import Doorbell, RingBatch, open_ring
+from .._ring import COMPLETION_DTYPE, RingCorrupted
 from ._metrics import Metrics
 from ._session import Session
 from ..transport._remote import RemotePlane
@@ -36,7 +38,7 @@ __all__ = ["Server"]
 log = logging.getLogger("transfer.server")
 
 #: Requests that act as barriers: a pass stops before them, and runs them alone.
-_CONTROL = (P.Define, P.RegisterHost, P.RegisterRemote, P.Unregister, P.Alloc, P.Free, P.Share, P.Attach, P.Close, P.Hello)
+_CONTROL = (P.Define, P.OpenRing, P.RegisterHost, P.RegisterRemote, P.Unregister, P.Alloc, P.Free, P.Share, P.Attach, P.Close, P.Hello)
 #: Answered once everything taken before them in the pass has completed.
 _AFTER_PASS = (P.Fence, P.Ping, P.Stats, P.Wait)
 
@@ -49,7 +51,14 @@ def _bytes_hint(req: P.Request) -> int:
         return int(req.nbytes.sum(dtype=np.uint64))
     if isinstance(req, P.Compute):
         return sum(tensor_extent(t) for t in (*req.inputs, *req.outputs))
+    if isinstance(req, RingBatch):
+        return req.nbytes_hint
     return 0
+
+
+def _zmq_count(items: Any) -> int:
+    """Queue entries that came as zmq requests (they count against max_inflight; ring batches do not)."""
+    return sum(1 for r in items if not isinstance(r, RingBatch))
 
 
 class Server:
@@ -87,6 +96,10 @@ class Server:
         #: Prometheus counters (served by transferd --metrics-port); updated on the trio thread only.
         self.metrics = Metrics()
         self._lock: DaemonLock | None = None
+        #: Sessions with a request ring, and the FIFO clients ring when the daemon sleeps.
+        self.ring_sessions: dict[int, Session] = {}
+        self.bell: Doorbell | None = None
+        self._ring_loop_started = False
         # Set by the daemon loop:
         self.send: Callable[[bytes, bytes], None] = lambda identity, data: None
         self.nursery: trio.Nursery | None = None
@@ -118,6 +131,9 @@ class Server:
         for session in list(self.sessions.values()):
             self._release(session)
         self.remote.close()
+        if self.bell is not None:
+            self.bell.close()
+            self.bell = None
         if self._lock is not None:
             self._lock.release()
             self._lock = None
@@ -170,6 +186,8 @@ class Server:
         if session.closing or not self.accepting:
             self._reply_all(identity, reqs, E.SessionClosed("the session is closing"))
             return
+        if session.ring is not None:
+            self._ring_ingest(session)  # what the client pushed before this frame goes first
         if session.inflight + len(reqs) > self.config.max_inflight:
             # Clients keep within the credits announced in hello; only a misbehaving one gets here.
             self._reply_all(identity, reqs, E.QuotaExceeded(f"more than {self.config.max_inflight} requests in flight for this session"))
@@ -191,6 +209,8 @@ class Server:
         bytes touched stay under inline_bytes; anything else goes to the session task.
         """
         q = session.queue
+        if len(q) == 1 and type(q[0]) is RingBatch and self.remote.ep is None and self._ring_now(session, q[0]):
+            return True
         if len(q) > self.config.max_pass or any(isinstance(r, (*_CONTROL, P.ComputeRef)) for r in q):
             return False
         data = [r for r in q if not isinstance(r, (P.BadRequest, *_AFTER_PASS))]
@@ -213,8 +233,10 @@ class Server:
             run_wave_inline(wave)
         replies.extend(replies_for(ops))
         replies.extend(self._execute_control(session, r) for r in taken if isinstance(r, _AFTER_PASS))
-        self._account(session, len(taken), replies, len(waves), ops)
-        self.send(session.identity, P.encode_replies(replies))
+        self._complete_ring(session, taken, replies)
+        self._account(session, _zmq_count(taken), replies, len(waves), ops)
+        if replies:
+            self.send(session.identity, P.encode_replies(replies))
         return True
 
     def _account(self, session: Session, taken: int, replies: list[P.Reply], waves: int, ops: list[Any]) -> None:
@@ -319,9 +341,9 @@ class Server:
                 if session.closing:
                     # Answer what was queued behind the Close in the same reply frame.
                     err = E.SessionClosed("the session closed before this request ran")
-                    replies.extend(P.Reply(r.id, error=err) for r in q)
-                    taken += len(q)
-                    q.clear()
+                    replies.extend(P.Reply(r.id, error=err) for r in q if not isinstance(r, RingBatch))
+                    taken += _zmq_count(q)
+                    q.clear()  # ring batches: the ring closes with the session, failing them client-side
                     break
                 continue
             q.popleft()
@@ -356,7 +378,8 @@ class Server:
                 self.nursery.start_soon(self.end_session, session, "NIXL peer disconnected")
         for req in after:
             replies.append(self._execute_control(session, req))
-        self._account(session, taken, replies, len(waves), ops)
+        self._complete_ring(session, data, replies)
+        self._account(session, taken - (len(data) - _zmq_count(data)), replies, len(waves), ops)
         return replies
 
     def _execute_control(self, session: Session, req: P.Decoded) -> P.Reply:
@@ -384,6 +407,8 @@ class Server:
                 return P.Reply(req.id, self._share(session, req.va))
             if isinstance(req, P.Attach):
                 return P.Reply(req.id, self._attach(session, req.token))
+            if isinstance(req, P.OpenRing):
+                return P.Reply(req.id, self._open_ring(session, req.capacity))
             if isinstance(req, P.Fence):
                 return P.Reply(req.id, None)  # requests before it in this session are done
             if isinstance(req, P.Close):
@@ -563,8 +588,17 @@ class Server:
         if session.queue:
             # Every request gets an answer: those queued behind a Close (or a reclaim) too.
             err = E.SessionClosed("the session closed before this request ran")
-            self.send(session.identity, P.encode_replies([P.Reply(r.id, error=err) for r in session.queue]))
+            zmq_reqs = [r for r in session.queue if not isinstance(r, RingBatch)]
+            if zmq_reqs:
+                self.send(session.identity, P.encode_replies([P.Reply(r.id, error=err) for r in zmq_reqs]))
             session.queue.clear()
+        if session.ring is not None:
+            # Closing sets our closed flag and wakes a client sleeping on the ring: it fails its
+            # outstanding descriptors with SessionClosed. Nothing maps the ring afterwards.
+            self.ring_sessions.pop(session.id, None)
+            ring, session.ring = session.ring, None
+            ring.unlink()  # the client unlinks it on attach; a client that died first did not
+            ring.close()
         release_arenas(self, session)
         for sid in session.attached:
             seg = self.table.get(sid)
@@ -577,6 +611,205 @@ class Server:
                 self._drop(session, seg)
         session.segments.clear()
         self.remote.drop_session(session.id)
+
+    # --- request rings (same-host clients; server._ringpath, docs/ring.md) -------------------
+    def _open_ring(self, session: Session, capacity: int) -> dict[str, Any]:
+        if not self.config.rings:
+            raise E.RingUnavailable("request rings are disabled on this daemon (--no-rings)")
+        if session.identity[:1] == b"\x01":
+            raise E.RingUnavailable("request rings are for clients on the daemon's host")
+        if session.ring is not None:
+            raise E.RingUnavailable("this session already has a ring")
+        ring = open_ring(self.config.shm_dir, self.instance, session.id, capacity, self.config.max_ring_capacity)
+        if self.bell is None:  # made with the first ring: daemons without ring clients have none
+            try:
+                self.bell = Doorbell(self.config.shm_dir, self.instance)
+            except OSError as exc:
+                ring.unlink()
+                ring.close()
+                raise E.OutOfSharedMemory(f"cannot create the ring doorbell in {self.config.shm_dir}: {exc}") from None
+        session.ring = ring
+        self.ring_sessions[session.id] = session
+        ring.arm()  # if the ring loop sleeps now, the client's first push must ring the bell
+        if not self._ring_loop_started:
+            assert self.nursery is not None
+            self._ring_loop_started = True
+            self.nursery.start_soon(self._ring_loop)
+        log.info("session %d opened a %d-descriptor ring", session.id, ring.request_capacity, extra={"session": session.id})
+        return {
+            "path": str(ring.path),
+            "bell": str(self.bell.path),  # type: ignore[union-attr]
+            "capacity": ring.request_capacity,
+            "completion_capacity": ring.completion_capacity,
+        }
+
+    def _ring_budget(self, session: Session) -> int:
+        """Descriptors we may still pop: each needs a completion slot when it is answered."""
+        return session.ring.free() - session.ring_pending
+
+    def _ring_ingest(self, session: Session) -> int:
+        """Pop what the session's ring holds (within its completion budget) into its queue."""
+        ring = session.ring
+        if ring is None or session.closing or not self.accepting:
+            return 0
+        try:
+            avail = ring.available()
+            if not avail:
+                return 0
+            n = min(avail, self._ring_budget(session), self.config.max_pass)
+            if n <= 0:
+                return 0  # the client has not taken its completions: it waits, we do not
+            if n <= 4:  # the short path: tuples, no NumPy (one wake for the batch, if any)
+                batch = RingBatch(rows=[ring.pop(wake=False) for _ in range(n)])
+                ring.inbox.notify()
+            else:
+                batch = RingBatch(array=ring.pop_many(n))
+        except RingCorrupted as exc:
+            self._ring_broken(session, exc)
+            return 0
+        n = batch.n
+        if not session.queue:
+            session.arrived = time.perf_counter()
+        session.queue.append(batch)
+        session.ring_pending += n
+        session.last_seen = time.monotonic()
+        session.stats.requests += n
+        self.counters["requests"] += n
+        self.metrics.batch(n)
+        return n
+
+    def _ring_now(self, session: Session, batch: RingBatch) -> bool:
+        """The ring's short path: a few small descriptors run in order at once (RingBatch.run_now)."""
+        done = batch.run_now(self.planner, session.id, self.config.inline_bytes)
+        if done is None:
+            return False
+        comps, details, moved = done
+        session.queue.clear()
+        session.ring_pending -= len(comps)
+        self.counters["passes"] += 1
+        self.counters["ops"] += len(comps)
+        session.stats.bytes_moved += moved
+        if details:
+            self.counters["errors"] += len(details)
+            session.stats.errors += len(details)
+            for r in details:
+                self.metrics.error(r.error.code)  # type: ignore[union-attr]
+            self.send(session.identity, P.encode_replies(details))
+        ring = session.ring
+        try:
+            if len(comps) == 1:
+                ok = ring.push(comps[0])
+            else:
+                ok = ring.push_many(np.array(comps, dtype=COMPLETION_DTYPE)) == len(comps)
+            if not ok:
+                self._ring_broken(session, RingCorrupted("the completion queue was full although its slots were reserved"))
+        except RingCorrupted as exc:
+            self._ring_broken(session, exc)
+        self.metrics.request_done("ring", time.perf_counter() - session.arrived, len(comps))
+        session.arrived = 0.0
+        return True
+
+    def _complete_ring(self, session: Session, taken: Any, replies: list[P.Reply]) -> None:
+        """Answer a pass's ring batches: completions on the ring, error details as replies."""
+        batches = [r for r in taken if isinstance(r, RingBatch)]
+        if not batches:
+            return
+        ring = session.ring
+        for batch in batches:
+            comps, details = batch.outcome()
+            session.ring_pending -= batch.n
+            replies.extend(details)
+            if ring is None or session.closing:
+                continue
+            try:
+                pushed = ring.push_many(comps)
+            except RingCorrupted as exc:
+                self._ring_broken(session, exc)
+                ring = None
+                continue
+            if pushed != len(comps):  # the budget reserved these slots: only a hostile client gets here
+                self._ring_broken(session, RingCorrupted("the completion queue was full although its slots were reserved"))
+                ring = None
+
+    def _ring_broken(self, session: Session, exc: Exception) -> None:
+        if session.closing:
+            return  # already on its way out
+        log.warning("session %d: %s; ending the session", session.id, exc, extra={"session": session.id})
+        session.closing = True
+        self.counters["sessions_reaped"] += 1
+        assert self.nursery is not None
+        self.nursery.start_soon(self.end_session, session, f"ring: {exc}")
+
+    def _poll_rings(self) -> int:
+        """Ingest every ring; an idle session's small work runs right here (as for zmq frames)."""
+        took = 0
+        for session in list(self.ring_sessions.values()):
+            idle = not session.queue and not session.busy
+            try:
+                n = self._ring_ingest(session)
+                if n:
+                    took += n
+                    if not (idle and self._try_inline_pass(session)):
+                        session.wake.set()
+            except Exception as exc:  # a bug: this session goes, the daemon keeps serving the rest
+                log.exception("session %d: internal error on its ring", session.id, extra={"session": session.id})
+                self._ring_broken(session, exc)
+        return took
+
+    async def _ring_loop(self) -> None:
+        """Drain the rings: busy-poll while they are busy, then sleep on the doorbell FIFO.
+
+        Busy-polling holds the event loop for at most 50 µs at a time, then lets the
+        other tasks (the zmq pump) run; after `ring_spin_s` without a descriptor it
+        arms every ring (a client's next push then writes the FIFO) and sleeps.
+        """
+        assert self.bell is not None
+        bell = self.bell
+        spin = self.config.ring_spin_s
+        clock = time.perf_counter
+        poll = self._poll_rings
+        until = 0.0
+        while True:
+            try:
+                now = clock()
+                if poll():
+                    until = now + spin
+                if clock() < until:
+                    # Busy: keep polling (answering at once) for a slice, then let other tasks run.
+                    end = min(until, clock() + 50e-6)
+                    while (now := clock()) < end:
+                        if poll():
+                            until = end = now + spin
+                            end = min(end, now + 50e-6)
+                    await trio.lowlevel.checkpoint()
+                    continue
+                if self._arm_rings():
+                    continue
+                await trio.lowlevel.wait_readable(bell.fd)
+                bell.drain()
+                for session in list(self.ring_sessions.values()):
+                    if session.ring is not None:
+                        session.ring.disarm()
+            except RingCorrupted:  # a ring went bad between checks: _ring_ingest ends its session
+                await trio.lowlevel.checkpoint()
+
+    def _arm_rings(self) -> bool:
+        """Arm every ring's doorbell; True (and disarmed) if one has work after all."""
+        ready = False
+        for session in list(self.ring_sessions.values()):
+            ring = session.ring
+            if ring is None or session.closing:
+                continue
+            try:
+                if ring.arm() and self._ring_budget(session) > 0:
+                    ready = True
+            except RingCorrupted as exc:
+                self._ring_broken(session, exc)
+        if ready:
+            for session in self.ring_sessions.values():
+                if session.ring is not None:
+                    session.ring.disarm()
+        return ready
 
     async def end_session(self, session: Session, why: str) -> None:
         """Reclaim a dead or silent client's session: stop its work, then free its memory."""
@@ -623,6 +856,7 @@ class Server:
             "daemon": {
                 **self.counters,
                 "sessions": len(self.sessions),
+                "rings": len(self.ring_sessions),
                 "segments": len(self.table),
                 "device_bytes": self.device_bytes,
                 "devices": [{"index": d.index, "kind": d.kind, "queued_bytes": d.queued_bytes, "batches": d.completed} for d in self.devices],
@@ -631,5 +865,5 @@ class Server:
             }
         }
         if session is not None:
-            out["session"] = {"id": session.id, **session.stats.to_wire(), "segments": len(session.segments)}
+            out["session"] = {"id": session.id, **session.stats.to_wire(), "segments": len(session.segments), "ring": session.ring is not None}
         return out

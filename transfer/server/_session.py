@@ -65,6 +65,10 @@ class Session:
     finished: trio.Event = field(default_factory=trio.Event)
     closing: bool = False
     info: dict[str, Any] = field(default_factory=dict)
+    #: The session's shared-memory request ring (transfer._ring.Ring), if it opened one.
+    ring: Any = None
+    #: Descriptors popped from the ring and not yet answered (they hold completion slots).
+    ring_pending: int = 0
 
     def __hash__(self) -> int:
         return self.id

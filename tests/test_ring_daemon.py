@@ -1,0 +1,324 @@
+"""The request ring through a real transferd (issue 8): semantics, hostile input, crashes.
+
+Every test runs with both ring implementations (the daemon and the client pick
+theirs from TRANSFER_RING, as a deployment would).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import transfer
+from transfer import errors as E
+from transfer._ring import COMPLETION_DTYPE, Op, Ring, available_implementations
+from transfer.testing import start_daemon
+
+from conftest import FAST, segment_files
+
+psutil = pytest.importorskip("psutil")
+
+
+@pytest.fixture(params=available_implementations())
+def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("TRANSFER_RING", request.param)
+    return request.param
+
+
+@pytest.fixture
+def ringd(impl: str, daemon_factory):  # type: ignore[no-untyped-def]
+    return daemon_factory()
+
+
+def _raw(client: transfer.Client) -> Ring:
+    assert client._ring is not None
+    return client._ring.ring
+
+
+def _completions(ring: Ring, n: int, timeout: float = 10.0) -> np.ndarray:
+    got: list[np.ndarray] = []
+    have = 0
+    deadline = time.monotonic() + timeout
+    while have < n:
+        assert time.monotonic() < deadline, f"only {have} of {n} completions"
+        ring.wait(timeout=0.2, need=n - have)
+        c = ring.pop_many()
+        got.append(c)
+        have += len(c)
+    return np.concatenate(got) if got else np.zeros(0, COMPLETION_DTYPE)
+
+
+def test_requests_over_the_ring(ringd, impl: str) -> None:
+    with transfer.connect(ringd.endpoint, ring=True) as c:
+        assert c.ring and _raw(c).implementation == impl
+        seg = c.segment(1 << 20)
+        data = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8)
+        seg.buffer[:4096] = data
+        sent = c.frames_sent
+        assert c.copy(seg.at(8192), seg.at(0), 4096).result(5) is None
+        assert c.checksum(seg.at(8192), 4096).result(5) == transfer.checksum64(data)
+        c.fill(seg.at(0), 100, 7)
+        c.fence()
+        assert c.frames_sent == sent, "data requests and the fence took the socket"
+        assert (seg.buffer[:100] == 7).all() and (seg.buffer[8192 : 8192 + 4096] == data).all()
+        # a batch leaves as one push_many; the copies chain, so order matters
+        with c.batch():
+            for k in range(1, 200):
+                c.copy(seg.at(k * 64), seg.at((k - 1) * 64), 64)
+        c.fence()
+        assert all((seg.buffer[k * 64 : (k + 1) * 64] == 7).all() for k in range(200))
+        assert c.frames_sent == sent
+        stats = c.stats()
+        assert stats["session"]["requests"] >= 204
+
+
+def test_errors_carry_their_message_and_the_daemon_keeps_serving(ringd) -> None:
+    with transfer.connect(ringd.endpoint, ring=True) as c, transfer.connect(ringd.endpoint, ring=True) as other:
+        seg = c.segment(4096)
+        theirs = other.segment(4096)
+        with pytest.raises(E.OutOfBounds, match="runs past the end"):
+            c.copy(seg.at(0), seg.at(4000), 200).result(5)
+        with pytest.raises(E.NotOwner):
+            c.checksum(theirs.at(0), 16).result(5)
+        p = c.fill(seg.at(0), 1 << 20, 1)  # unobserved: the next fence raises it
+        with pytest.raises(E.OutOfBounds):
+            c.fence()
+        assert p.done
+        assert c.checksum(seg.at(0), 16).result(5) == transfer.checksum64(bytes(16))
+        assert other.checksum(theirs.at(0), 16).result(5) == transfer.checksum64(bytes(16))
+
+
+def test_hostile_descriptors_get_error_completions(ringd) -> None:
+    with transfer.connect(ringd.endpoint, ring=True) as c:
+        seg = c.segment(4096)
+        ring = _raw(c)
+        base = 1 << 60
+        bad = [
+            (Op.COPY, 0, seg.at(0), seg.at(64), 8),  # id 0
+            (Op.COPY, base + 1, seg.at(0), seg.at(64), 8, 0, 0x40),  # unknown flags
+            (99, base + 2),  # unknown opcode
+            (Op.COMPUTE, base + 3),  # not served on the ring
+            (Op.FILL, base + 4, seg.at(0), 0, 8, 0, 0, 256),  # not a byte
+            (Op.COPY, base + 5, seg.at(0), (77 << 40), 8),  # no such segment
+            (Op.CHECKSUM, base + 6, 0, seg.at(4090), 2**64 - 1),  # size overflow
+            (Op.COPY, base + 7, seg.at(0), seg.at(64), 8),  # fine
+        ]
+        for d in bad:
+            assert ring.push(d)
+        comps = _completions(ring, len(bad))
+        status = {int(i): int(s) for i, s in zip(comps["id"], comps["status"])}
+        assert status[base + 7] == 0
+        assert status[0] == E.InvalidField.code
+        assert status[base + 1] == E.InvalidField.code
+        assert status[base + 2] == E.UnknownOperation.code
+        assert status[base + 3] == E.UnknownOperation.code
+        assert status[base + 4] == E.InvalidField.code
+        assert status[base + 5] in (E.UnknownSegment.code, E.InvalidAddress.code)
+        assert status[base + 6] in (E.OutOfBounds.code, E.InvalidAddress.code)
+        assert all(comps["flags"][comps["status"] != 0] == 1), "errors announce their detail reply"
+        # a batch big enough for the planned (vector) path, with one bad copy in it
+        descs = np.zeros(64, ring.out_dtype)
+        descs["op"], descs["id"], descs["nbytes"] = Op.COPY, np.arange(base + 100, base + 164), 8
+        descs["dst"], descs["src"] = seg.at(1024), seg.at(0)
+        descs["src"][17] = seg.at(4095)
+        assert ring.push_many(descs) == 64
+        comps = _completions(ring, 64)
+        failed = comps["id"][comps["status"] != 0].tolist()
+        assert failed == [base + 117]
+        assert c.checksum(seg.at(0), 8).result(5) == transfer.checksum64(bytes(8))
+
+
+def test_a_corrupted_ring_ends_only_its_session(ringd, shm_dir: Path) -> None:
+    with transfer.connect(ringd.endpoint, ring=True) as good:
+        gseg = good.segment(4096)
+        bad = transfer.connect(ringd.endpoint, ring=True)
+        ring = _raw(bad)
+        words = memoryview(ring._mm).cast("Q")
+        words[128 // 8] += 1 << 40  # the request queue's tail: impossible
+        ring.notify()
+        with pytest.raises((E.SessionClosed, E.ConnectionLost, E.NoSession)):
+            bad.fence(timeout=5)
+        words.release()
+        bad.close()
+        assert good.checksum(gseg.at(0), 64).result(5) == transfer.checksum64(bytes(64))
+    deadline = time.monotonic() + 5
+    while [n for n in segment_files(shm_dir) if ".ring-" in n] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [n for n in segment_files(shm_dir) if ".ring-" in n]
+
+
+def _model(size: int, ops: list[tuple]) -> np.ndarray:
+    mem = (np.arange(size) % 251).astype(np.uint8)
+    for op in ops:
+        if op[0] == "copy":
+            _, d, s, n, _ = op
+            mem[d : d + n] = mem[s : s + n].copy()
+        else:
+            _, d, n, v = op
+            mem[d : d + n] = v
+    return mem
+
+
+_SIZE = 4096
+_op = st.one_of(
+    st.tuples(st.just("copy"), st.integers(0, _SIZE - 1), st.integers(0, _SIZE - 1), st.integers(1, 512), st.sampled_from(["ring", "zmq"])),
+    st.tuples(st.just("fill"), st.integers(0, _SIZE - 1), st.integers(1, 512), st.integers(0, 255)),
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(_op, min_size=1, max_size=60), batched=st.booleans())
+def test_ring_and_socket_requests_run_in_submission_order(ringd, ops: list[tuple], batched: bool) -> None:
+    """Any mix of ring requests and socket (copy_many) requests equals sequential execution."""
+    clipped = []
+    for op in ops:
+        if op[0] == "copy":
+            _, d, s, n, via = op
+            n = min(n, _SIZE - d, _SIZE - s)
+            clipped.append(("copy", d, s, n, via))
+        else:
+            _, d, n, v = op
+            clipped.append(("fill", d, min(n, _SIZE - d), v))
+    with transfer.connect(ringd.endpoint, ring=True) as c:
+        seg = c.segment(_SIZE)
+        seg.buffer[:] = (np.arange(_SIZE) % 251).astype(np.uint8)
+        ctx = c.batch() if batched else _Null()
+        with ctx:
+            for op in clipped:
+                if op[0] == "copy":
+                    _, d, s, n, via = op
+                    if via == "ring":
+                        c.copy(seg.at(d), seg.at(s), n)
+                    else:
+                        c.copy_many([seg.at(d)], [seg.at(s)], [n])  # a CopyV: always the socket
+                else:
+                    _, d, n, v = op
+                    c.fill(seg.at(d), n, v)
+        c.fence()
+        assert (seg.buffer == _model(_SIZE, clipped)).all()
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def test_many_descriptors_none_lost_duplicated_or_reordered(ringd) -> None:
+    """200k descriptors through the daemon: each answered once; chained copies prove the order."""
+    with transfer.connect(ringd.endpoint, ring=True) as c:
+        seg = c.segment(1 << 16)
+        ring = _raw(c)
+        seg.buffer[:8] = np.frombuffer(b"ABCDEFGH", np.uint8)
+        total, batch = 200_000, 1000
+        base = 1 << 61
+        seen = np.zeros(total, np.uint8)
+        for first in range(0, total, batch):
+            descs = np.zeros(batch, ring.out_dtype)
+            descs["op"] = Op.COPY
+            descs["id"] = np.arange(base + first, base + first + batch, dtype=np.uint64)
+            k = np.arange(first, first + batch, dtype=np.uint64) % 8000
+            descs["src"] = seg.at(0) + k * 8  # a chain: slot k+1 copies slot k
+            descs["dst"] = seg.at(0) + (k + 1) * 8
+            descs["nbytes"] = 8
+            descs["src"][k == 7999] = seg.at(0)  # wrap: restart from slot 0
+            descs["dst"][k == 7999] = seg.at(0)
+            assert ring.push_many(descs, timeout=10) == batch
+            comps = _completions(ring, batch)
+            assert not comps["status"].any()
+            idx = comps["id"].astype(np.int64) - base
+            np.add.at(seen, idx, 1)
+        assert (seen == 1).all(), "a descriptor was lost or answered twice"
+        # every slot now holds slot 0's bytes only if each copy ran after the one before it
+        assert bytes(seg.buffer[: 8000 * 8]) == b"ABCDEFGH" * 8000
+
+
+def test_client_killed_mid_stream_is_reclaimed(ringd, shm_dir: Path, tmp_path: Path) -> None:
+    script = tmp_path / "producer.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, transfer
+        c = transfer.connect({ringd.endpoint!r}, ring=True)
+        seg = c.segment(1 << 20)
+        print("ready", flush=True)
+        while True:
+            with c.batch():
+                for k in range(256):
+                    c.copy(seg.at(4096 + k * 64), seg.at(k * 64), 64)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 5
+    while [n for n in segment_files(shm_dir) if not n.endswith(".bell")] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [n for n in segment_files(shm_dir) if not n.endswith(".bell")] == []
+    with transfer.connect(ringd.endpoint, ring=True) as c:
+        seg = c.segment(64)
+        assert c.checksum(seg.at(0), 64).result(5) == transfer.checksum64(bytes(64))
+        assert c.stats()["daemon"]["sessions"] == 1
+
+
+def test_daemon_killed_while_a_client_waits_on_the_ring(impl: str, shm_dir: Path, tmp_path: Path) -> None:
+    wd = tmp_path / "run"
+    wd.mkdir(mode=0o700)
+    d = start_daemon([*FAST, "--ring-spin", "0"], workdir=wd, shm_dir=shm_dir)
+    try:
+        c = transfer.connect(d.endpoint, ring=True, liveness_timeout=2.0)
+        seg = c.segment(1 << 20)
+        os.kill(d.pid, signal.SIGSTOP)  # it cannot answer: the client waits on the ring
+        p = c.checksum(seg.at(0), 1 << 20)
+        os.kill(d.pid, signal.SIGKILL)
+        d.proc.wait(10)
+        t0 = time.monotonic()
+        with pytest.raises(E.ConnectionLost):
+            p.result(30)
+        assert time.monotonic() - t0 < 5
+        c.close()
+        assert any(".ring-" in n or n.endswith(".bell") for n in segment_files(shm_dir))
+        d.restart()  # the sweep removes the dead instance's ring and doorbell
+        assert segment_files(shm_dir) == []
+    finally:
+        d.stop()
+
+
+def test_rings_can_be_disabled(impl: str, daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    d = daemon_factory("--no-rings")
+    with pytest.raises(E.RingUnavailable, match="disabled"):
+        transfer.connect(d.endpoint, ring=True)
+    with transfer.connect(d.endpoint) as c:
+        assert not c.ring
+        with pytest.raises(E.RingUnavailable, match="disabled"):
+            c._open_ring(64)
+
+
+def test_an_idle_ring_costs_the_daemon_no_cpu(ringd) -> None:
+    with transfer.connect(ringd.endpoint, ring=True) as c:
+        seg = c.segment(4096)
+        for _ in range(100):
+            c.copy(seg.at(64), seg.at(0), 64).result(5)
+        time.sleep(0.2)  # past the busy-poll window
+        proc = psutil.Process(ringd.pid)
+        before = proc.cpu_times()
+        time.sleep(1.0)
+        after = proc.cpu_times()
+        used = (after.user + after.system) - (before.user + before.system)
+        assert used < 0.1, f"an idle daemon with a ring used {used:.3f}s of CPU in 1s"
+        # and it still wakes for the next request (the doorbell)
+        assert c.checksum(seg.at(0), 64).result(5) == transfer.checksum64(bytes(64))

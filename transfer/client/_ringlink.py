@@ -1,0 +1,156 @@
+"""The client's end of a session's shared-memory request ring (docs/ring.md).
+
+Sans-I/O in the h11 sense as far as a ring allows: it turns requests into
+descriptors and completions into finished `Pending`s; the blocking client
+decides when to push and when to wait. Only plain data requests travel here
+(copy, fill, checksum, fence); everything else, and every error's message,
+stays on the control socket.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .. import errors as E
+from .. import protocol as P
+from .._ring import REQUEST_DTYPE, Op as RingOp, Ring
+from ._core import Pending
+
+__all__ = ["RingLink", "ring_able"]
+
+#: A completion whose error message follows on the control socket (server._ringpath).
+_DETAIL = 1
+_RING_TYPES = (P.Copy, P.Fill, P.Checksum, P.Fence, P.Wait)
+
+
+def ring_able(reqs: Sequence[P.Request]) -> bool:
+    return all(type(r) in _RING_TYPES for r in reqs)
+
+
+def _descriptor(req: P.Request) -> tuple[int, ...] | None:
+    t = type(req)
+    if t is P.Copy:
+        return (RingOp.COPY, req.id, req.dst, req.src, req.nbytes, req.stream, 0, 0, 0, 0)
+    if t is P.Fill:
+        return (RingOp.FILL, req.id, req.dst, 0, req.nbytes, req.stream, 0, req.value, 0, 0)
+    if t is P.Checksum:
+        return (RingOp.CHECKSUM, req.id, 0, req.src, req.nbytes, req.stream, 0, 0, 0, 0)
+    if t is P.Fence:
+        return (RingOp.FENCE, req.id, 0, 0, 0, req.stream, 0, 0, 0, 0)
+    return None  # a Wait marker: the ring has no round-trip accounting to do
+
+
+class RingLink:
+    """One session's ring, mapped here: descriptors out, completions in."""
+
+    def __init__(self, info: dict[str, Any], shm_dir: Path) -> None:
+        path, bell = Path(info["path"]), Path(info["bell"])
+        for p in (path, bell):
+            if p.parent != shm_dir:
+                raise E.ProtocolError(f"the daemon named a ring file outside its shm dir: {p}")
+        self.ring = Ring.attach(path)
+        self.ring.unlink()  # mapped on both sides now: a crash leaves nothing behind
+        try:
+            self.bell_fd = os.open(bell, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except BaseException:
+            self.ring.close()
+            raise
+        self.ring.set_doorbell(self.bell_fd)
+        #: Never more descriptors outstanding than completion slots: the daemon never waits on us.
+        self.credits = min(self.ring.request_capacity, self.ring.completion_capacity)
+        #: Outstanding descriptors: id -> (pending, answers with a value).
+        self.outstanding: dict[int, tuple[Pending, bool]] = {}
+        #: Failed on the ring; their reply with the full error is on its way over the socket.
+        self.detail: dict[int, Pending] = {}
+        self.pushed = 0
+
+    def push(self, reqs: Sequence[P.Request], pending: dict[int, Pending], wait_credits: Callable[[], None]) -> None:
+        """Publish `reqs` (all ring-able), waiting for credits when the window is full."""
+        if len(reqs) == 1 and len(self.outstanding) < self.credits:  # the common case, kept short
+            d = _descriptor(reqs[0])
+            if d is not None:
+                try:
+                    ok = self.ring.push(d)
+                except (OverflowError, TypeError) as exc:
+                    self._forget([d], pending)
+                    raise E.InvalidField(f"request field out of range: {exc}") from None
+                if not ok:
+                    raise E.ConnectionLost("the daemon stopped taking ring descriptors")
+                self.outstanding[d[1]] = (pending[d[1]], d[0] == RingOp.CHECKSUM)
+                self.pushed += 1
+            return
+        descs = [d for d in map(_descriptor, reqs) if d is not None]
+        i = 0
+        while i < len(descs):
+            room = self.credits - len(self.outstanding)
+            if room <= 0:
+                wait_credits()
+                continue
+            chunk = descs[i : i + room]
+            if len(chunk) == 1:
+                arr: Any = None
+                try:
+                    ok = self.ring.push(chunk[0])
+                except (OverflowError, TypeError) as exc:
+                    self._forget(descs[i:], pending)
+                    raise E.InvalidField(f"request field out of range: {exc}") from None
+                if not ok:  # cannot happen within credits unless the daemon broke the ring
+                    raise E.ConnectionLost("the daemon stopped taking ring descriptors")
+            else:
+                try:
+                    arr = np.array(chunk, dtype=REQUEST_DTYPE)
+                except (OverflowError, TypeError, ValueError) as exc:
+                    self._forget(descs[i:], pending)
+                    raise E.InvalidField(f"request field out of range: {exc}") from None
+                if self.ring.push_many(arr) != len(arr):
+                    raise E.ConnectionLost("the daemon stopped taking ring descriptors")
+            for d in chunk:
+                self.outstanding[d[1]] = (pending[d[1]], d[0] == RingOp.CHECKSUM)
+            self.pushed += len(chunk)
+            i += len(chunk)
+
+    @staticmethod
+    def _forget(descs: Sequence[tuple[int, ...]], pending: dict[int, Pending]) -> None:
+        """Requests that never left: nobody will answer them."""
+        for d in descs:
+            pending.pop(d[1], None)
+
+    def reap(self, pending: dict[int, Pending], unobserved: list[Pending]) -> int:
+        """Finish the requests whose completions are in; return how many were."""
+        ring = self.ring
+        n = ring.available()
+        if not n:
+            return 0
+        comps = [ring.pop()] if n == 1 else ring.pop_many().tolist()
+        out = self.outstanding
+        for rid, status, result, flags, _ in comps:
+            entry = out.pop(rid, None)
+            if entry is None:
+                continue  # not ours (a confused daemon): ignore rather than crash
+            p, valued = entry
+            if status == 0:
+                pending.pop(rid, None)
+                p._finish(result if valued else None, None)
+            elif not flags & _DETAIL:
+                pending.pop(rid, None)
+                p._finish(None, E.error_for_code(status, "failed on the ring (no detail)"))
+                unobserved.append(p)
+            else:
+                self.detail[rid] = p  # the reply with the full error is on the socket; it finishes p
+        return len(comps)
+
+    def details_in(self) -> bool:
+        """Whether every failure seen on the ring has had its reply (a fence reports them)."""
+        for rid in [r for r, p in self.detail.items() if p._done]:
+            del self.detail[rid]
+        return not self.detail
+
+    def close(self) -> None:
+        self.ring.close()
+        if self.bell_fd >= 0:
+            os.close(self.bell_fd)
+            self.bell_fd = -1
