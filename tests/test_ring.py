@@ -492,3 +492,30 @@ if __name__ == "__main__":
         _idle(args[0], float(args[1]))
     else:
         raise SystemExit(f"unknown mode {mode}")
+
+
+def test_arm_and_doorbell_fd(pair) -> None:
+    """A consumer that sleeps elsewhere: arm(), and the producer's push writes the doorbell fd once."""
+    srv, cli = pair
+    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        cli.set_doorbell(w)
+        assert srv.arm() == 0
+        assert cli.push((Op.COPY, 1, 2, 3, 4))
+        assert os.read(r, 16) == b"\0"
+        assert cli.push((Op.COPY, 2))  # the push cleared the word: no second byte
+        with pytest.raises(BlockingIOError):
+            os.read(r, 16)
+        assert srv.arm() == 2  # armed with work waiting: the caller must not sleep
+        srv.disarm()
+        assert len(srv.pop_many()) == 2
+        assert cli.push_many(np.zeros(3, cli.out_dtype)) == 3
+        with pytest.raises(BlockingIOError):
+            os.read(r, 16)  # disarmed: pushes do not ring
+        srv.pop_many()
+        srv.arm()
+        assert cli.push_many(np.zeros(3, cli.out_dtype)) == 3
+        assert os.read(r, 16) == b"\0"  # one byte for the whole batch
+    finally:
+        os.close(r)
+        os.close(w)
