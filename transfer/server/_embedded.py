@@ -154,6 +154,9 @@ def serve_in_process(
         owned = Path(tempfile.mkdtemp(prefix="transferd-"))
         os.chmod(owned, 0o700)
         endpoint = f"ipc://{owned}/transferd.sock"
+    # Busy-polling rings would hold this process's GIL against the clients in its other
+    # threads: an embedded daemon sleeps on the doorbell at once (pass ring_spin_s to change).
+    overrides.setdefault("ring_spin_s", 0.0)
     cfg = replace(DaemonConfig(), endpoints=(endpoint,), backend=backend, devices=devices, **overrides)
     if shm_dir is not None:
         cfg = replace(cfg, shm_dir=Path(shm_dir))
