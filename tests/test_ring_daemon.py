@@ -144,10 +144,14 @@ def test_a_corrupted_ring_ends_only_its_session(ringd, shm_dir: Path) -> None:
         ring = _raw(bad)
         words = memoryview(ring._mm).cast("Q")
         words[128 // 8] += 1 << 40  # the request queue's tail: impossible
-        ring.notify()
+        words.release()
+        os.write(bad._ring.bell_fd, b"\0")  # wake the daemon whether or not it armed the ring
+        deadline = time.monotonic() + 5
+        while good.stats()["daemon"]["rings"] != 1:
+            assert time.monotonic() < deadline, "the daemon did not end the corrupted ring's session"
+            time.sleep(0.02)
         with pytest.raises((E.SessionClosed, E.ConnectionLost, E.NoSession)):
             bad.fence(timeout=5)
-        words.release()
         bad.close()
         assert good.checksum(gseg.at(0), 64).result(5) == transfer.checksum64(bytes(64))
     deadline = time.monotonic() + 5

@@ -258,6 +258,23 @@ def test_peer_killed_mid_transfer() -> None:
         victim.stop()
 
 
+def _wait_stopped(pid: int, timeout: float = 5.0) -> None:
+    """Until every thread of `pid` is in the stopped state ('T' in /proc/PID/task/*/stat)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                continue
+        if states and all(s in ("T", "t") for s in states):
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"process {pid} did not stop within {timeout}s")
+
+
 def test_stopped_peer_times_out_over_tcp() -> None:
     """Over tcp (UCX's software RMA: the target's progress thread serves
     reads), a peer that is alive but stopped makes wait() time out, cleanly."""
@@ -281,6 +298,7 @@ def test_stopped_peer_times_out_over_tcp() -> None:
         assert np.array_equal(dst, pattern(1 << 20, SEED))
         os.kill(victim.pid, signal.SIGSTOP)
         try:
+            _wait_stopped(victim.pid)  # kill() returns before every thread (UCX's progress thread) has stopped
             x = ep.read(name, [(reg.addr, 1 << 20)], [(victim.base, 1 << 20)])
             t0 = time.monotonic()
             with pytest.raises(TransferTimeout):
