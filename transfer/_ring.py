@@ -679,9 +679,6 @@ class Ring:
         The fd stays the caller's; -1 turns it off."""
         self._bell = fd
 
-    def _ring(self) -> None:
-        self.notify()
-
     def arm(self) -> int:
         """Consumer about to sleep elsewhere (the bell): set the waiter word so the
         peer's next publish rings, fence, and return what is available now. Sleep
@@ -700,7 +697,7 @@ class Ring:
             timeout > 0 and self.outbox.wait(1, timeout, self.spin) >= 1 and self.outbox.push(desc, wake and not bell)
         ):
             if bell:
-                self._ring()
+                self.notify()
             return True
         return False
 
@@ -725,10 +722,10 @@ class Ring:
                 if left <= 0 or self.outbox.wait(1, left, self.spin) < 1:
                     break
                 if bell and done:
-                    self._ring()  # let the peer drain what is in while we wait for space
+                    self.notify()  # let the peer drain what is in while we wait for space
                 done += self.outbox.push_buffer(raw[done * ss :], total - done, wake)
         if bell and done:
-            self._ring()
+            self.notify()
         return done
 
     def free(self) -> int:
