@@ -40,6 +40,7 @@ _RUN_NOW_MAX = 16
 # Plain ints: IntEnum attribute lookups cost ~1 µs each in a hot loop.
 _NOP, _COPY, _FILL, _CHECKSUM, _FENCE = (int(o) for o in (RingOp.NOP, RingOp.COPY, RingOp.FILL, RingOp.CHECKSUM, RingOp.FENCE))
 _DATA_OPS = (_COPY, _FILL, _CHECKSUM)
+_SERVED = frozenset((_NOP, _COPY, _FILL, _CHECKSUM, _FENCE))
 
 
 class RingBatch:
@@ -120,23 +121,16 @@ class RingBatch:
     def _plan_one(self, planner: Planner, owner: Any, i: int, ops: list[Op]) -> None:
         op, rid, dst, src, nbytes, stream, flags, arg0, _, _ = self.rows[i]
         try:
-            if rid == 0:
-                raise E.InvalidField("a ring descriptor's id must be non-zero")
-            if flags:
-                raise E.InvalidField(f"unknown descriptor flags {flags:#x}")
+            _validate(op, rid, flags, arg0)
             if op == _NOP or op == _FENCE:
                 self.after.append(rid)
                 return
             if op == _COPY:
                 req: P.Request = P.Copy(rid, dst, src, nbytes, stream)
             elif op == _FILL:
-                if arg0 > _U8_MAX:
-                    raise E.InvalidField(f"fill value {arg0} is not a byte")
                 req = P.Fill(rid, dst, nbytes, arg0, stream)
-            elif op == _CHECKSUM:
-                req = P.Checksum(rid, src, nbytes, stream)
             else:
-                raise E.UnknownOperation(f"ring opcode {op} is not served over the ring (use the control socket)")
+                req = P.Checksum(rid, src, nbytes, stream)
             planned = planner.plan(owner, req)
             for o in planned if isinstance(planned, list) else (planned,):
                 if o.rid == rid:
@@ -161,14 +155,13 @@ class RingBatch:
         out: list[tuple[int, int, int, int, int]] = []
         details: list[P.Reply] = []
         moved = 0
+        # The copy/fill/checksum branches below mirror Planner._plan's; going through it (an
+        # Op and a closure per descriptor) measured +1.8 µs on a 7.7 µs round trip.
         translate, span = planner._translate, planner._span
         for op, rid, dst, src, nbytes, stream, flags, arg0, _, _ in self.rows:
             result = 0
             try:
-                if rid == 0:
-                    raise E.InvalidField("a ring descriptor's id must be non-zero")
-                if flags:
-                    raise E.InvalidField(f"unknown descriptor flags {flags:#x}")
+                _validate(op, rid, flags, arg0)
                 if op == _COPY:
                     dseg, doff = translate(owner, dst, nbytes)
                     sseg, soff = translate(owner, src, nbytes)
@@ -176,8 +169,6 @@ class RingBatch:
                     planner._copy_backend(dseg, sseg, dev).copy(span(dseg, doff, nbytes), span(sseg, soff, nbytes))
                     moved += nbytes
                 elif op == _FILL:
-                    if arg0 > _U8_MAX:
-                        raise E.InvalidField(f"fill value {arg0} is not a byte")
                     seg, off = translate(owner, dst, nbytes)
                     planner._device_of((seg,), nbytes).backend.fill(span(seg, off, nbytes), arg0)
                     moved += nbytes
@@ -185,8 +176,6 @@ class RingBatch:
                     seg, off = translate(owner, src, nbytes)
                     result = int(planner._device_of((seg,), nbytes).backend.checksum(span(seg, off, nbytes)))
                     moved += nbytes
-                elif op != _NOP and op != _FENCE:
-                    raise E.UnknownOperation(f"ring opcode {op} is not served over the ring (use the control socket)")
                 out.append((rid, 0, result, 0, 0))
             except Exception as exc:
                 err = exc if isinstance(exc, E.TransferError) else E.InternalError(f"{type(exc).__name__}: {exc}")
@@ -228,6 +217,18 @@ class RingBatch:
             out[at : at + len(c)] = c
             at += len(c)
         return out, details
+
+
+def _validate(op: int, rid: int, flags: int, arg0: int) -> None:
+    """The checks a descriptor's fields must pass before its VAs are even looked at."""
+    if rid == 0:
+        raise E.InvalidField("a ring descriptor's id must be non-zero")
+    if flags:
+        raise E.InvalidField(f"unknown descriptor flags {flags:#x}")
+    if op not in _SERVED:
+        raise E.UnknownOperation(f"ring opcode {op} is not served over the ring (use the control socket)")
+    if op == _FILL and arg0 > _U8_MAX:
+        raise E.InvalidField(f"fill value {arg0} is not a byte")
 
 
 def ring_path(shm_dir: Path, instance: str, session_id: int) -> Path:

@@ -695,16 +695,7 @@ class Server:
             for r in details:
                 self.metrics.error(r.error.code)  # type: ignore[union-attr]
             self.send(session.identity, P.encode_replies(details))
-        ring = session.ring
-        try:
-            if len(comps) == 1:
-                ok = ring.push(comps[0])
-            else:
-                ok = ring.push_many(np.array(comps, dtype=COMPLETION_DTYPE)) == len(comps)
-            if not ok:
-                self._ring_broken(session, RingCorrupted("the completion queue was full although its slots were reserved"))
-        except RingCorrupted as exc:
-            self._ring_broken(session, exc)
+        self._push_completions(session, comps[0] if len(comps) == 1 else np.array(comps, dtype=COMPLETION_DTYPE))
         self.metrics.request_done("ring", time.perf_counter() - session.arrived, len(comps))
         session.arrived = 0.0
         return True
@@ -714,22 +705,24 @@ class Server:
         batches = [r for r in taken if isinstance(r, RingBatch)]
         if not batches:
             return
-        ring = session.ring
         for batch in batches:
             comps, details = batch.outcome()
             session.ring_pending -= batch.n
             replies.extend(details)
-            if ring is None or session.closing:
-                continue
-            try:
-                pushed = ring.push_many(comps)
-            except RingCorrupted as exc:
-                self._ring_broken(session, exc)
-                ring = None
-                continue
-            if pushed != len(comps):  # the budget reserved these slots: only a hostile client gets here
-                self._ring_broken(session, RingCorrupted("the completion queue was full although its slots were reserved"))
-                ring = None
+            self._push_completions(session, comps)
+
+    def _push_completions(self, session: Session, comps: tuple[int, ...] | np.ndarray) -> None:
+        """One completion tuple or an array of them; a ring that cannot take them ends its session."""
+        ring = session.ring
+        if ring is None or session.closing:
+            return  # the ring closes with the session; the client fails what it waits for
+        try:
+            ok = ring.push(comps) if isinstance(comps, tuple) else ring.push_many(comps) == len(comps)
+        except RingCorrupted as exc:
+            self._ring_broken(session, exc)
+            return
+        if not ok:  # the budget reserved these slots: only a hostile client gets here
+            self._ring_broken(session, RingCorrupted("the completion queue was full although its slots were reserved"))
 
     def _ring_broken(self, session: Session, exc: Exception) -> None:
         if session.closing:
@@ -779,8 +772,8 @@ class Server:
                     end = min(until, clock() + 50e-6)
                     while (now := clock()) < end:
                         if poll():
-                            until = end = now + spin
-                            end = min(end, now + 50e-6)
+                            until = now + spin
+                            end = min(until, now + 50e-6)
                     await trio.lowlevel.checkpoint()
                     continue
                 if self._arm_rings():
