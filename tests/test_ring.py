@@ -519,3 +519,36 @@ def test_arm_and_doorbell_fd(pair) -> None:
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_push_many_rings_the_doorbell_before_waiting_for_space(pair) -> None:
+    """A consumer that sleeps on the doorbell fd drains a batch larger than the ring."""
+    import select
+    import threading
+
+    srv, cli = pair
+    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    got: list[int] = []
+
+    def consumer() -> None:
+        while sum(got) < 20:
+            if srv.arm() == 0:
+                select.select([r], [], [], 30.0)  # only the doorbell wakes it
+                try:
+                    os.read(r, 64)
+                except BlockingIOError:
+                    pass
+            srv.disarm()
+            got.append(len(srv.pop_many()))
+
+    try:
+        cli.set_doorbell(w)
+        t = threading.Thread(target=consumer, daemon=True)
+        t.start()
+        descs = np.zeros(20, cli.out_dtype)  # the request queue holds 8
+        assert cli.push_many(descs, timeout=5.0) == 20
+        t.join(10)
+        assert sum(got) == 20
+    finally:
+        os.close(r)
+        os.close(w)

@@ -712,20 +712,22 @@ class Ring:
         raw = descs.view(np.uint8)
         total = len(descs)
         bell = wake and self._bell >= 0
-        wake = wake and not bell
-        done = self.outbox.push_buffer(raw, total, wake)
+        ss = self.out_dtype.itemsize
+
+        def put(start: int) -> int:
+            n = self.outbox.push_buffer(raw[start * ss :], total - start, wake and not bell)
+            if bell and n:
+                self.notify()  # before any wait for space: the peer drains only once rung
+            return n
+
+        done = put(0)
         if done < total and timeout > 0:
             deadline = time.monotonic() + timeout
-            ss = self.out_dtype.itemsize
             while done < total:
                 left = deadline - time.monotonic()
                 if left <= 0 or self.outbox.wait(1, left, self.spin) < 1:
                     break
-                if bell and done:
-                    self.notify()  # let the peer drain what is in while we wait for space
-                done += self.outbox.push_buffer(raw[done * ss :], total - done, wake)
-        if bell and done:
-            self.notify()
+                done += put(done)
         return done
 
     def free(self) -> int:
