@@ -70,19 +70,6 @@ class RingLink:
 
     def push(self, reqs: Sequence[P.Request], pending: dict[int, Pending], wait_credits: Callable[[], None]) -> None:
         """Publish `reqs` (all ring-able), waiting for credits when the window is full."""
-        if len(reqs) == 1 and len(self.outstanding) < self.credits:  # the common case, kept short
-            d = _descriptor(reqs[0])
-            if d is not None:
-                try:
-                    ok = self.ring.push(d)
-                except (OverflowError, TypeError) as exc:
-                    self._forget([d], pending)
-                    raise E.InvalidField(f"request field out of range: {exc}") from None
-                if not ok:
-                    raise E.ConnectionLost("the daemon stopped taking ring descriptors")
-                self.outstanding[d[1]] = (pending[d[1]], d[0] == RingOp.CHECKSUM)
-                self.pushed += 1
-            return
         descs = [d for d in map(_descriptor, reqs) if d is not None]
         i = 0
         while i < len(descs):
@@ -91,23 +78,14 @@ class RingLink:
                 wait_credits()
                 continue
             chunk = descs[i : i + room]
-            if len(chunk) == 1:
-                arr: Any = None
-                try:
-                    ok = self.ring.push(chunk[0])
-                except (OverflowError, TypeError) as exc:
-                    self._forget(descs[i:], pending)
-                    raise E.InvalidField(f"request field out of range: {exc}") from None
-                if not ok:  # cannot happen within credits unless the daemon broke the ring
-                    raise E.ConnectionLost("the daemon stopped taking ring descriptors")
-            else:
-                try:
-                    arr = np.array(chunk, dtype=REQUEST_DTYPE)
-                except (OverflowError, TypeError, ValueError) as exc:
-                    self._forget(descs[i:], pending)
-                    raise E.InvalidField(f"request field out of range: {exc}") from None
-                if self.ring.push_many(arr) != len(arr):
-                    raise E.ConnectionLost("the daemon stopped taking ring descriptors")
+            try:  # one descriptor as a tuple (no NumPy on the short path), more as one push_many
+                ok = self.ring.push(chunk[0]) if len(chunk) == 1 else (
+                    self.ring.push_many(np.array(chunk, dtype=REQUEST_DTYPE)) == len(chunk))
+            except (OverflowError, TypeError, ValueError) as exc:
+                self._forget(descs[i:], pending)
+                raise E.InvalidField(f"request field out of range: {exc}") from None
+            if not ok:  # cannot happen within credits unless the daemon broke the ring
+                raise E.ConnectionLost("the daemon stopped taking ring descriptors")
             for d in chunk:
                 self.outstanding[d[1]] = (pending[d[1]], d[0] == RingOp.CHECKSUM)
             self.pushed += len(chunk)
