@@ -14,8 +14,11 @@ from transfer import errors as E
 from transfer import protocol as P
 from transfer.addressing import MappingTable, SegmentKind
 from transfer.backends import NumpyBackend
-from transfer.kernels import TensorRef, VirtualDevice, make_policy
-from transfer.server._scheduler import Planner, _Intervals, assign_waves, coalesce, execute_waves, plan_requests, replies_for
+from transfer.kernels import TensorRef
+from transfer.server._ops import SOCKET
+from transfer.server._placement import VirtualDevice, make_policy
+from transfer.server._planner import Planner, plan_batch
+from transfer.server._waves import _Intervals, assign_waves, coalesce, run_waves
 
 SIZES = [4096, 8192, 3000]  # two host segments and one device buffer per test
 
@@ -129,11 +132,15 @@ def reference(mem: list[np.ndarray], reqs: list[P.Request]) -> dict[int, type | 
 
 
 async def run_batched(planner: Planner, devices: list, reqs: list[P.Request], inline_bytes: int) -> dict[int, type | None]:
-    """Exactly the daemon's pass: plan_requests (copy runs as vectors), waves, merged execution."""
-    ops, refused = plan_requests(planner, "s", reqs)
+    """Exactly the daemon's pass: plan_batch (copy runs as vectors), waves, merged execution."""
+    ops, refused = plan_batch(planner, "s", [(r, SOCKET) for r in reqs])
     waves = assign_waves(ops)
-    await execute_waves(waves, {d.index: trio.CapacityLimiter(1) for d in devices}, inline_bytes)
-    return {r.id: (None if r.error is None else type(r.error)) for r in refused + replies_for(ops)}
+    await run_waves(waves, {d.index: trio.CapacityLimiter(1) for d in devices}, inline_bytes)
+    out: dict[int, type | None] = {rid: type(err) for rid, _, err in refused}
+    for op in ops:
+        ids = [op.rid] if op.ids is None else [int(i) for i in op.ids]
+        out.update((i, None if op.error is None else type(op.error)) for i in ids)
+    return out
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN bytes through scale_add, in the daemon's kernel

@@ -1,4 +1,4 @@
-"""Operators, the kernel registry, virtual devices and placement policies.
+"""Operators and the kernel registry (virtual devices and placement: server._placement).
 
 A compute request names an operator and tensor references (VA, dtype, shape,
 strides). The registry maps (operator, dtype, device kind) to a kernel; a
@@ -8,13 +8,13 @@ arrays that are *views* of already-checked memory; they never see a VA.
 Placement rule (one rule, documented in docs/architecture.md): compute runs
 on the device that holds its device-buffer operands. If they live on
 different devices the request is refused. Only when every operand is host
-(shared) memory does the placement policy choose a device.
+(shared) memory does the placement policy choose a device
+(`transfer.server._placement`).
 """
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -28,9 +28,6 @@ __all__ = [
     "Kernel",
     "Registry",
     "REGISTRY",
-    "VirtualDevice",
-    "Placement",
-    "POLICIES",
     "tensor_extent",
     "OPERATORS",
 ]
@@ -290,77 +287,3 @@ def _np_checksum(x: list[Any], y: list[Any], p: Mapping[str, Any], xp: Any) -> i
 for _k in list({id(k): k for k in REGISTRY._kernels.values()}.values()):
     _dtypes = set(_k.dtypes) | ({"float16"} if _k.op == "matmul" else set())
     REGISTRY.register(_k.op, _dtypes, "gpu")(_k.fn)
-
-
-# --- virtual devices and placement -----------------------------------------------------------------
-@dataclass(eq=False)
-class VirtualDevice:
-    """One physical device (a GPU, or the CPU) as the scheduler sees it."""
-
-    index: int
-    kind: str  # "cpu" or "gpu"
-    backend: Any  # transfer.backends.Backend
-    local_id: int = 0  # the backend's own device number
-    queued_bytes: int = 0
-    completed: int = 0
-    info: dict[str, Any] = field(default_factory=dict)
-
-    def __repr__(self) -> str:
-        return f"<VirtualDevice {self.index} {self.kind}:{self.local_id} via {self.backend.name}>"
-
-
-class Placement:
-    """Chooses a device for work whose operands are all host memory."""
-
-    name = "base"
-
-    def choose(self, devices: Sequence[VirtualDevice], nbytes: int) -> VirtualDevice:
-        raise NotImplementedError
-
-
-class SizePlacement(Placement):
-    """Small inputs to a CPU device, large ones to a GPU (when there is one)."""
-
-    name = "size"
-
-    def __init__(self, threshold: int = 1 << 20) -> None:
-        self.threshold = threshold
-        self._rr = itertools.count()
-
-    def choose(self, devices: Sequence[VirtualDevice], nbytes: int) -> VirtualDevice:
-        want = "cpu" if nbytes < self.threshold else "gpu"
-        pool = [d for d in devices if d.kind == want] or list(devices)
-        return min(pool, key=lambda d: d.queued_bytes)
-
-
-class LeastLoaded(Placement):
-    name = "least-loaded"
-
-    def choose(self, devices: Sequence[VirtualDevice], nbytes: int) -> VirtualDevice:
-        return min(devices, key=lambda d: (d.queued_bytes, d.index))
-
-
-class RoundRobin(Placement):
-    name = "round-robin"
-
-    def __init__(self) -> None:
-        self._next = itertools.count()
-
-    def choose(self, devices: Sequence[VirtualDevice], nbytes: int) -> VirtualDevice:
-        return devices[next(self._next) % len(devices)]
-
-
-POLICIES: dict[str, Callable[[], Placement]] = {
-    "size": SizePlacement,
-    "least-loaded": LeastLoaded,
-    "round-robin": RoundRobin,
-}
-
-
-def make_policy(name: str, size_threshold: int = 1 << 20) -> Placement:
-    if name == "size":
-        return SizePlacement(size_threshold)
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown placement policy {name!r}; choose one of {', '.join(POLICIES)}") from None

@@ -8,6 +8,8 @@ import os
 import signal
 import socket
 from pathlib import Path
+from typing import Callable
+
 import trio
 import zmq
 
@@ -82,19 +84,17 @@ async def serve(
                 os.chmod(p, 0o600)
                 ipc_paths.append(p)
         pump = SocketPump(sock)
-        server.send = lambda identity, data: pump.send_nowait([identity, data])
         secure_pump = SocketPump(secure) if secure is not None else None
-        if secure_pump is not None:
-            server.send = _route(pump, secure_pump)
         # Signal receivers need the main thread; an embedded daemon is stopped by its event instead.
         receiver = trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) if stop is None else contextlib.nullcontext(None)
         with receiver as signals:
             async with trio.open_nursery() as nursery:
-                server.nursery = nursery
-                nursery.start_soon(pump.run, server.on_message)
+                server.attach(nursery, _route(pump, secure_pump))
+                # Session identity comes from the transport: the daemon prefixes every zmq
+                # identity with the socket it came from, so no client can pick a prefix.
+                nursery.start_soon(pump.run, lambda parts: server.on_message([PLAIN_PREFIX + parts[0], *parts[1:]]) if parts else server.on_message(parts))
                 if secure_pump is not None:
-                    # Identities from the CURVE socket carry a 0x01 prefix (zmq's own start with 0x00).
-                    nursery.start_soon(secure_pump.run, lambda parts: server.on_message([SECURE_PREFIX + parts[0], *parts[1:]]))
+                    nursery.start_soon(secure_pump.run, lambda parts: server.on_message([SECURE_PREFIX + parts[0], *parts[1:]], secure=True) if parts else None)
                 nursery.start_soon(server.reap_silent)
                 log.info("transferd %d serving %s (backend %s)", os.getpid(), ", ".join(config.endpoints), server.backend.name)
                 task_status.started(server)
@@ -122,7 +122,7 @@ async def serve(
             p.unlink(missing_ok=True)
 
 
-SECURE_PREFIX = b"\x01"
+PLAIN_PREFIX, SECURE_PREFIX = b"\x00", b"\x01"
 
 
 def _curve_router(ctx: zmq.Context, config: DaemonConfig) -> tuple[zmq.Socket, object]:
@@ -145,23 +145,21 @@ def _curve_router(ctx: zmq.Context, config: DaemonConfig) -> tuple[zmq.Socket, o
     return sock, auth
 
 
-def _route(plain: SocketPump, secure: SocketPump):  # type: ignore[no-untyped-def]
+def _route(plain: SocketPump, secure: SocketPump | None) -> Callable[[bytes, bytes], None]:
+    """Replies go back through the socket the identity's prefix names."""
+
     def send(identity: bytes, data: bytes) -> None:
-        if identity[:1] == SECURE_PREFIX:
+        if identity[:1] == SECURE_PREFIX and secure is not None:
             secure.send_nowait([identity[1:], data])
-        else:
-            plain.send_nowait([identity, data])
+        elif identity[:1] == PLAIN_PREFIX:
+            plain.send_nowait([identity[1:], data])
 
     return send
 
 
 async def _drain(server: Server, pump: SocketPump, grace: float) -> None:
     """Stop accepting; let queued frames finish and their replies leave."""
-    server.accepting = False
-    sessions = list(server.sessions.values())
-    for s in sessions:
-        s.draining = True  # the session task finishes what is queued, then exits
-        s.wake.set()
+    sessions = server.front.drain()  # each session task finishes what is queued, then exits
     with trio.move_on_after(grace):
         for s in sessions:
             await s.finished.wait()

@@ -3,42 +3,22 @@
 The client allocates VAs from arenas granted at hello and sends each
 definition (alloc, free, tensor, plan) inside the first frame that uses
 it. Definitions are control requests: a pass runs them before the data
-requests that follow them in the frame. Errors name the resource and the
+requests that follow them in the frame. Arenas are granted by `_resources`. Errors name the resource and the
 place in the client's code where it was created.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import errors as E
 from .. import protocol as P
 from ..addressing import OFFSET_BITS, SegmentKind
 from ..kernels import OPERATORS, TensorRef
+from ._resources import Resources
+from ._session import Session
 
-if TYPE_CHECKING:
-    from ._server import Server
-    from ._session import Session
-
-__all__ = ["grant_arenas", "release_arenas", "define", "resolve"]
-
-
-def grant_arenas(server: "Server", session: "Session") -> list[dict[str, int]]:
-    """One block of segment ids per device, and the session's byte quota on it."""
-    cfg = server.config
-    quota = cfg.max_device_bytes_per_session or cfg.max_device_bytes
-    out = []
-    for dev in server.devices:
-        first = server.table.reserve_block(cfg.arena_ids, session.id)
-        session.arenas[dev.index] = (first, cfg.arena_ids)
-        out.append({"device": dev.index, "first_id": first, "count": cfg.arena_ids, "quota": quota})
-    return out
-
-
-def release_arenas(server: "Server", session: "Session") -> None:
-    for first, count in session.arenas.values():
-        server.table.release_block(first, count)
-    session.arenas.clear()
+__all__ = ["define", "resolve"]
 
 
 def _human(n: int) -> str:
@@ -48,7 +28,7 @@ def _human(n: int) -> str:
     return f"{n} bytes"
 
 
-def define(server: "Server", session: "Session", req: P.Define) -> Any:
+def define(resources: Resources, session: Session, req: P.Define) -> Any:
     session.stats.defines += 1
     where = f" created at {req.site}" if req.site else ""
     d = req.definition
@@ -63,16 +43,16 @@ def define(server: "Server", session: "Session", req: P.Define) -> Any:
         if device not in (-1, home):
             raise E.InvalidField(f"alloc{where}: VA {va:#x} belongs to the arena of device {home}, not {device}")
         try:
-            return server.alloc_at(session, sid, nbytes, home)
+            return resources.alloc_at(session, sid, nbytes, home)
         except E.TransferError as exc:
             raise type(exc)(f"alloc of {_human(nbytes)}{where}: {exc.message}") from None
     if req.kind == P.DEF_FREE:
         if type(d) is not int:
             raise E.InvalidField("free definition is the buffer's VA")
-        seg = server.table.lookup(d, session.id)
+        seg = resources.table.lookup(d, session.id)
         if d != seg.va or seg.kind != SegmentKind.DEVICE:
             raise E.InvalidAddress(f"deferred free of {d:#x}: not a device buffer's base VA")
-        server.drop_segment(session, seg)
+        resources.free(session, d, SegmentKind.DEVICE)
         return None
     if req.kind == P.DEF_TENSOR:
         (t,) = P.tensors([d], f"tensor #{req.obj}{where}")
@@ -92,7 +72,7 @@ def define(server: "Server", session: "Session", req: P.Define) -> Any:
     raise E.InvalidField(f"unknown definition kind {req.kind}")
 
 
-def _cached(session: "Session", kind: str, ref: tuple[int, int]) -> tuple[Any, str]:
+def _cached(session: Session, kind: str, ref: tuple[int, int]) -> tuple[Any, str]:
     obj_id, version = ref
     entry = session.defs.get((kind, obj_id))
     if entry is None:
@@ -103,7 +83,7 @@ def _cached(session: "Session", kind: str, ref: tuple[int, int]) -> tuple[Any, s
     return value, site
 
 
-def resolve(session: "Session", req: P.ComputeRef) -> P.Compute:
+def resolve(session: Session, req: P.ComputeRef) -> P.Compute:
     """A ComputeRef becomes the Compute its cached definitions describe."""
     if len(req.plan) != 1:
         raise E.InvalidField("ComputeRef names exactly one plan")

@@ -1,7 +1,20 @@
-"""Sessions: one per client connection, owning its segments and its queue."""
+"""Sessions: one per client connection, owning its segments and its queue.
+
+A session's lifecycle is one explicit state machine (`Phase`)::
+
+    OPEN ──Close / reclaim──▶ CLOSING ──released──▶ CLOSED
+      │                          ▲
+      └──daemon shutdown──▶ DRAINING ──queue empty──▶ CLOSED
+
+OPEN accepts and runs requests. DRAINING (the daemon is stopping) runs what
+is queued and accepts nothing new. CLOSING runs nothing more: what is queued
+is answered `SessionClosed`. CLOSED owns nothing. Any other move is a bug
+and raises.
+"""
 
 from __future__ import annotations
 
+import enum
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
@@ -9,11 +22,24 @@ from typing import Any
 
 import trio
 
-from .. import protocol as P
-
-__all__ = ["Session", "SessionStats"]
+__all__ = ["Session", "SessionStats", "Phase"]
 
 _ids = itertools.count(1)
+
+
+class Phase(enum.Enum):
+    OPEN = "open"
+    DRAINING = "draining"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+_MOVES: dict[Phase, frozenset[Phase]] = {
+    Phase.OPEN: frozenset((Phase.DRAINING, Phase.CLOSING, Phase.CLOSED)),
+    Phase.DRAINING: frozenset((Phase.CLOSING, Phase.CLOSED)),
+    Phase.CLOSING: frozenset((Phase.CLOSED,)),
+    Phase.CLOSED: frozenset(),
+}
 
 
 @dataclass
@@ -37,6 +63,9 @@ class Session:
     client: str
     pid: int
     id: int = field(default_factory=lambda: next(_ids))
+    phase: Phase = Phase.OPEN
+    #: The connection came over the CURVE-authenticated tcp socket (another host).
+    remote_peer: bool = False
     last_seen: float = 0.0
     host_bytes: int = 0
     device_bytes: int = 0
@@ -48,27 +77,48 @@ class Session:
     #: Other sessions' segments this one attached to (Share/Attach).
     attached: set[int] = field(default_factory=set)
     stats: SessionStats = field(default_factory=SessionStats)
-    #: Requests waiting for a scheduler pass, in arrival order.
-    queue: deque[P.Decoded] = field(default_factory=deque)
-    #: Requests queued or running (checked against the credits announced in hello).
+    #: The batch form: (request, route) pairs waiting for a pass, in arrival order.
+    queue: deque[tuple[Any, int]] = field(default_factory=deque)
+    #: Socket requests queued or running (checked against the credits announced in hello).
     inflight: int = 0
+    #: Ring descriptors taken and not yet answered (each holds a completion slot).
+    ring_pending: int = 0
+    #: A pass taken from the queue and not yet finished (planned, or executing on a worker).
+    current: Any = None
     wake: trio.Event = field(default_factory=trio.Event)
-    #: Set at shutdown: finish what is queued, then end.
-    draining: bool = False
-    #: A pass is executing (on a worker thread): new frames wait for the session task.
-    busy: bool = False
     #: perf_counter() when the oldest queued request arrived (request latency metrics).
     arrived: float = 0.0
     cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     #: The pidfd watcher's scope (same-host clients), cancelled when the session ends.
     pid_watch: trio.CancelScope | None = None
     finished: trio.Event = field(default_factory=trio.Event)
-    closing: bool = False
     info: dict[str, Any] = field(default_factory=dict)
     #: The session's shared-memory request ring (transfer._ring.Ring), if it opened one.
     ring: Any = None
-    #: Descriptors popped from the ring and not yet answered (they hold completion slots).
-    ring_pending: int = 0
+    #: The FIFO the daemon's end of the ring rings when the client sleeps on completions.
+    ring_bell: Any = None
 
     def __hash__(self) -> int:
         return self.id
+
+    def to(self, phase: Phase) -> None:
+        """Move to `phase`; staying put is allowed, an illegal move is a bug."""
+        if phase is self.phase:
+            return
+        if phase not in _MOVES[self.phase]:
+            raise RuntimeError(f"session {self.id}: {self.phase.value} -> {phase.value} is not a legal move")
+        self.phase = phase
+
+    @property
+    def accepting(self) -> bool:
+        """New requests are taken only while OPEN."""
+        return self.phase is Phase.OPEN
+
+    @property
+    def running(self) -> bool:
+        """Queued requests still run (OPEN or DRAINING)."""
+        return self.phase is Phase.OPEN or self.phase is Phase.DRAINING
+
+    @property
+    def idle(self) -> bool:
+        return not self.queue and self.current is None

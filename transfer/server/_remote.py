@@ -15,7 +15,9 @@ need it). It knows:
 
 `post()` runs ONE NIXL transfer for a whole descriptor list and waits for it;
 it blocks (a same-host `cma` READ copies inside the post), so the scheduler
-calls it on a worker thread. Nothing here knows sessions' wire messages.
+calls it on a worker thread. The planning of copies that name remote
+segments lives here too (`plan_remote_copy`, `plan_remote_copies`,
+`pull_input`): the planner calls them when a VA falls in a remote segment.
 """
 
 from __future__ import annotations
@@ -24,15 +26,16 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
 from .. import errors as E
-from ..addressing import SegmentKind
-from . import _nixl as N
+from ..addressing import Segment, SegmentKind
+from ..transport import _nixl as N
+from ._ops import Op, Staged, hulls
 
-__all__ = ["RemotePlane", "RemoteHandle", "RemoteWork"]
+__all__ = ["RemotePlane", "RemoteHandle", "RemoteWork", "names_remote", "plan_remote_copy", "plan_remote_copies", "pull_input"]
 
 log = logging.getLogger("transfer.remote")
 
@@ -284,3 +287,137 @@ class RemotePlane:
             xfer.release()
         except E.NixlError as exc:  # still in flight (timeout): the endpoint's close() retries
             log.warning("releasing %r: %s", xfer, exc)
+
+
+# --- planning copies that name remote segments (called by server._planner) ---------------------
+def names_remote(table: Any, vas: Iterable[int]) -> bool:
+    """Whether any of these VAs falls in a remote segment (unchecked: only to route)."""
+    for va in vas:
+        seg = table.get(va >> 40)
+        if seg is not None and seg.kind == SegmentKind.REMOTE:
+            return True
+    return False
+
+def plan_remote_copy(planner: Any, owner: Any, req: Any) -> Op:
+    """One copy to or from a remote segment: the same checks as the vector path, in plain
+    Python (NumPy's per-call overhead would dominate for one descriptor)."""
+    plane, n = planner.remote, req.nbytes
+    dseg, doff = planner.table.translate(req.dst, n, owner)
+    sseg, soff = planner.table.translate(req.src, n, owner)
+    d_rem, s_rem = dseg.kind == SegmentKind.REMOTE, sseg.kind == SegmentKind.REMOTE
+    if d_rem and s_rem:
+        raise E.InvalidField("a copy between two remote segments is not supported: copy through a daemon buffer")
+    rseg, roff, lseg, loff = (dseg, doff, sseg, soff) if d_rem else (sseg, soff, dseg, doff)
+    if rseg.owner != owner:
+        raise E.NotOwner(f"remote segment {rseg.id} belongs to another session (remote segments are not shareable)")
+    dev = planner._device_of((lseg,), n)
+    reads, writes = [(sseg.id, soff, soff + n)], [(dseg.id, doff, doff + n)]
+    if n == 0:
+        return Op(req.id, reads, writes, dev, 0, lambda: None)
+    handle = rseg.handle
+    raddr = handle.addr + roff
+    plane.check_remote_one(handle, raddr, n)
+    laddr = plane.local_base(lseg) + loff
+    work = RemoteWork(
+        plane, handle.peer, "WRITE" if d_rem else "READ",
+        np.array([[laddr, n]], dtype=np.uint64), np.array([[raddr, n]], dtype=np.uint64),
+    )
+    return Op(req.id, reads, writes, dev, n, lambda: plane.post(work.peer, work.op, work.local, work.remote), remote=work)
+
+def plan_remote_copies(
+    planner: Any, owner: Any, rid: int, dsid: np.ndarray, doff: np.ndarray, ssid: np.ndarray, soff: np.ndarray,
+    size: np.ndarray, dsegs: dict[int, Segment[Any]], ssegs: dict[int, Segment[Any]],
+) -> Op:
+    """Copies between a remote (NIXL) segment and the daemon's memory: one descriptor list.
+
+    All READs (remote -> local) or all WRITEs (local -> remote), with one peer.
+    Bounds and ownership were checked by the table; here the remote side is
+    checked again against what the producer declared (check_ranges_within),
+    and destinations must not overlap (one RDMA post has no order inside).
+    """
+    plane = planner.remote
+    if plane is None:
+        raise E.InvalidField("remote segments are served by the RDMA data plane (not enabled in this daemon)")
+    keep = size > 0
+    if not keep.all():
+        dsid, doff, ssid, soff, size = dsid[keep], doff[keep], ssid[keep], soff[keep], size[keep]
+    segs = {**dsegs, **ssegs}
+    remote_ids = [sid for sid, seg in segs.items() if seg.kind == SegmentKind.REMOTE]
+    for sid in remote_ids:
+        if segs[sid].owner != owner:
+            raise E.NotOwner(f"remote segment {sid} belongs to another session (remote segments are not shareable)")
+    rid_arr = np.array(remote_ids, dtype=np.uint64)
+    d_rem, s_rem = np.isin(dsid, rid_arr), np.isin(ssid, rid_arr)
+    if (d_rem & s_rem).any():
+        raise E.InvalidField("a copy between two remote segments is not supported: copy through a daemon buffer")
+    if (~d_rem & ~s_rem).any():
+        raise E.InvalidField("a vector mixing remote and local-only copies: send them as separate requests")
+    if d_rem.any() and s_rem.any():
+        raise E.InvalidField("a vector mixing reads from and writes to remote segments: send them as separate requests")
+    op = "WRITE" if d_rem.any() else "READ"
+    lsid, loff, rsid, roff = (ssid, soff, dsid, doff) if op == "WRITE" else (dsid, doff, ssid, soff)
+    n = len(size)
+    total = int(size.sum(dtype=np.uint64))
+    local_segs = {int(s): segs[int(s)] for s in np.unique(lsid).tolist()}
+    dev = planner._device_of(local_segs.values(), total)
+    if n == 0:
+        return Op(rid, [], [], dev, 0, lambda: None)
+    handles = {h.peer for h in (segs[s].handle for s in remote_ids)}
+    if len(handles) != 1:
+        raise E.InvalidField("copies name remote segments of several NIXL agents")
+    (peer,) = handles
+
+    def bases(sids: np.ndarray, table: dict[int, int]) -> np.ndarray:
+        uniq = np.unique(sids)
+        vals = np.array([table[int(s)] for s in uniq.tolist()], dtype=np.uint64)
+        return vals[np.searchsorted(uniq, sids)]
+
+    laddr = bases(lsid, {s: plane.local_base(seg) for s, seg in local_segs.items()}) + loff
+    raddr = bases(rsid, {s: segs[s].handle.addr for s in remote_ids}) + roff
+    remote = np.stack([raddr, size], axis=1)
+    plane.check_remote(segs[remote_ids[0]].handle, remote)
+    # Destinations must not overlap: inside one post, NIXL gives no order.
+    dst_addr = laddr if op == "READ" else raddr
+    if n > 1:
+        order = np.argsort(dst_addr, kind="stable")
+        sa, sz = dst_addr[order], size[order]
+        clash = np.flatnonzero(sa[1:] < sa[:-1] + sz[:-1])
+        if clash.size:
+            i = int(order[clash[0] + 1])
+            raise E.InvalidField(f"copy {i}: its destination overlaps another copy's in the same remote batch")
+    reads = hulls(ssid, soff, size)  # hazards: per segment, the hull touched
+    writes = hulls(dsid, doff, size)
+    # Merge runs that continue each other on both sides (fewer descriptors).
+    if n > 1:
+        cont = np.zeros(n, dtype=bool)
+        cont[1:] = (laddr[1:] == laddr[:-1] + size[:-1]) & (raddr[1:] == raddr[:-1] + size[:-1])
+        if cont.any():
+            starts = np.flatnonzero(~cont)
+            csum = np.concatenate(([0], np.cumsum(size, dtype=np.uint64))).astype(np.uint64)
+            ends = np.append(starts[1:], n)
+            lens = csum[ends] - csum[starts]
+            laddr, raddr, size = laddr[starts], raddr[starts], lens
+            remote = np.stack([raddr, size], axis=1)
+    local = np.stack([laddr, size], axis=1)
+    work = RemoteWork(plane, peer, op, np.ascontiguousarray(local), np.ascontiguousarray(remote))
+    return Op(rid, reads, writes, dev, total, lambda: plane.post(peer, op, work.local, work.remote), remote=work)
+
+def pull_input(planner: Any, owner: Any, rseg: Segment[Any], roff: int, nbytes: int) -> tuple[Op, Any, int]:
+    """An internal op (no reply of its own) reading a remote range into a staging buffer."""
+    plane = planner.remote
+    if plane is None:
+        raise E.InvalidField("remote segments are served by the RDMA data plane (not enabled in this daemon)")
+    if rseg.owner != owner:
+        raise E.NotOwner(f"remote segment {rseg.id} belongs to another session (remote segments are not shareable)")
+    handle = rseg.handle
+    raddr = handle.addr + roff
+    plane.check_remote_one(handle, raddr, nbytes)
+    arr, reg = plane.staging(nbytes)
+    staged = Staged(arr)
+    work = RemoteWork(plane, handle.peer, "READ", np.array([[reg.addr, nbytes]], np.uint64), np.array([[raddr, nbytes]], np.uint64))
+    pull = Op(
+        0, [(rseg.id, roff, roff + nbytes)], [(staged.id, 0, nbytes)], planner.devices[0], nbytes,
+        lambda: plane.post(work.peer, work.op, work.local, work.remote), remote=work,
+    )
+    pull.info = reg
+    return pull, staged, 0

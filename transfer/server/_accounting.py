@@ -1,0 +1,80 @@
+"""One accounting for every path: requests, bytes, errors, per session and daemon-wide.
+
+Whatever brought a request (a socket frame, a ring descriptor, a remote
+session), the pass reports it here once, and `Server.stats()` and the
+Prometheus metrics both read what this module counted.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable
+
+from ._metrics import Metrics
+from ._ops import Op
+from ._session import Session
+
+__all__ = ["Accounting"]
+
+
+class Accounting:
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.counters = {
+            "frames": 0, "requests": 0, "errors": 0, "bad_frames": 0, "sessions_reaped": 0,
+            "passes": 0, "waves": 0, "ops": 0, "bytes_moved": 0,
+        }
+
+    def frame(self, session: Session | None) -> None:
+        self.counters["frames"] += 1
+        if session is not None:
+            session.stats.frames += 1
+
+    def bad_frame(self) -> None:
+        self.counters["bad_frames"] += 1
+
+    def received(self, session: Session | None, n: int) -> None:
+        """`n` requests arrived together (one frame, or one ring batch)."""
+        self.counters["requests"] += n
+        self.metrics.batch(n)
+        if session is not None:
+            session.stats.requests += n
+            session.last_seen = time.monotonic()
+            if session.idle:
+                session.arrived = time.perf_counter()
+
+    def failed(self, session: Session | None, code: int, n: int = 1) -> None:
+        """`n` requests answered with error `code`."""
+        self.counters["errors"] += n
+        self.metrics.error(code, n)
+        if session is not None:
+            session.stats.errors += n
+
+    def reaped(self) -> None:
+        self.counters["sessions_reaped"] += 1
+
+    def passed(self, session: Session, ops: Iterable[Op], waves: int, error_codes: Iterable[int]) -> None:
+        """A pass finished: its ops' bytes, its errors, and its latency per kind of request."""
+        c = self.counters
+        c["passes"] += 1
+        c["waves"] += waves
+        metrics = self.metrics
+        for code in error_codes:
+            self.failed(session, code)
+        dt = time.perf_counter() - session.arrived if session.arrived else 0.0
+        session.arrived = time.perf_counter() if session.queue else 0.0
+        kinds: dict[str, int] = {}
+        moved = 0
+        nops = 0
+        for op in ops:
+            nops += 1
+            if op.rid == 0:
+                continue  # an internal op (a staging pull): its request counts it
+            moved += op.nbytes
+            kinds[op.kind] = kinds.get(op.kind, 0) + op.count()
+            metrics.bytes_moved(op.device.kind, op.nbytes)
+        c["ops"] += nops
+        c["bytes_moved"] += moved
+        session.stats.bytes_moved += moved
+        for name, n in kinds.items():
+            metrics.request_done(name, dt, n)

@@ -1,0 +1,211 @@
+"""The session front: frames in, sessions opened and ended, work queued.
+
+`on_message` runs on the socket pump's task for every frame (synchronous,
+microseconds): it decodes the frame, opens a session on hello, and queues
+the requests on their session in the batch form; the pass (`_pass`) does
+the rest. Each session has one task that runs the passes `kick` did not run
+inline, and that releases the session's resources when it ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Callable
+
+import trio
+
+from .. import errors as E
+from .. import protocol as P
+from ._accounting import Accounting
+from ._config import DaemonConfig
+from ._ops import SOCKET
+from ._pass import Pass
+from ._resources import Resources
+from ._rings import Rings
+from ._session import Phase, Session
+
+__all__ = ["Front"]
+
+log = logging.getLogger("transfer.server")
+
+
+class Front:
+    def __init__(
+        self, config: DaemonConfig, pass_: Pass, rings: Rings, resources: Resources, accounting: Accounting,
+        hello_info: Callable[[Session], dict[str, Any]], stats: Callable[[Session], dict[str, Any]],
+    ) -> None:
+        self.config = config
+        self.pass_ = pass_
+        self.rings = rings
+        self.resources = resources
+        self.accounting = accounting
+        self._hello_info = hello_info
+        self._stats = stats
+        self.sessions: dict[bytes, Session] = {}
+        self.accepting = True
+        self.watch_pids = any(e.startswith("ipc://") for e in config.endpoints)
+        # Set by the daemon loop:
+        self.send: Callable[[bytes, bytes], None] = lambda identity, data: None
+        self.nursery: trio.Nursery | None = None
+
+    # --- incoming frames (synchronous, on the pump's task) -------------------------------------
+    def on_message(self, parts: list[bytes], secure: bool = False) -> None:
+        """One message from a ROUTER socket: [identity, frame]. `secure`: the CURVE (tcp) socket."""
+        acc = self.accounting
+        if len(parts) != 2:
+            acc.bad_frame()
+            if parts:
+                self.send(parts[0], P.frame_error(E.MalformedFrame("expected exactly one frame per message")))
+            return
+        identity, data = parts
+        try:
+            reqs = P.decode_requests(data, self.config.limits)
+        except E.ProtocolError as exc:
+            acc.frame(None)
+            acc.bad_frame()
+            self.send(identity, P.frame_error(exc))
+            return
+        session = self.sessions.get(identity)
+        acc.frame(session)
+        if not reqs:
+            return
+        if session is None:
+            first = reqs[0]
+            if not isinstance(first, P.Hello):
+                acc.received(None, len(reqs))
+                self._refuse(identity, None, reqs, E.NoSession("no session: send hello first (or the daemon restarted)"))
+                return
+            try:
+                session, result = self._hello(identity, first, secure)
+            except E.TransferError as exc:
+                acc.received(None, len(reqs))
+                self._refuse(identity, None, reqs, exc)
+                return
+            acc.received(session, len(reqs))
+            self.send(identity, P.encode_replies([P.Reply(first.id, result)]))
+            reqs = reqs[1:]
+            if not reqs:
+                return
+        else:
+            acc.received(session, len(reqs))
+        # Pings and stats are answered at once; they must not wait behind a long copy.
+        if all(type(r) is P.Ping or type(r) is P.Stats for r in reqs):
+            self.send(identity, P.encode_replies([P.Reply(r.id, None if type(r) is P.Ping else self._stats(session)) for r in reqs]))
+            return
+        if not session.accepting:
+            self._refuse(identity, session, reqs, E.SessionClosed("the session is closing"))
+            return
+        if session.ring is not None:
+            self.rings.ingest(session)  # what the client pushed before this frame goes first
+        if session.inflight + len(reqs) > self.config.max_inflight:
+            # Clients keep within the credits announced in hello; only a misbehaving one gets here.
+            self._refuse(identity, session, reqs, E.QuotaExceeded(f"more than {self.config.max_inflight} requests in flight for this session"))
+            return
+        session.queue.extend([(r, SOCKET) for r in reqs])
+        session.inflight += len(reqs)
+        self.pass_.kick(session)
+
+    def _refuse(self, identity: bytes, session: Session | None, reqs: list[Any], err: E.TransferError) -> None:
+        self.accounting.failed(session, err.code, len(reqs))
+        self.send(identity, P.encode_replies([P.Reply(r.id, error=err) for r in reqs]))
+
+    def _hello(self, identity: bytes, req: P.Hello, secure: bool) -> tuple[Session, dict[str, Any]]:
+        if req.version != P.VERSION:
+            raise E.UnsupportedVersion(f"client speaks protocol {req.version}, this daemon {P.VERSION}")
+        if not self.accepting:
+            raise E.SessionClosed("the daemon is shutting down")
+        session = Session(identity, req.client, req.pid, remote_peer=secure, last_seen=time.monotonic())
+        info = self._hello_info(session)  # grants arenas: may refuse
+        self.sessions[identity] = session
+        assert self.nursery is not None
+        self.nursery.start_soon(self._run_session, session)
+        if self.watch_pids and req.pid > 0 and not secure:  # not for CURVE tcp peers (other hosts)
+            self.nursery.start_soon(self._watch_pid, session)
+        log.info("session %d opened by %r (pid %d)", session.id, req.client, req.pid, extra={"session": session.id})
+        return session, info
+
+    # --- per-session task ----------------------------------------------------------------------
+    async def _run_session(self, session: Session) -> None:
+        try:
+            with session.cancel_scope:
+                while session.running:
+                    if session.current is None and not session.queue:
+                        if session.phase is Phase.DRAINING:
+                            break
+                        await session.wake.wait()
+                        session.wake = trio.Event()
+                        continue
+                    await self.pass_.run(session)
+        finally:
+            session.finished.set()
+            self.release(session)
+
+    def release(self, session: Session) -> None:
+        """Forget a session and everything it owns; every queued request is answered. Idempotent."""
+        if self.sessions.get(session.identity) is session:
+            del self.sessions[session.identity]
+        if session.phase is Phase.CLOSED:
+            return
+        session.to(Phase.CLOSED)
+        if session.pid_watch is not None:
+            session.pid_watch.cancel()  # its task and pidfd go now, not when the client process exits
+        if session.queue:
+            err = E.SessionClosed("the session closed before this request ran")
+            socket_reqs = [r for r, route in session.queue if route == SOCKET]
+            if socket_reqs:
+                self.send(session.identity, P.encode_replies([P.Reply(r.id, error=err) for r in socket_reqs]))
+            session.queue.clear()  # ring requests: the ring closes with the session, failing them client-side
+        self.rings.close(session)
+        self.resources.release(session)
+
+    async def end_session(self, session: Session, why: str) -> None:
+        """Reclaim a dead or silent client's session: stop its work, then free its memory."""
+        log.info("session %d ended: %s", session.id, why, extra={"session": session.id})
+        if session.phase is not Phase.CLOSED:
+            session.to(Phase.CLOSING)
+        session.cancel_scope.cancel()
+        await session.finished.wait()  # a copy running on a thread finishes first
+        self.release(session)
+
+    def end_soon(self, session: Session, why: str) -> None:
+        """End a session from synchronous code (a broken ring, a lost NIXL peer)."""
+        if not session.running:
+            return
+        session.to(Phase.CLOSING)
+        self.accounting.reaped()
+        assert self.nursery is not None
+        self.nursery.start_soon(self.end_session, session, why)
+
+    async def _watch_pid(self, session: Session) -> None:
+        """Same-host clients: a pidfd becomes readable the instant the process dies."""
+        try:
+            pidfd = os.pidfd_open(session.pid)
+        except (OSError, AttributeError):
+            return  # not visible (other pid namespace) or too old a kernel: heartbeats still apply
+        try:
+            with trio.CancelScope() as scope:
+                session.pid_watch = scope  # cancelled by release: a closed session needs no watcher
+                await trio.lowlevel.wait_readable(pidfd)
+                self.accounting.reaped()
+                await self.end_session(session, f"client pid {session.pid} exited")
+        finally:
+            os.close(pidfd)
+
+    def reap_silent(self) -> None:
+        """Reclaim sessions that sent nothing (not even a ping) for session_timeout_s."""
+        now = time.monotonic()
+        for session in list(self.sessions.values()):
+            if now - session.last_seen > self.config.session_timeout_s and session.running:
+                self.end_soon(session, "heartbeat timeout")
+
+    def drain(self) -> list[Session]:
+        """Shutdown: accept nothing new; each session finishes what is queued, then ends."""
+        self.accepting = False
+        sessions = list(self.sessions.values())
+        for s in sessions:
+            if s.phase is Phase.OPEN:
+                s.to(Phase.DRAINING)
+            s.wake.set()
+        return sessions

@@ -1,0 +1,85 @@
+"""What a pass plans: `Op`, one request translated into byte ranges and work.
+
+A leaf module: the planner makes ops, the RDMA plane adds remote work to
+them, the waves execute them, and the pass answers them. Nothing here
+touches memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from .. import errors as E
+from ..addressing import SegmentKind
+from ..backends import Span
+from ._placement import VirtualDevice
+
+__all__ = ["Op", "Range", "Staged", "hulls", "SOCKET", "RING"]
+
+Range = tuple[int, int, int]  # (segment id, start offset, end offset)
+
+#: Where an op's answer goes: a reply frame on the control socket, or a completion on the ring.
+SOCKET, RING = 0, 1
+
+
+@dataclass(slots=True, eq=False)
+class Op:
+    """One planned request: what it touches, where it runs, how, and whom it answers."""
+
+    rid: int
+    reads: list[Range]
+    writes: list[Range]
+    device: VirtualDevice
+    nbytes: int
+    run: Callable[[], Any] | None = None
+    #: Plain copies keep their spans so a wave can merge them.
+    copy: tuple[int, int, Span, Span] | None = None  # (dst segment id, src segment id, dst, src)
+    result: Any = None
+    error: E.TransferError | None = None
+    #: Every request id this op answers when it answers more than `rid` (a run of copies
+    #: planned as one vector): a list or a uint64 array, `rid` first.
+    ids: Any = None
+    #: The request kind, for metrics ("copy", "fill", "compute", ...).
+    kind: str = "copy"
+    #: Extra state an op keeps for its execution (a staging buffer's registration).
+    info: Any = None
+    #: Copies to or from a remote (NIXL) segment: posted with the rest of the wave's, as one transfer.
+    remote: Any = None
+    #: SOCKET or RING: where the answer goes. Internal ops (a staging pull) have rid 0.
+    route: int = SOCKET
+
+    def answered(self) -> Any:
+        """The ids this op answers (an int, or a sequence for a vector of copies)."""
+        return self.rid if self.ids is None else self.ids
+
+    def count(self) -> int:
+        return 0 if self.rid == 0 else (1 if self.ids is None else len(self.ids))
+
+
+class Staged:
+    """A staging buffer seen as a host segment (for spans and hazard ranges)."""
+
+    kind = SegmentKind.HOST
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.id = -next(_staging_ids)
+        self.array = array
+        self.handle = self
+        self.device = -1
+
+
+_staging_ids = itertools.count(1)
+
+
+def hulls(sids: np.ndarray, offs: np.ndarray, sizes: np.ndarray) -> list[Range]:
+    """Per segment, the hull of the ranges touched (conservative hazard ranges)."""
+    out: list[Range] = []
+    ends = offs + sizes
+    for sid in np.unique(sids).tolist():
+        m = sids == sid
+        out.append((int(sid), int(offs[m].min()), int(ends[m].max())))
+    return out

@@ -1,0 +1,245 @@
+"""The one pass every request goes through, whatever brought it.
+
+Socket frames, ring descriptors and remote sessions all queue the same
+batch form on their session: (request, route) pairs in arrival order, where
+the route says only where the answer goes (a reply frame, or a completion on
+the ring). A pass then:
+
+1. **takes** what is queued up to the next barrier (control requests before
+   it run first, in order: `_control`);
+2. **plans** it (`_planner`: every VA translated and checked, runs of copies
+   as one vector op);
+3. **schedules** the ops into hazard-free waves (`_waves`);
+4. **executes** them: on the event loop when the pass is small (under
+   `inline_bytes`, no RDMA), else on the devices' worker threads. Inline is
+   a decision here, not a second implementation;
+5. makes the device work **visible** (each device synchronized as its share
+   of a wave ends), and only then
+6. **completes**: one reply frame for socket requests, completions on the
+   ring for ring requests, error details as replies;
+7. **accounts** once (`_accounting`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import trio
+
+from .. import errors as E
+from .. import protocol as P
+from .._ring import COMPLETION_DTYPE
+from ._accounting import Accounting
+from ._config import DaemonConfig
+from ._control import AFTER_PASS, BARRIERS, Control
+from ._deferred import resolve
+from ._ops import RING, Op
+from ._planner import CopyRun, Planner, plan_batch
+from ._rings import COMPLETION_DETAIL, Rings
+from ._session import Session
+from ._waves import assign_waves, run_inline, run_waves
+
+__all__ = ["Pass", "Batch"]
+
+_BARRIERS = frozenset(BARRIERS)
+_AFTER = frozenset(AFTER_PASS)
+#: Passes in a row that `kick` runs inline before it hands the rest to the session's task.
+_INLINE_PASSES = 4
+
+
+class Batch:
+    """One pass's share of a session's queue, and what became of it."""
+
+    __slots__ = ("session", "remote", "data", "after", "replies", "refused", "ops", "waves", "inline", "socket_n", "ring_n")
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        #: A RegisterRemote taken alone (it waits on a worker thread).
+        self.remote: P.RegisterRemote | None = None
+        self.data: list[tuple[Any, int]] = []
+        self.after: list[tuple[Any, int]] = []
+        #: Answers already known: (request id, route, reply), in order.
+        self.replies: list[tuple[int, int, P.Reply]] = []
+        self.refused: list[tuple[int, int, E.TransferError]] = []
+        self.ops: list[Op] = []
+        self.waves: list[list[Op]] = []
+        self.inline = True
+        self.socket_n = 0
+        self.ring_n = 0
+
+
+class Pass:
+    def __init__(
+        self, config: DaemonConfig, planner: Planner, limiters: dict[int, trio.CapacityLimiter],
+        control: Control, rings: Rings, accounting: Accounting, send: Callable[[bytes, bytes], None],
+    ) -> None:
+        self.config = config
+        self.planner = planner
+        self.limiters = limiters
+        self.control = control
+        self.rings = rings
+        self.accounting = accounting
+        self.send = send
+        #: Set by the server: end a session (its NIXL peer died mid-transfer).
+        self.on_peer_lost: Callable[[Session], None] = lambda s: None
+
+    # --- entry points --------------------------------------------------------------------------
+    def kick(self, session: Session) -> None:
+        """Requests were queued: run small passes right now, hand anything else to the session's task."""
+        for _ in range(_INLINE_PASSES):
+            if session.current is not None or not session.queue:
+                break
+            batch = self.take(session)
+            if not batch.inline:
+                session.current = batch
+                break
+            run_inline(batch.waves)
+            self.complete(batch)
+        session.wake.set()
+
+    async def run(self, session: Session) -> None:
+        """The session task's step: the pass `kick` handed over, or a new one."""
+        batch = session.current or self.take(session)
+        session.current = batch
+        try:
+            if batch.remote is not None:
+                batch.replies.append((batch.remote.id, 0, await self.control.execute_async(session, batch.remote)))
+            elif batch.inline:
+                run_inline(batch.waves)
+            else:
+                await run_waves(batch.waves, self.limiters, self.config.inline_bytes)
+        finally:
+            session.current = None
+        self.complete(batch)
+
+    # --- take and plan -------------------------------------------------------------------------
+    def take(self, session: Session) -> Batch:
+        """Steps 1-3: take up to a barrier (running the barriers at the head), plan, schedule."""
+        q = session.queue
+        b = Batch(session)
+        taken = 0
+        limit = self.config.max_pass
+        while q and taken < limit and session.running:
+            req, route = q[0]
+            t = type(req)
+            if t in _BARRIERS:
+                if b.data or b.after:
+                    break  # a barrier: it runs once what came before it has completed
+                if t is P.RegisterRemote:
+                    if not taken:
+                        q.popleft()
+                        b.socket_n += 1
+                        b.remote = req
+                        b.inline = False
+                    break
+                q.popleft()
+                taken += 1
+                b.socket_n += 1
+                b.replies.append((req.id, route, self.control.execute(session, req)))
+                continue
+            q.popleft()
+            taken += 1
+            if route == RING:
+                b.ring_n += len(req.ids) if t is CopyRun else 1
+            else:
+                b.socket_n += 1
+            if t is P.BadRequest:
+                b.refused.append((req.id, route, req.error))
+            elif t in _AFTER:
+                b.after.append((req, route))
+            elif t is P.ComputeRef:
+                try:
+                    b.data.append((resolve(session, req), route))
+                except E.TransferError as exc:
+                    b.refused.append((req.id, route, exc))
+            else:
+                b.data.append((req, route))
+        if not session.running and q:
+            # Closed in this pass (a Close, or reclaimed): what was queued behind it is answered now.
+            err = E.SessionClosed("the session closed before this request ran")
+            while q:
+                req, route = q.popleft()
+                if route == RING:
+                    b.ring_n += len(req.ids) if type(req) is CopyRun else 1
+                else:
+                    b.socket_n += 1
+                    b.refused.append((req.id, route, err))
+        if b.data:
+            b.ops, refused = plan_batch(self.planner, session.id, b.data)
+            b.refused.extend(refused)
+            b.waves = assign_waves(b.ops)
+            if any(op.remote is not None for op in b.ops) or sum(op.nbytes for op in b.ops) >= self.config.inline_bytes:
+                b.inline = False
+        return b
+
+    # --- complete and account ------------------------------------------------------------------
+    def complete(self, b: Batch) -> None:
+        """Steps 6-7: answer every request of the pass, then account for it once."""
+        session = b.session
+        replies: list[P.Reply] = [r for _, route, r in b.replies]
+        comps: list[tuple[int, int, int, int, int]] = []
+        arrays: list[np.ndarray] = []
+        codes: list[int] = [r.error.code for r in replies if r.error is not None]
+        for rid, route, err in b.refused:
+            codes.append(err.code)
+            replies.append(P.Reply(rid, error=err))
+            if route == RING:
+                comps.append((rid, err.code, 0, COMPLETION_DETAIL, 0))
+        peer_lost = False
+        for op in b.ops:
+            if op.rid == 0:
+                continue  # internal (a staging pull): its compute answers
+            err = op.error
+            if err is not None:
+                peer_lost = peer_lost or (op.remote is not None and isinstance(err, E.PeerDisconnected))
+            ids = op.answered()
+            if op.route == RING:
+                if op.ids is None:
+                    comps.append((ids, 0, _result(op.result), 0, 0) if err is None else (ids, err.code, 0, COMPLETION_DETAIL, 0))
+                else:
+                    c = np.zeros(len(ids), COMPLETION_DTYPE)
+                    c["id"] = ids
+                    if err is not None:
+                        c["status"], c["flags"] = err.code, COMPLETION_DETAIL
+                    arrays.append(c)
+                if err is not None:
+                    codes.extend([err.code] * op.count())
+                    replies.extend(P.Reply(int(r), error=err) for r in np.atleast_1d(ids).tolist())
+            elif op.ids is None:
+                replies.append(P.Reply(ids, op.result if err is None else None, err))
+                if err is not None:
+                    codes.append(err.code)
+            else:
+                replies.extend(P.Reply(int(r), None, err) for r in ids)
+                if err is not None:
+                    codes.extend([err.code] * op.count())
+        for req, route in b.after:
+            reply = self.control.execute(session, req)
+            if route == RING:
+                comps.append((req.id, 0, 0, 0, 0))
+            else:
+                replies.append(reply)
+        if replies:
+            self.send(session.identity, P.encode_replies(replies))
+        if comps or arrays:
+            if arrays:
+                if comps:
+                    arrays.append(np.array(comps, dtype=COMPLETION_DTYPE))
+                out = np.empty(sum(len(a) for a in arrays), COMPLETION_DTYPE)  # concatenate would repack the dtype
+                at = 0
+                for a in arrays:
+                    out[at : at + len(a)] = a
+                    at += len(a)
+                self.rings.push(session, out)
+            else:
+                self.rings.push(session, comps)
+        session.inflight -= b.socket_n
+        session.ring_pending -= b.ring_n
+        self.accounting.passed(session, b.ops, len(b.waves), codes)
+        if peer_lost and session.running:
+            self.on_peer_lost(session)  # the producer's NIXL agent is gone: its session goes too
+
+
+def _result(value: Any) -> int:
+    return int(value) if isinstance(value, (int, np.integer)) else 0

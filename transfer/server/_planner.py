@@ -1,0 +1,316 @@
+"""The planner: a pass's requests become ops (byte ranges, device, work).
+
+Every VA is translated against the mapping table (bounds, ownership) and
+every operand checked before any op exists, so a refused request touches
+nothing. Placement is decided here too (`server._placement`): device memory
+decides where work runs; for host-only work the policy does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from .. import errors as E
+from .. import protocol as P
+from ..addressing import MappingTable, Segment, SegmentKind
+from ..backends import Span
+from ..kernels import OPERATORS, REGISTRY, TensorRef, tensor_extent
+from ._ops import SOCKET, Op, hulls
+from ._placement import Placement, VirtualDevice
+from ._remote import names_remote, plan_remote_copies, plan_remote_copy, pull_input
+
+__all__ = ["Planner", "CopyRun", "Refusal", "plan_batch", "VECTOR_RUN"]
+
+_KIND_NAMES = {P.Copy: "copy", P.CopyV: "copyv", P.Fill: "fill", P.Checksum: "checksum", P.Compute: "compute"}
+#: Plain copies in a row planned as one vector op (validated with NumPy at once).
+VECTOR_RUN = 8
+#: A request refused at planning: (id, route, error).
+Refusal = tuple[int, int, E.TransferError]
+
+
+class CopyRun:
+    """Copy descriptors that arrived together on a ring, as arrays: one vector op if all are valid."""
+
+    __slots__ = ("ids", "dst", "src", "nbytes")
+
+    def __init__(self, ids: np.ndarray, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray) -> None:
+        self.ids, self.dst, self.src, self.nbytes = ids, dst, src, nbytes
+
+    @property
+    def id(self) -> int:
+        return int(self.ids[0])
+
+    def singles(self) -> list[P.Copy]:
+        return [P.Copy(int(i), int(d), int(s), int(n)) for i, d, s, n in zip(self.ids.tolist(), self.dst.tolist(), self.src.tolist(), self.nbytes.tolist())]
+
+
+class Planner:
+    """Turns validated requests into Ops; raises a TransferError before anything is touched."""
+
+    def __init__(self, table: MappingTable[Any], devices: Sequence[VirtualDevice], placement: Placement, policies: dict[str, Placement]) -> None:
+        self.table = table
+        self.devices = list(devices)
+        self.placement = placement
+        self.policies = policies
+        #: The RDMA data plane (server._remote.RemotePlane), set by the server.
+        self.remote: Any = None
+
+    # --- helpers -------------------------------------------------------------------------------
+    def _translate(self, owner: Any, va: int, nbytes: int) -> tuple[Segment[Any], int]:
+        seg, off = self.table.translate(va, nbytes, owner)
+        if seg.kind == SegmentKind.REMOTE:
+            raise E.InvalidField(
+                f"VA {va:#x} is in a remote (NIXL) segment: only copies may name it; "
+                "copy it into a daemon buffer first (fill, checksum and compute need local memory)"
+            )
+        return seg, off
+
+    def _device_of(self, segs: Iterable[Segment[Any]], nbytes: int, pinned: int = -1, policy: str = "") -> VirtualDevice:
+        """The placement rule: device memory decides; else the policy (or the pinned device)."""
+        homes = {s.device for s in segs if s.kind == SegmentKind.DEVICE}
+        if len(homes) > 1:
+            raise E.InvalidField(f"operands live on different devices {sorted(homes)}: copy them to one device first")
+        if homes:
+            (home,) = homes
+            if pinned not in (-1, home):
+                raise E.InvalidField(f"operands live on device {home}, the request pins device {pinned}")
+            return self.devices[home]
+        if pinned == -1 and not policy and len(self.devices) == 1:
+            return self.devices[0]
+        if pinned != -1:
+            if not 0 <= pinned < len(self.devices):
+                raise E.InvalidField(f"device {pinned} does not exist (this daemon has {len(self.devices)})")
+            return self.devices[pinned]
+        chooser = self.placement
+        if policy:
+            chooser = self.policies.get(policy)  # type: ignore[assignment]
+            if chooser is None:
+                raise E.InvalidField(f"unknown placement {policy!r}; choose one of {', '.join(self.policies)}")
+        return chooser.choose(self.devices, nbytes)
+
+    @staticmethod
+    def _span(seg: Segment[Any], off: int, nbytes: int) -> Span:
+        return Span(seg.kind, seg.handle, off, nbytes)
+
+    # --- requests -------------------------------------------------------------------------------
+    def plan(self, owner: Any, req: P.Request) -> Op | list[Op]:
+        """One op per request; a compute with remote inputs also gets the ops that pull them."""
+        out = self._plan(owner, req)
+        kind = _KIND_NAMES.get(type(req), "other")
+        for op in out if isinstance(out, list) else (out,):
+            op.kind = kind
+        return out
+
+    def _plan(self, owner: Any, req: P.Request) -> Op | list[Op]:
+        if isinstance(req, P.Copy):
+            n = req.nbytes
+            if self.remote is not None and names_remote(self.table, (req.dst, req.src)):
+                return plan_remote_copy(self, owner, req)
+            dseg, doff = self._translate(owner, req.dst, n)
+            sseg, soff = self._translate(owner, req.src, n)
+            dev = self._device_of((dseg, sseg), n)
+            dst, src = self._span(dseg, doff, n), self._span(sseg, soff, n)
+            backend = self._copy_backend(dseg, sseg, dev)
+            op = Op(req.id, [(sseg.id, soff, soff + n)], [(dseg.id, doff, doff + n)], dev, n, lambda: backend.copy(dst, src))
+            # Only same-backend copies merge (a merged copy runs on the op's device backend).
+            if backend is dev.backend:
+                op.copy = (dseg.id, sseg.id, dst, src)
+            return op
+        if isinstance(req, P.Fill):
+            seg, off = self._translate(owner, req.dst, req.nbytes)
+            dev = self._device_of((seg,), req.nbytes)
+            span, value, backend = self._span(seg, off, req.nbytes), req.value, dev.backend
+            return Op(req.id, [], [(seg.id, off, off + req.nbytes)], dev, req.nbytes, lambda: backend.fill(span, value))
+        if isinstance(req, P.Checksum):
+            seg, off = self._translate(owner, req.src, req.nbytes)
+            dev = self._device_of((seg,), req.nbytes)
+            span, backend = self._span(seg, off, req.nbytes), dev.backend
+            return Op(req.id, [(seg.id, off, off + req.nbytes)], [], dev, req.nbytes, lambda: backend.checksum(span))
+        if isinstance(req, P.CopyV):
+            return self.plan_copies(owner, req.id, req.dst, req.src, req.nbytes)
+        if isinstance(req, P.Compute):
+            return self._plan_compute(owner, req)
+        raise E.UnknownOperation(f"{type(req).__name__} is not a data request")
+
+    def _copy_backend(self, dseg: Segment[Any], sseg: Segment[Any], dev: VirtualDevice) -> Any:
+        """A copy touching GPU memory runs on that GPU's backend; host<->host on the chosen device's."""
+        for seg in (dseg, sseg):
+            if seg.kind == SegmentKind.DEVICE:
+                return self.devices[seg.device].backend
+        return dev.backend
+
+    def plan_copies(self, owner: Any, rid: int, dst: np.ndarray, src: np.ndarray, size: np.ndarray) -> Op:
+        """Copies validated with NumPy, contiguous runs merged, executed in order."""
+        n = len(size)
+        if n == 0:
+            return Op(rid, [], [], self.devices[0], 0, lambda: None)
+        table = self.table
+        dsid, doff, dsegs = table.translate_many(dst, size, owner)
+        ssid, soff, ssegs = table.translate_many(src, size, owner)
+        segs = {**dsegs, **ssegs}
+        if any(seg.kind == SegmentKind.REMOTE for seg in segs.values()):
+            return plan_remote_copies(self, owner, rid, dsid, doff, ssid, soff, size, dsegs, ssegs)
+        total = int(size.sum(dtype=np.uint64))
+        dev = self._device_of(segs.values(), total)
+        # Hazard ranges: per segment, the hull of what is read / written (conservative).
+        reads = hulls(ssid, soff, size)
+        writes = hulls(dsid, doff, size)
+        cont = np.zeros(n, dtype=bool)
+        if n > 1:
+            cont[1:] = (
+                (dsid[1:] == dsid[:-1])
+                & (ssid[1:] == ssid[:-1])
+                & (doff[1:] == doff[:-1] + size[:-1])
+                & (soff[1:] == soff[:-1] + size[:-1])
+            )
+        starts = np.flatnonzero(~cont)
+        ends = np.append(starts[1:], n)
+        csum = np.concatenate(([0], np.cumsum(size, dtype=np.uint64)))
+        pairs: list[tuple[Span, Span, Any]] = []
+        for a, b in zip(starts.tolist(), ends.tolist()):
+            run_bytes = int(csum[b] - csum[a])
+            ds, ss = dsegs[int(dsid[a])], ssegs[int(ssid[a])]
+            do, so = int(doff[a]), int(soff[a])
+            backend = self._copy_backend(ds, ss, dev)
+            if b - a > 1 and ds is ss and do < so + run_bytes and so < do + run_bytes:
+                # An overlapping run: one memmove would differ from piece-by-piece copies.
+                for k in range(a, b):
+                    nb = int(size[k])
+                    pairs.append((self._span(ds, int(doff[k]), nb), self._span(ss, int(soff[k]), nb), backend))
+                continue
+            pairs.append((self._span(ds, do, run_bytes), self._span(ss, so, run_bytes), backend))
+
+        def run() -> None:
+            for d, s, backend in pairs:
+                backend.copy(d, s)
+
+        return Op(rid, reads, writes, dev, total, run)
+
+
+    def _plan_compute(self, owner: Any, req: P.Compute) -> Op:
+        op = OPERATORS.get(req.op)
+        if op is None:
+            raise E.UnknownOperation(f"unknown operator {req.op!r}; known: {', '.join(sorted(OPERATORS))}")
+        if len(req.inputs) != op.n_inputs or len(req.outputs) != op.n_outputs:
+            raise E.InvalidField(f"{req.op} takes {op.n_inputs} input(s) and {op.n_outputs} output(s)")
+        op.check(req.inputs, req.outputs, req.params)
+        placed: list[tuple[TensorRef, Any, int, int]] = []
+        pulls: list[Op] = []
+        for k, t in enumerate((*req.inputs, *req.outputs)):
+            extent = tensor_extent(t)
+            seg, off = self.table.translate(t.va, extent, owner)
+            if seg.kind == SegmentKind.REMOTE and k < op.n_inputs:
+                # A remote input is pulled first (one NIXL READ into a staging buffer); the
+                # staging buffer's synthetic segment makes the compute wait for the pull.
+                pull, seg, off = pull_input(self, owner, seg, off, extent)
+                pulls.append(pull)
+            elif seg.kind == SegmentKind.REMOTE:
+                raise E.InvalidField("compute cannot write a remote segment: write a daemon buffer, then copy it out")
+            placed.append((t, seg, off, extent))
+        n_in = op.n_inputs
+        reads = [(seg.id, off, off + ext) for _, seg, off, ext in placed[:n_in]]
+        writes = [(seg.id, off, off + ext) for _, seg, off, ext in placed[n_in:]]
+        # Outputs must not overlap inputs (or each other), unless the operator works in place
+        # and the output is exactly its first input.
+        for k, (ws, wa, wb) in enumerate(writes):
+            for j, (rs, ra, rb) in enumerate(reads + writes[:k]):
+                if ws == rs and wa < rb and ra < wb:
+                    same = op.in_place and j == 0 and (wa, wb) == (ra, rb) and req.outputs[k] == req.inputs[0]
+                    if not same:
+                        raise E.InvalidField(f"{req.op}: output {k} overlaps {'input' if j < len(reads) else 'output'} {j if j < len(reads) else j - len(reads)}")
+        nbytes = sum(ext for *_, ext in placed)
+        dev = self._device_of((seg for _, seg, _, _ in placed), nbytes, req.device, req.placement)
+        key_dtype = (req.inputs[0] if req.inputs else req.outputs[0]).dtype
+        kernel = REGISTRY.lookup(req.op, key_dtype, dev.kind)
+        backend, params = dev.backend, req.params
+        ins = [(t, self._span(seg, off, ext)) for t, seg, off, ext in placed[:n_in]]
+        outs = [(t, self._span(seg, off, ext)) for t, seg, off, ext in placed[n_in:]]
+        if not pulls:
+            return Op(req.id, reads, writes, dev, nbytes, lambda: backend.compute(kernel, ins, outs, params, dev.local_id))
+
+        def run() -> Any:
+            try:
+                for pull in pulls:
+                    if pull.error is not None:
+                        raise pull.error  # the input never arrived: this request fails with the reason
+                return backend.compute(kernel, ins, outs, params, dev.local_id)
+            finally:
+                for pull in pulls:
+                    self.remote.release_staging(pull.info)
+
+        return [*pulls, Op(req.id, reads, writes, dev, nbytes, run)]
+
+
+
+def plan_batch(planner: Planner, owner: Any, items: Sequence[tuple[Any, int]]) -> tuple[list[Op], list[Refusal]]:
+    """Plan a pass's data requests, (request, route) pairs in arrival order.
+
+    Returns the ops in arrival order and the refused requests. Runs of plain
+    copies (socket Copy requests in a row, or a ring's CopyRun) are planned as
+    one vector op validated with NumPy; if any copy in a run is invalid, the
+    run is planned one by one so that only that copy fails.
+    """
+    ops: list[Op] = []
+    refused: list[Refusal] = []
+
+    def one(req: P.Request, route: int) -> None:
+        try:
+            planned = planner.plan(owner, req)
+        except E.TransferError as exc:
+            refused.append((req.id, route, exc))
+            return
+        except Exception as exc:  # a bug: fail this request, keep serving
+            refused.append((req.id, route, E.InternalError(f"{type(exc).__name__}: {exc}")))
+            return
+        for op in planned if isinstance(planned, list) else (planned,):
+            if op.rid:
+                op.route = route
+            ops.append(op)
+
+    def vector(ids: Any, dst: np.ndarray, src: np.ndarray, size: np.ndarray, route: int) -> bool:
+        try:
+            op = planner.plan_copies(owner, int(ids[0]), dst, src, size)
+        except E.TransferError:
+            return False  # one of them is bad: the caller plans them one by one
+        op.kind, op.ids, op.route = "copy", ids, route
+        ops.append(op)
+        return True
+
+    run: list[P.Copy] = []
+    run_route = SOCKET
+
+    def flush() -> None:
+        n = len(run)
+        if n >= VECTOR_RUN and vector(
+            [r.id for r in run],
+            np.fromiter((r.dst for r in run), np.uint64, n),
+            np.fromiter((r.src for r in run), np.uint64, n),
+            np.fromiter((r.nbytes for r in run), np.uint64, n),
+            run_route,
+        ):
+            run.clear()
+            return
+        for r in run:
+            one(r, run_route)
+        run.clear()
+
+    for req, route in items:
+        if type(req) is P.Copy:
+            if run and route != run_route:
+                flush()
+            run.append(req)
+            run_route = route
+            continue
+        if run:
+            flush()
+        if type(req) is CopyRun:
+            if not vector(req.ids, req.dst, req.src, req.nbytes, route):
+                for r in req.singles():
+                    one(r, route)
+        else:
+            one(req, route)
+    if run:
+        flush()
+    return ops, refused

@@ -1,0 +1,229 @@
+"""Resources a session can make the daemon hold: segments, quotas, arenas, sharing.
+
+Every VA-named thing lives in the one mapping table; this module creates and
+drops its entries and keeps the per-session and daemon-wide byte counts that
+quotas check. Nothing here runs requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Any, Callable, Sequence
+
+import trio
+
+from .. import errors as E
+from .. import protocol as P
+from ..addressing import MAX_SEGMENT_BYTES, MappingTable, Segment, SegmentKind
+from ..backends import Backend
+from ..memory import ShmFile
+from ._config import DaemonConfig
+from ._placement import VirtualDevice
+from ._remote import RemotePlane
+from ._session import Session
+
+__all__ = ["Resources"]
+
+log = logging.getLogger("transfer.server")
+
+
+class Resources:
+    """The mapping table's owner: register, allocate, share, attach, free, release."""
+
+    def __init__(
+        self, config: DaemonConfig, table: MappingTable[Any], devices: Sequence[VirtualDevice],
+        backends: Sequence[Backend], remote: RemotePlane, instance: Callable[[], str],
+    ) -> None:
+        self.config = config
+        self.table = table
+        self.devices = list(devices)
+        self.backends = list(backends)
+        self.remote = remote
+        self._instance = instance
+        #: Share tokens -> segment id (see Share/Attach).
+        self.shares: dict[bytes, int] = {}
+        self.device_bytes = 0
+        self._remote_start = trio.Lock()
+
+    # --- quotas ------------------------------------------------------------------------------
+    def check_quota(self, session: Session, nbytes: int, kind: SegmentKind) -> None:
+        cfg = self.config
+        if not 0 < nbytes <= MAX_SEGMENT_BYTES:
+            raise E.InvalidField(f"segment size {nbytes} is outside 1..{MAX_SEGMENT_BYTES}")
+        if cfg.max_segments_per_session and len(session.segments) >= cfg.max_segments_per_session:
+            raise E.QuotaExceeded(f"session already has {len(session.segments)} segments (limit {cfg.max_segments_per_session})")
+        if kind == SegmentKind.REMOTE:
+            return
+        if kind == SegmentKind.HOST:
+            limit, used = cfg.max_host_bytes_per_session, session.host_bytes
+            what = "host"
+        else:
+            limit, used = cfg.max_device_bytes_per_session, session.device_bytes
+            what = "device"
+            if self.device_bytes + nbytes > cfg.max_device_bytes:
+                raise E.OutOfDeviceMemory(
+                    f"alloc of {nbytes} bytes: the daemon's device budget has {cfg.max_device_bytes - self.device_bytes} of {cfg.max_device_bytes} bytes left"
+                )
+        if limit and used + nbytes > limit:
+            raise E.QuotaExceeded(f"{what} bytes quota: {used} used + {nbytes} asked > {limit}")
+
+    # --- arenas (deferred allocation) ----------------------------------------------------------
+    def grant_arenas(self, session: Session) -> list[dict[str, int]]:
+        """One block of segment ids per device, and the session's byte quota on it."""
+        cfg = self.config
+        quota = cfg.max_device_bytes_per_session or cfg.max_device_bytes
+        out = []
+        for dev in self.devices:
+            first = self.table.reserve_block(cfg.arena_ids, session.id)
+            session.arenas[dev.index] = (first, cfg.arena_ids)
+            out.append({"device": dev.index, "first_id": first, "count": cfg.arena_ids, "quota": quota})
+        return out
+
+    def release_arenas(self, session: Session) -> None:
+        for first, count in session.arenas.values():
+            self.table.release_block(first, count)
+        session.arenas.clear()
+
+    # --- creating ------------------------------------------------------------------------------
+    def register_host(self, session: Session, nbytes: int) -> dict[str, Any]:
+        self.check_quota(session, nbytes, SegmentKind.HOST)
+        sid = self.table.reserve_id()
+        shm = ShmFile.create(self.config.shm_dir, self._instance(), sid, nbytes)
+        try:
+            for backend in self.backends:
+                backend.register_host(shm)
+            seg = self.table.add_reserved(sid, SegmentKind.HOST, nbytes, session.id, shm)
+        except BaseException:
+            shm.unlink()
+            shm.close()
+            raise
+        session.segments.add(seg.id)
+        session.host_bytes += nbytes
+        return {"va": seg.va, "nbytes": nbytes, "path": str(shm.path)}
+
+    def alloc_at(self, session: Session, segment_id: int | None, nbytes: int, device: int) -> dict[str, Any]:
+        """Allocate a device buffer; under a given (arena) segment id for deferred allocations."""
+        self.check_quota(session, nbytes, SegmentKind.DEVICE)
+        ndev = len(self.devices)
+        if device == -1:
+            # Default: the least-used device of the fastest kind present (GPUs before CPUs).
+            kind = self.devices[0].kind
+            device = min((d for d in self.devices if d.kind == kind), key=lambda d: (d.info.get("bytes", 0), d.index)).index
+        if not 0 <= device < ndev:
+            raise E.InvalidField(f"device {device} does not exist (this daemon has {ndev})")
+        if segment_id is not None and self.table.get(segment_id) is not None:
+            raise E.InvalidAddress(f"segment {segment_id} is already allocated (defined twice?)")
+        vdev = self.devices[device]
+        try:
+            mem = vdev.backend.alloc(nbytes, vdev.local_id)
+        except MemoryError:
+            raise E.OutOfDeviceMemory(f"device {device} cannot allocate {nbytes} bytes") from None
+        if segment_id is None:
+            seg = self.table.add(SegmentKind.DEVICE, nbytes, session.id, mem, device)
+        else:
+            seg = self.table.add_reserved(segment_id, SegmentKind.DEVICE, nbytes, session.id, mem, device)
+        session.segments.add(seg.id)
+        session.device_bytes += nbytes
+        self.device_bytes += nbytes
+        vdev.info["bytes"] = vdev.info.get("bytes", 0) + nbytes
+        return {"va": seg.va, "nbytes": nbytes, "device": device}
+
+    async def register_remote(self, session: Session, req: P.RegisterRemote) -> dict[str, Any]:
+        """Map a producer's NIXL-registered buffer as a remote segment (agent start and
+        metadata loading run on a worker thread: the first one takes ~0.6 s)."""
+        self.check_quota(session, req.nbytes, SegmentKind.REMOTE)
+        if not self.remote.available():
+            raise E.InvalidField(
+                "remote segments need NIXL in the daemon (pip install --no-deps nixl-cu12==1.5.1)"
+                if self.remote.enabled else "remote segments are disabled in this daemon"
+            )
+        async with self._remote_start:
+            handle = await trio.to_thread.run_sync(self.remote.add_segment, session.id, req.metadata, req.descs, req.nbytes)
+        if not session.running:
+            self.remote.drop_segment(handle)
+            raise E.SessionClosed("the session is closing")
+        seg = self.table.add(SegmentKind.REMOTE, req.nbytes, session.id, handle)
+        session.segments.add(seg.id)
+        log.info("session %d: remote segment %d of %d bytes from agent %r", session.id, seg.id, req.nbytes, handle.peer)
+        return {"va": seg.va, "nbytes": req.nbytes, "agent": self.remote.name}
+
+    # --- sharing -------------------------------------------------------------------------------
+    def share(self, session: Session, va: int) -> dict[str, Any]:
+        seg = self.table.lookup(va, session.id)
+        if seg.owner != session.id:
+            raise E.NotOwner(f"only the owner may share segment {seg.id}")
+        if va != seg.va:
+            raise E.InvalidAddress(f"share needs a segment's base VA ({seg.va:#x}), got {va:#x}")
+        token = secrets.token_bytes(16)
+        self.shares[token] = seg.id
+        seg.info.setdefault("tokens", []).append(token)
+        return {"token": token}
+
+    def attach(self, session: Session, token: bytes) -> dict[str, Any]:
+        sid = self.shares.get(token)
+        seg = self.table.get(sid) if sid is not None else None
+        if seg is None:
+            raise E.UnknownSegment("no shared segment has that token (never shared, or freed since)")
+        if seg.owner != session.id:
+            seg.guests.add(session.id)
+            session.attached.add(seg.id)
+        return {"va": seg.va, "nbytes": seg.nbytes, "kind": seg.kind.name.lower(), "device": seg.device}
+
+    # --- releasing -----------------------------------------------------------------------------
+    def free(self, session: Session, va: int, kind: SegmentKind) -> None:
+        """Unregister (host or remote) or Free (device): the owner frees, a guest only detaches."""
+        seg = self.table.lookup(va, session.id)
+        if va != seg.va:
+            raise E.InvalidAddress(f"free needs a segment's base VA ({seg.va:#x}), got {va:#x}")
+        if kind == SegmentKind.HOST and seg.kind == SegmentKind.REMOTE:
+            kind = SegmentKind.REMOTE  # Unregister releases remote segments too
+        if seg.kind != kind:
+            raise E.InvalidField(f"segment {seg.id} is a {seg.kind.name.lower()} segment")
+        if seg.owner != session.id:
+            # A guest's Unregister/Free detaches it; the memory stays with its owner.
+            seg.guests.discard(session.id)
+            session.attached.discard(seg.id)
+            return
+        self.drop(session, seg)
+
+    def drop(self, session: Session, seg: Segment[Any]) -> None:
+        """Remove a segment of `session`'s and release its memory."""
+        self.table.remove(seg.id)
+        for token in seg.info.get("tokens", ()):
+            self.shares.pop(token, None)
+        session.segments.discard(seg.id)
+        if seg.kind == SegmentKind.REMOTE:
+            self.remote.drop_segment(seg.handle)
+            return
+        self.remote.forget_local(seg)  # deregister from our NIXL agent before the memory goes
+        if seg.kind == SegmentKind.HOST:
+            session.host_bytes -= seg.nbytes
+            shm: ShmFile = seg.handle
+            try:
+                for backend in self.backends:
+                    backend.unregister_host(shm)
+            finally:
+                shm.unlink()
+                shm.close()
+        elif seg.kind == SegmentKind.DEVICE:
+            session.device_bytes -= seg.nbytes
+            self.device_bytes -= seg.nbytes
+            vdev = self.devices[seg.device]
+            vdev.info["bytes"] -= seg.nbytes
+            vdev.backend.free(seg.handle)
+
+    def release(self, session: Session) -> None:
+        """Everything the session holds goes: arenas, attachments, segments, remote peers."""
+        self.release_arenas(session)
+        for sid in session.attached:
+            seg = self.table.get(sid)
+            if seg is not None:
+                seg.guests.discard(session.id)
+        session.attached.clear()
+        for sid in list(session.segments):
+            seg = self.table.get(sid)
+            if seg is not None:
+                self.drop(session, seg)
+        session.segments.clear()
+        self.remote.drop_session(session.id)

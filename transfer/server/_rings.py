@@ -1,0 +1,317 @@
+"""The daemon's end of the shared-memory request rings (docs/ring.md).
+
+A same-host session may open a ring (`OpenRing`): then copy, fill, checksum
+and fence arrive as 64-byte descriptors in shared memory instead of zmq
+frames. Here they are popped in whole batches, validated, and turned into
+the pass's one batch form, (request, RING) pairs in the session's queue:
+from there on, nothing tells a ring request from a socket one except where
+its answer goes. Answers go back as 32-byte completions; a failed descriptor
+also gets an ordinary reply frame carrying the full error (a completion has
+room for the code only).
+
+Everything in a descriptor is hostile: a batch is copied out of shared
+memory before it is read (`Ring.pop_many`), every field is checked, and every
+VA goes through the mapping table like a zmq request's.
+
+trio cannot wait on a futex, so each direction also has a FIFO doorbell: the
+daemon sleeps on one FIFO that every client writes a byte to when it finds
+its ring armed, and each session has a FIFO the daemon writes to when it
+pushes completions while that client sleeps on them (the trio client).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import trio
+
+from .. import errors as E
+from .. import protocol as P
+from .._ring import COMPLETION_DTYPE, Op as RingOp, Ring, RingCorrupted
+from ..memory._shm import PREFIX
+from ._accounting import Accounting
+from ._config import DaemonConfig
+from ._ops import RING
+from ._planner import VECTOR_RUN, CopyRun
+from ._session import Session
+
+__all__ = ["Rings", "Doorbell", "COMPLETION_DETAIL"]
+
+log = logging.getLogger("transfer.server")
+
+#: Completion flag: the error's message follows on the control socket, as a reply with this id.
+COMPLETION_DETAIL = 1
+_U8_MAX = 255
+# Plain ints: IntEnum attribute lookups cost ~1 µs each in a hot loop.
+_NOP, _COPY, _FILL, _CHECKSUM, _FENCE = (int(o) for o in (RingOp.NOP, RingOp.COPY, RingOp.FILL, RingOp.CHECKSUM, RingOp.FENCE))
+_SERVED = frozenset((_NOP, _COPY, _FILL, _CHECKSUM, _FENCE))
+
+
+def _request(row: tuple[int, ...]) -> Any:
+    """One descriptor as a request of the batch form (or a BadRequest naming its fault)."""
+    op, rid, dst, src, nbytes, stream, flags, arg0, _, _ = row
+    try:
+        if rid == 0:
+            raise E.InvalidField("a ring descriptor's id must be non-zero")
+        if flags:
+            raise E.InvalidField(f"unknown descriptor flags {flags:#x}")
+        if op == _COPY:
+            return P.Copy(rid, dst, src, nbytes, stream)
+        if op == _FILL:
+            if arg0 > _U8_MAX:
+                raise E.InvalidField(f"fill value {arg0} is not a byte")
+            return P.Fill(rid, dst, nbytes, arg0, stream)
+        if op == _CHECKSUM:
+            return P.Checksum(rid, src, nbytes, stream)
+        if op == _FENCE or op == _NOP:
+            return P.Fence(rid, stream)
+        raise E.UnknownOperation(f"ring opcode {op} is not served over the ring (use the control socket)")
+    except E.TransferError as exc:
+        return P.BadRequest(rid, exc)
+
+
+def to_batch(rows: list[tuple[int, ...]] | None, array: np.ndarray | None) -> list[tuple[Any, int]]:
+    """Descriptors -> (request, RING) pairs; long clean runs of copies stay arrays (`CopyRun`)."""
+    if rows is not None:
+        return [(_request(r), RING) for r in rows]
+    assert array is not None
+    out: list[tuple[Any, int]] = []
+    n = len(array)
+    kinds = array["op"]
+    cuts = (np.flatnonzero(kinds[1:] != kinds[:-1]) + 1).tolist() if n > 1 else []
+    for a, b in zip([0, *cuts], [*cuts, n]):  # runs of one opcode
+        d = array[a:b]
+        if kinds[a] == _COPY and b - a >= VECTOR_RUN and not (d["flags"].any() or (d["id"] == 0).any()):
+            out.append((CopyRun(d["id"].copy(), d["dst"].copy(), d["src"].copy(), d["nbytes"].copy()), RING))
+        else:
+            out.extend((_request(r), RING) for r in d.tolist())
+    return out
+
+
+class Doorbell:
+    """A FIFO one side writes a byte to when it finds the other asleep (trio can poll a FIFO, not a futex).
+
+    Created in the shm dir under the instance prefix (mode 0600, so a restart's
+    sweep removes it), opened read-write and non-blocking here so a writer
+    never blocks and the FIFO never reports EOF.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        os.mkfifo(path, 0o600)
+        self.fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class Rings:
+    """Every session's ring: open, ingest into the queue, push completions, poll, sleep."""
+
+    def __init__(self, config: DaemonConfig, instance: Callable[[], str], accounting: Accounting) -> None:
+        self.config = config
+        self._instance = instance
+        self.accounting = accounting
+        self.sessions: dict[int, Session] = {}
+        self.bell: Doorbell | None = None
+        #: Set by the server: run what a session has queued (`Pass.kick`), and end a session.
+        self.kick: Callable[[Session], None] = lambda s: None
+        self.on_broken: Callable[[Session, str], None] = lambda s, why: None
+        self._loop_started = False
+
+    # --- setup ---------------------------------------------------------------------------------
+    def _path(self, session: Session, what: str) -> Path:
+        return self.config.shm_dir / f"{PREFIX}{self._instance()}.{what}-{session.id}.{os.urandom(6).hex()}"
+
+    def open(self, session: Session, capacity: int, nursery: trio.Nursery) -> dict[str, Any]:
+        cfg = self.config
+        if not cfg.rings:
+            raise E.RingUnavailable("request rings are disabled on this daemon (--no-rings)")
+        if session.remote_peer:
+            raise E.RingUnavailable("request rings are for clients on the daemon's host")
+        if session.ring is not None:
+            raise E.RingUnavailable("this session already has a ring")
+        limit = cfg.max_ring_capacity
+        if not 2 <= capacity <= limit:
+            raise E.InvalidField(f"ring capacity {capacity} is outside 2..{limit}")
+        cap = min(1 << (capacity - 1).bit_length(), 1 << (limit.bit_length() - 1))
+        try:
+            if self.bell is None:  # made with the first ring: daemons without ring clients have none
+                self.bell = Doorbell(cfg.shm_dir / f"{PREFIX}{self._instance()}.bell")
+            ring = Ring.create(self._path(session, "ring"), cap)
+        except OSError as exc:
+            raise E.OutOfSharedMemory(f"cannot create a {cap}-descriptor ring in {cfg.shm_dir}: {exc}") from None
+        try:
+            cbell = Doorbell(self._path(session, "cbell"))
+        except OSError as exc:
+            ring.unlink()
+            ring.close()
+            raise E.OutOfSharedMemory(f"cannot create the ring's doorbell in {cfg.shm_dir}: {exc}") from None
+        ring.set_doorbell(cbell.fd)  # our completion pushes ring it when the client sleeps armed
+        session.ring, session.ring_bell = ring, cbell
+        self.sessions[session.id] = session
+        ring.arm()  # if the ring loop sleeps now, the client's first push must ring the bell
+        if not self._loop_started:
+            self._loop_started = True
+            nursery.start_soon(self._loop)
+        log.info("session %d opened a %d-descriptor ring", session.id, ring.request_capacity, extra={"session": session.id})
+        return {
+            "path": str(ring.path),
+            "bell": str(self.bell.path),
+            "cbell": str(cbell.path),
+            "capacity": ring.request_capacity,
+            "completion_capacity": ring.completion_capacity,
+        }
+
+    def close(self, session: Session) -> None:
+        """Closing sets our closed flag and wakes a client sleeping on the ring: it fails its
+        outstanding descriptors with SessionClosed. Nothing maps the ring afterwards."""
+        self.sessions.pop(session.id, None)
+        ring, session.ring = session.ring, None
+        if ring is not None:
+            ring.unlink()  # the client unlinks it on attach; a client that died first did not
+            ring.close()
+        bell, session.ring_bell = session.ring_bell, None
+        if bell is not None:
+            bell.close()
+
+    def shutdown(self) -> None:
+        if self.bell is not None:
+            self.bell.close()
+            self.bell = None
+
+    # --- ingest and complete -------------------------------------------------------------------
+    def ingest(self, session: Session) -> int:
+        """Move what the session's ring holds (within its completion budget) into its queue."""
+        ring = session.ring
+        if ring is None or not session.accepting:
+            return 0
+        try:
+            avail = ring.available()
+            if not avail:
+                return 0
+            # Each descriptor needs a completion slot when it is answered: take only what fits.
+            n = min(avail, ring.free() - session.ring_pending, self.config.max_pass)
+            if n <= 0:
+                return 0  # the client has not taken its completions: it waits, we do not
+            if n <= 4:  # tuples, no NumPy (one wake for the batch, if any)
+                items = to_batch([ring.pop(wake=False) for _ in range(n)], None)
+                ring.inbox.notify()
+            else:
+                items = to_batch(None, ring.pop_many(n))
+        except RingCorrupted as exc:
+            self.broken(session, exc)
+            return 0
+        self.accounting.received(session, n)
+        session.queue.extend(items)
+        session.ring_pending += n
+        return n
+
+    def push(self, session: Session, comps: list[tuple[int, int, int, int, int]] | np.ndarray) -> None:
+        """Completions onto the ring; a ring that cannot take them ends its session."""
+        ring = session.ring
+        if ring is None or not session.running:
+            return  # the ring closes with the session; the client fails what it waits for
+        try:
+            if isinstance(comps, list):
+                ok = ring.push(comps[0]) if len(comps) == 1 else ring.push_many(np.array(comps, dtype=COMPLETION_DTYPE)) == len(comps)
+            else:
+                ok = ring.push_many(comps) == len(comps)
+        except RingCorrupted as exc:
+            self.broken(session, exc)
+            return
+        if not ok:  # the budget reserved these slots: only a hostile client gets here
+            self.broken(session, RingCorrupted("the completion queue was full although its slots were reserved"))
+
+    def broken(self, session: Session, exc: Exception) -> None:
+        if not session.running:
+            return  # already on its way out
+        log.warning("session %d: %s; ending the session", session.id, exc, extra={"session": session.id})
+        self.on_broken(session, f"ring: {exc}")
+
+    # --- the loop ------------------------------------------------------------------------------
+    def _poll(self) -> int:
+        """Ingest every ring; each session's pass decides to run inline or on its task."""
+        took = 0
+        for session in list(self.sessions.values()):
+            try:
+                n = self.ingest(session)
+                if n:
+                    took += n
+                    self.kick(session)
+            except Exception as exc:  # a bug: this session goes, the daemon keeps serving the rest
+                log.exception("session %d: internal error on its ring", session.id, extra={"session": session.id})
+                self.broken(session, exc)
+        return took
+
+    async def _loop(self) -> None:
+        """Busy-poll while the rings are busy, then sleep on the doorbell FIFO.
+
+        Busy-polling holds the event loop for at most 50 µs at a time, then lets the
+        other tasks (the zmq pump) run; after `ring_spin_s` without a descriptor it
+        arms every ring (a client's next push then writes the FIFO) and sleeps.
+        """
+        assert self.bell is not None
+        bell = self.bell
+        spin = self.config.ring_spin_s
+        clock = time.perf_counter
+        poll = self._poll
+        until = 0.0
+        while True:
+            try:
+                now = clock()
+                if poll():
+                    until = now + spin
+                if clock() < until:
+                    end = min(until, clock() + 50e-6)
+                    while (now := clock()) < end:
+                        if poll():
+                            until = now + spin
+                            end = min(until, now + 50e-6)
+                    await trio.lowlevel.checkpoint()
+                    continue
+                if self._arm():
+                    continue
+                await trio.lowlevel.wait_readable(bell.fd)
+                bell.drain()
+                for session in list(self.sessions.values()):
+                    if session.ring is not None:
+                        session.ring.disarm()
+            except RingCorrupted:  # a ring went bad between checks: ingest ends its session
+                await trio.lowlevel.checkpoint()
+
+    def _arm(self) -> bool:
+        """Arm every ring's doorbell; True (and disarmed) if one has work after all."""
+        ready = False
+        for session in list(self.sessions.values()):
+            ring = session.ring
+            if ring is None or not session.accepting:
+                continue
+            try:
+                if ring.arm() and ring.free() - session.ring_pending > 0:
+                    ready = True
+            except RingCorrupted as exc:
+                self.broken(session, exc)
+        if ready:
+            for session in self.sessions.values():
+                if session.ring is not None:
+                    session.ring.disarm()
+        return ready
