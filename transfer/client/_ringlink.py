@@ -22,7 +22,7 @@ from ._core import Pending
 
 __all__ = ["RingLink", "ring_able"]
 
-#: A completion whose error message follows on the control socket (server._ringpath).
+#: A completion whose error message follows on the control socket (server._rings).
 _DETAIL = 1
 _RING_TYPES = (P.Copy, P.Fill, P.Checksum, P.Fence, P.Wait)
 
