@@ -85,7 +85,7 @@ requests = st.one_of(
 def same(a: P.Request, b: P.Request) -> bool:
     if type(a) is not type(b):
         return False
-    for name, _ in a.FIELDS:
+    for name in a.__struct_fields__:
         x, y = getattr(a, name), getattr(b, name)
         if isinstance(x, dict):
             if x.keys() != y.keys() or any(repr(x[k]) != repr(y[k]) for k in x):
@@ -179,7 +179,7 @@ structured = st.recursive(
 @given(st.sampled_from(sorted(P.REQUEST_TYPES)), rid, st.lists(structured, max_size=6))
 def test_well_framed_garbage_fields_fail_alone(op: int, r: int, fields: list[object]) -> None:
     """A request with bad fields becomes a BadRequest carrying its id; its neighbours decode."""
-    good = P.Ping(7).to_wire()
+    good = [P.Ping.OP, 7]
     frame = msgpack.packb([P.VERSION, [good, [op, r, *fields], good]], use_bin_type=True)
     out = P.decode_requests(frame)
     assert isinstance(out[0], P.Ping) and isinstance(out[2], P.Ping)
@@ -193,9 +193,9 @@ def test_well_framed_garbage_fields_fail_alone(op: int, r: int, fields: list[obj
         (msgpack.packb([2, []]), E.UnsupportedVersion),
         (msgpack.packb({"v": 1}), E.MalformedFrame),
         (b"\xc1", E.MalformedFrame),
-        (msgpack.packb([1, [P.Ping(1).to_wire()]])[:-1], E.MalformedFrame),
+        (msgpack.packb([1, [[P.Ping.OP, 1]]])[:-1], E.MalformedFrame),
         (b"\x00" * ((4 << 20) + 1), E.FrameTooLarge),
-        (msgpack.packb([1, [[3, i + 1] for i in range(70000)]]), (E.BatchTooLarge, E.MalformedFrame)),
+        (msgpack.packb([1, [[3, i + 1] for i in range(70000)]]), E.BatchTooLarge),
     ],
 )
 def test_frame_level_errors(frame: bytes, err: type[Exception]) -> None:
