@@ -25,15 +25,52 @@ slow path: its requests are decoded one by one, so a bad request becomes a
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Annotated, Any, Callable, ClassVar, Iterable, Optional, Union
+from typing import Any, ClassVar, Union
 
 import msgspec
 import numpy as np
-from msgspec import UNSET, Meta, Raw, UnsetType
+from msgspec import UNSET, Raw, UnsetType
 
 from . import errors as E
-from .kernels import DTYPES, MAX_DIMS, TensorRef
+from ._fields import (  # noqa: F401 - validators and limits are public: server/_deferred.py uses them
+    I32,
+    I32_MAX,
+    I32_MIN,
+    MAX_NIXL_DESCS,
+    MAX_NIXL_METADATA,
+    MAX_PARAM_LIST,
+    MAX_PARAMS,
+    MAX_TENSORS,
+    U8,
+    U32,
+    U32_MAX,
+    U64,
+    U64_MAX,
+    Bin64,
+    Bin1024,
+    IdVersions,
+    NixlDescs,
+    NixlMetadata,
+    RequestId,
+    Str32,
+    Str64,
+    Str256,
+    Validator,
+    blob,
+    bounded,
+    check_result,
+    i32,
+    i64_or_u64,
+    params,
+    tensors,
+    text,
+    u8,
+    u32,
+    u64,
+)
+from .kernels import TensorRef
 
 __all__ = [
     "VERSION",
@@ -72,9 +109,6 @@ __all__ = [
 ]
 
 VERSION = 1
-U64_MAX = (1 << 64) - 1
-U32_MAX = (1 << 32) - 1
-I32_MIN, I32_MAX = -(1 << 31), (1 << 31) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,171 +126,6 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
-
-
-# --- wire types: what msgspec checks while decoding ---------------------------
-# msgpack integers stop at 2**64-1, so `ge` alone makes a u64 (msgspec bounds must fit an int64).
-U64 = Annotated[int, Meta(ge=0)]
-U32 = Annotated[int, Meta(ge=0, le=U32_MAX)]
-U8 = Annotated[int, Meta(ge=0, le=255)]
-I32 = Annotated[int, Meta(ge=I32_MIN, le=I32_MAX)]
-RequestId = Annotated[int, Meta(ge=1)]
-Str32 = Annotated[str, Meta(max_length=32)]
-Str64 = Annotated[str, Meta(max_length=64)]
-Str256 = Annotated[str, Meta(max_length=256)]
-Bin64 = Annotated[bytes, Meta(max_length=64)]
-Bin1024 = Annotated[bytes, Meta(max_length=1024)]
-
-MAX_TENSORS = 16
-MAX_PARAMS = 32
-MAX_PARAM_LIST = 4096
-#: NIXL agent metadata and serialized descriptor lists (transfer.transport._nixl) are small.
-MAX_NIXL_METADATA = 1 << 20
-MAX_NIXL_DESCS = 1 << 16
-NixlMetadata = Annotated[bytes, Meta(max_length=MAX_NIXL_METADATA)]
-NixlDescs = Annotated[bytes, Meta(max_length=MAX_NIXL_DESCS)]
-#: [[id, version], ...] references to definitions cached by the daemon.
-IdVersions = Annotated[list[tuple[U64, U32]], Meta(max_length=MAX_TENSORS)]
-
-
-# --- field validators for what the types cannot say: (value, name) -> value ---
-# Also used by the server to check deferred definitions (server/_deferred.py).
-Validator = Callable[[Any, str], Any]
-
-
-def _int_range(lo: int, hi: int, kind: str) -> Validator:
-    def check(v: Any, name: str) -> int:
-        if type(v) is not int:
-            raise E.InvalidField(f"{name}: expected {kind}, got {type(v).__name__}")
-        if v < lo or v > hi:
-            raise E.InvalidField(f"{name}: {v} is outside {kind} range [{lo}, {hi}]")
-        return v
-
-    return check
-
-
-u64 = _int_range(0, U64_MAX, "u64")
-u32 = _int_range(0, U32_MAX, "u32")
-u8 = _int_range(0, 255, "u8")
-i32 = _int_range(I32_MIN, I32_MAX, "i32")
-_dimension = _int_range(0, 1 << 40, "dimension")
-_stride = _int_range(0, 1 << 40, "stride")
-
-
-def text(max_len: int) -> Validator:
-    def check(v: Any, name: str) -> str:
-        if type(v) is not str:
-            raise E.InvalidField(f"{name}: expected str, got {type(v).__name__}")
-        if len(v) > max_len:
-            raise E.InvalidField(f"{name}: longer than {max_len} characters")
-        return v
-
-    return check
-
-
-def blob(max_len: int) -> Validator:
-    def check(v: Any, name: str) -> bytes:
-        if type(v) is not bytes:
-            raise E.InvalidField(f"{name}: expected bytes, got {type(v).__name__}")
-        if len(v) > max_len:
-            raise E.InvalidField(f"{name}: longer than {max_len} bytes")
-        return v
-
-    return check
-
-
-def tensors(v: Any, name: str) -> list[TensorRef]:
-    """[[va, dtype, shape, strides|nil], ...]: checked for types and ranges, not yet for memory."""
-    if type(v) is not list or len(v) > MAX_TENSORS:
-        raise E.InvalidField(f"{name}: expected a list of at most {MAX_TENSORS} tensors")
-    out = []
-    for k, t in enumerate(v):
-        where = f"{name}[{k}]"
-        if type(t) is not list or len(t) != 4:
-            raise E.InvalidField(f"{where}: a tensor is [va, dtype, shape, strides|nil]")
-        va, dtype, shape, strides = t
-        u64(va, f"{where}.va")
-        if type(dtype) is not str or dtype not in DTYPES:
-            raise E.InvalidField(f"{where}.dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
-        if type(shape) is not list or len(shape) > MAX_DIMS:
-            raise E.InvalidField(f"{where}.shape: expected a list of at most {MAX_DIMS} sizes")
-        for d in shape:
-            _dimension(d, f"{where}.shape")
-        if strides is not None:
-            if type(strides) is not list or len(strides) != len(shape):
-                raise E.InvalidField(f"{where}.strides: expected nil or one stride per dimension")
-            for st_ in strides:
-                _stride(st_, f"{where}.strides")
-        out.append(TensorRef(va, dtype, tuple(shape), None if strides is None else tuple(strides)))
-    return out
-
-
-def i64_or_u64(v: int, where: str) -> int:
-    if not -(1 << 63) <= v <= U64_MAX:
-        raise E.InvalidField(f"{where}: integer out of 64-bit range")
-    return v
-
-
-def _param_value(v: Any, where: str) -> Any:
-    if v is None or type(v) in (bool, int, float):
-        if type(v) is int:
-            i64_or_u64(v, where)
-        return v
-    if type(v) is str:
-        return text(256)(v, where)
-    if type(v) is list:
-        if len(v) > MAX_PARAM_LIST:
-            raise E.InvalidField(f"{where}: list longer than {MAX_PARAM_LIST}")
-        for e in v:
-            if type(e) not in (int, float):
-                raise E.InvalidField(f"{where}: list elements must be numbers")
-        return v
-    raise E.InvalidField(f"{where}: unsupported parameter type {type(v).__name__}")
-
-
-def params(v: Any, name: str) -> dict[str, Any]:
-    if type(v) is not dict or len(v) > MAX_PARAMS:
-        raise E.InvalidField(f"{name}: expected a map of at most {MAX_PARAMS} parameters")
-    for k, val in v.items():
-        if type(k) is not str or len(k) > 64:
-            raise E.InvalidField(f"{name}: parameter names are strings of at most 64 characters")
-        _param_value(val, f"{name}.{k}")
-    return v
-
-
-def bounded(max_depth: int = 4, max_len: int = 4096) -> Validator:
-    """Any msgpack value of limited depth and size; the consumer validates its shape."""
-
-    def walk(v: Any, depth: int, name: str) -> None:
-        if depth > max_depth:
-            raise E.InvalidField(f"{name}: nested deeper than {max_depth}")
-        if v is None or type(v) in (bool, float):
-            return
-        if type(v) is int:
-            i64_or_u64(v, name)
-        elif type(v) in (str, bytes):
-            if len(v) > max_len:
-                raise E.InvalidField(f"{name}: longer than {max_len}")
-        elif type(v) is list:
-            if len(v) > max_len:
-                raise E.InvalidField(f"{name}: more than {max_len} elements")
-            for e in v:
-                walk(e, depth + 1, name)
-        elif type(v) is dict:
-            if len(v) > MAX_PARAMS:
-                raise E.InvalidField(f"{name}: more than {MAX_PARAMS} entries")
-            for k, e in v.items():
-                if type(k) is not str:
-                    raise E.InvalidField(f"{name}: map keys must be strings")
-                walk(e, depth + 1, name)
-        else:  # msgpack ext values (msgspec.msgpack.Ext, datetime) land here
-            raise E.InvalidField(f"{name}: unsupported type {type(v).__name__}")
-
-    def check(v: Any, name: str) -> Any:
-        walk(v, 0, name)
-        return v
-
-    return check
 
 
 _definition = bounded()
@@ -500,7 +369,7 @@ class Reply(msgspec.Struct):
 
     id: int
     result: Any = None
-    error: Optional[E.TransferError] = None
+    error: E.TransferError | None = None
 
 
 Decoded = Union[Request, BadRequest]
@@ -532,7 +401,7 @@ class _WireReply(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     id: int
     code: int
     value: Any
-    message: Union[str, UnsetType] = UNSET
+    message: str | UnsetType = UNSET
 
 
 _reply_frame_decoder = msgspec.msgpack.Decoder(tuple[int, list[_WireReply]])
@@ -542,7 +411,7 @@ _reply_frame_decoder = msgspec.msgpack.Decoder(tuple[int, list[_WireReply]])
 _FRAME_SHAPE = "a frame is [version, [message, ...]]"
 
 
-def _array_len(buf: Any, at: int) -> Optional[int]:
+def _array_len(buf: Any, at: int) -> int | None:
     """Length of the msgpack array whose header starts at `buf[at]`; None if none starts there."""
     if len(buf) <= at:
         return None
@@ -566,7 +435,7 @@ def _check_count(n: int, limits: Limits, what: str) -> None:
         raise E.BatchTooLarge(f"frame carries {n} {what}, the limit is {limits.max_batch}")
 
 
-def _fast_count(data: bytes) -> Optional[int]:
+def _fast_count(data: bytes) -> int | None:
     """Messages in a frame that starts ``[VERSION, [``, read off the header bytes.
 
     Lets a huge batch be refused before anything is decoded; None sends the
@@ -732,7 +601,7 @@ def _explain(raw: Raw, exc: Exception) -> BadRequest:
             if got is None or type(got) in (bool, int, float):
                 msg = f"{msg}, got {got!r}"
             return BadRequest(rid, E.InvalidField(f"{name}.{field}{path}: {msg}"))
-    return BadRequest(rid, E.InvalidField(f"{name}: {_reason(exc)[1]}"))  # pragma: no cover - fields check alone
+    return BadRequest(rid, E.InvalidField(f"{name}: {_reason(exc)[1]}"))  # safety net: failures are per field
 
 
 def _decode_one(raw: Raw, limits: Limits) -> Decoded:
@@ -763,10 +632,10 @@ def decode_requests(data: bytes, limits: Limits = DEFAULT_LIMITS) -> list[Decode
     if n is not None:
         _check_count(n, limits, "requests")
         try:
-            reqs: list[Decoded] = _frame_decoder.decode(data)[1]
-        except Exception:  # some request is bad, or the frame is: sort it out one by one
-            pass
-        else:
+            reqs: list[Decoded] | None = _frame_decoder.decode(data)[1]
+        except Exception:  # some request, or the frame, is bad: sorted out one by one below
+            reqs = None
+        if reqs is not None:
             if not _AFTER.keys().isdisjoint(map(type, reqs)):
                 reqs = [_after(r, limits) if type(r) in _AFTER else r for r in reqs]
             return reqs
@@ -787,38 +656,6 @@ def frame_error(err: E.TransferError) -> bytes:
     return encode_replies([Reply(0, error=err)])
 
 
-MAX_RESULT_DEPTH = 32
-
-
-def _check_result(v: Any, limits: Limits, depth: int = 0) -> None:
-    """A result holds plain msgpack values within the old unpacker's limits (no ext, string keys)."""
-    if depth > MAX_RESULT_DEPTH:
-        raise E.MalformedFrame(f"reply nested deeper than {MAX_RESULT_DEPTH}")
-    t = type(v)
-    if v is None or t is bool or t is int or t is float:
-        return
-    if t is str:
-        if len(v) > limits.max_str * 4 and len(v.encode()) > limits.max_str * 4:
-            raise E.MalformedFrame(f"reply string longer than {limits.max_str * 4} bytes")
-    elif t is bytes:
-        if len(v) > limits.max_bin:
-            raise E.MalformedFrame(f"reply bytes longer than {limits.max_bin}")
-    elif t is list:
-        if len(v) > max(limits.max_batch, 16):
-            raise E.MalformedFrame(f"reply list longer than {max(limits.max_batch, 16)}")
-        for e in v:
-            _check_result(e, limits, depth + 1)
-    elif t is dict:
-        if len(v) > 64:
-            raise E.MalformedFrame("reply map of more than 64 entries")
-        for k, e in v.items():
-            if type(k) is not str and type(k) is not bytes:
-                raise E.MalformedFrame("reply map keys must be strings")
-            _check_result(e, limits, depth + 1)
-    else:
-        raise E.MalformedFrame(f"unsupported value in reply: {t.__name__}")
-
-
 def decode_replies(data: bytes, limits: Limits = DEFAULT_LIMITS) -> list[Reply]:
     """A reply frame -> replies. The server is checked too: a client must not crash on bad bytes."""
     _check_size(data, limits)
@@ -837,10 +674,10 @@ def decode_replies(data: bytes, limits: Limits = DEFAULT_LIMITS) -> list[Reply]:
     for w in body:
         if w.code == 0 and w.message is UNSET:
             if w.value is not None:
-                _check_result(w.value, limits)
+                check_result(w.value, limits)
             out.append(Reply(w.id, w.value))
         elif w.code > 0 and w.message is not UNSET:
-            _check_result(w.message, limits)
+            check_result(w.message, limits)
             out.append(Reply(w.id, error=E.error_for_code(w.code, w.message)))
         else:
             raise E.MalformedFrame("malformed reply status")
