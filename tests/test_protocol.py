@@ -85,7 +85,7 @@ requests = st.one_of(
 def same(a: P.Request, b: P.Request) -> bool:
     if type(a) is not type(b):
         return False
-    for name, _ in a.FIELDS:
+    for name in a.__struct_fields__:
         x, y = getattr(a, name), getattr(b, name)
         if isinstance(x, dict):
             if x.keys() != y.keys() or any(repr(x[k]) != repr(y[k]) for k in x):
@@ -179,7 +179,7 @@ structured = st.recursive(
 @given(st.sampled_from(sorted(P.REQUEST_TYPES)), rid, st.lists(structured, max_size=6))
 def test_well_framed_garbage_fields_fail_alone(op: int, r: int, fields: list[object]) -> None:
     """A request with bad fields becomes a BadRequest carrying its id; its neighbours decode."""
-    good = P.Ping(7).to_wire()
+    good = [P.Ping.OP, 7]
     frame = msgpack.packb([P.VERSION, [good, [op, r, *fields], good]], use_bin_type=True)
     out = P.decode_requests(frame)
     assert isinstance(out[0], P.Ping) and isinstance(out[2], P.Ping)
@@ -193,9 +193,9 @@ def test_well_framed_garbage_fields_fail_alone(op: int, r: int, fields: list[obj
         (msgpack.packb([2, []]), E.UnsupportedVersion),
         (msgpack.packb({"v": 1}), E.MalformedFrame),
         (b"\xc1", E.MalformedFrame),
-        (msgpack.packb([1, [P.Ping(1).to_wire()]])[:-1], E.MalformedFrame),
+        (msgpack.packb([1, [[P.Ping.OP, 1]]])[:-1], E.MalformedFrame),
         (b"\x00" * ((4 << 20) + 1), E.FrameTooLarge),
-        (msgpack.packb([1, [[3, i + 1] for i in range(70000)]]), (E.BatchTooLarge, E.MalformedFrame)),
+        (msgpack.packb([1, [[3, i + 1] for i in range(70000)]]), E.BatchTooLarge),
     ],
 )
 def test_frame_level_errors(frame: bytes, err: type[Exception]) -> None:
@@ -227,3 +227,170 @@ def test_vector_limit() -> None:
     v = np.zeros(n, np.uint64)
     (out,) = P.decode_requests(P.encode_requests([P.CopyV(1, v, v, v)]), P.Limits(max_bin=1 << 30))
     assert isinstance(out, P.BadRequest) and isinstance(out.error, E.BatchTooLarge)
+
+
+# --- frame limits, fast and slow path ------------------------------------------------
+def _pings(n: int) -> list[list[int]]:
+    return [[P.Ping.OP, i + 1] for i in range(n)]
+
+
+def test_batch_limit_is_exact() -> None:
+    """65,537 requests are refused as BatchTooLarge before decoding (not MalformedFrame); 65,536 pass."""
+    limit = P.DEFAULT_LIMITS.max_batch
+    assert len(P.decode_requests(msgpack.packb([1, _pings(limit)]))) == limit
+    with pytest.raises(E.BatchTooLarge):
+        P.decode_requests(msgpack.packb([1, _pings(limit + 1)]))
+    with pytest.raises(E.BatchTooLarge):  # one bad request sends the frame down the slow path
+        P.decode_requests(msgpack.packb([1, [[P.Ping.OP, 0]] + _pings(limit)]))
+    with pytest.raises(E.BatchTooLarge):
+        P.decode_replies(msgpack.packb([1, [[i + 1, 0, None] for i in range(limit + 1)]]))
+    with pytest.raises(E.BatchTooLarge):
+        P.decode_requests(msgpack.packb([1, _pings(5)]), P.Limits(max_batch=4))
+
+
+def test_non_canonical_header_takes_the_slow_path() -> None:
+    """A version written as uint8 (legal msgpack, never what we send) still decodes, limits and all."""
+    body = msgpack.packb(_pings(3))
+    assert [r.id for r in P.decode_requests(b"\x92\xcc\x01" + body)] == [1, 2, 3]
+    assert [r.id for r in P.decode_replies(b"\x92\xcc\x01" + msgpack.packb([[1, 0, None]]))] == [1]
+    with pytest.raises(E.BatchTooLarge):
+        P.decode_requests(b"\x92\xcc\x01" + body, P.Limits(max_batch=2))
+    with pytest.raises(E.UnsupportedVersion):
+        P.decode_requests(b"\x92\xcc\x02" + body)
+
+
+@pytest.mark.parametrize(
+    "frame, err",
+    [
+        (msgpack.packb([True, []]), E.MalformedFrame),
+        (msgpack.packb([1, "x"]), E.MalformedFrame),
+        (msgpack.packb([1, []]) + b"\x00", E.MalformedFrame),  # trailing bytes
+        (msgpack.packb([1, msgpack.ExtType(1, b"x")]), E.MalformedFrame),
+        (b"\x92\x01" + b"\x91" * 200_000 + b"\xc0", E.MalformedFrame),  # nesting beyond the decoder's depth
+    ],
+)
+def test_more_frame_level_errors(frame: bytes, err: type[Exception]) -> None:
+    with pytest.raises(err):
+        P.decode_requests(frame)
+    with pytest.raises(E.ProtocolError):
+        P.decode_replies(frame)
+
+
+# --- per-request errors: exact messages and isolation -----------------------------
+@pytest.mark.parametrize(
+    "item, err, message",
+    [
+        ([20, 1, -1, 0, 0, 0], E.InvalidField, "Copy.dst: expected `int` >= 0, got -1"),
+        ([20, 1, 0, 0, 0, 2**32], E.InvalidField, "Copy.stream: expected `int` <= 4294967295, got 4294967296"),
+        ([20, 1, 0, 0, 1.5, 0], E.InvalidField, "Copy.nbytes: expected `int`, got `float`, got 1.5"),
+        ([20, 1, 0, 0], E.InvalidField, "Copy takes 3 to 4 fields, got 2"),
+        ([20, 1, 0, 0, 0, 0, 0], E.InvalidField, "Copy takes 3 to 4 fields, got 5"),
+        ([3, 1, 0], E.InvalidField, "Ping takes 0 fields, got 1"),
+        ([21, 1, b"1234567", b"", b"", 0], E.InvalidField, "CopyV.dst: length 7 is not a multiple of 8"),
+        ([21, 1, b"", "x", b"", 0], E.InvalidField, "CopyV.src: expected packed uint64 bytes, got str"),
+        ([21, 1, b"\0" * 8, b"", b"", 0], E.InvalidField, "CopyV: dst, src and nbytes must have the same length"),
+        ([1, 1, 1, "x" * 257, 0, b""], E.InvalidField, "Hello.client: expected `str` of length <= 256"),
+        ([17, 1, b"\0" * 65], E.InvalidField, "Attach.token: expected `bytes` of length <= 64"),
+        ([25, 1, [[1, 2, 3]], [], []], E.InvalidField, "ComputeRef.plan[0]: expected `array` of length 2, got 3"),
+        ([25, 1, [[1, -2]], [], []], E.InvalidField, "ComputeRef.plan[0][1]: expected `int` >= 0"),
+        ([24, 1, "fill", [[0, "foo", [], None]], [], {}], E.InvalidField, "Compute.inputs[0].dtype: 'foo' is not one of"),
+        ([24, 1, "fill", [], [], {"k": {}}], E.InvalidField, "Compute.params.k: unsupported parameter type dict"),
+        ([50, 1, 1, 2, 0, [[[[[[0]]]]]]], E.InvalidField, "Define.definition: nested deeper than 4"),
+        ([50, 1, 1, 2, 0, msgpack.ExtType(1, b"")], E.InvalidField, "Define.definition: unsupported type Ext"),
+        ([20, 0, 0, 0, 0, 0], E.MalformedFrame, "request id must be an integer"),
+        ([20, "1", 0, 0, 0, 0], E.MalformedFrame, "request id must be an integer"),
+        ([99, 1], E.UnknownOperation, "unknown operation 99"),
+        (5, E.MalformedFrame, "a request is [op, id, field...]"),
+    ],
+)
+def test_error_messages_name_the_field(item: object, err: type[Exception], message: str) -> None:
+    good = [P.Ping.OP, 7]
+    before, out, after = P.decode_requests(msgpack.packb([1, [good, item, good]], use_bin_type=True))
+    assert isinstance(before, P.Ping) and isinstance(after, P.Ping)
+    assert isinstance(out, P.BadRequest) and type(out.error) is err, out
+    assert message in out.error.message, out.error.message
+    if err is E.InvalidField or err is E.UnknownOperation:
+        assert out.id == 1
+
+
+def test_invalid_utf8_fails_only_its_request() -> None:
+    hello = msgpack.packb([1, 5, 1, "client", 0, b""]).replace(b"client", b"\xffclien")
+    frame = b"\x92\x01\x93" + msgpack.packb([3, 1]) + hello + msgpack.packb([3, 2])
+    a, bad, b = P.decode_requests(frame)
+    assert isinstance(a, P.Ping) and isinstance(b, P.Ping)
+    assert isinstance(bad, P.BadRequest) and bad.id == 5 and isinstance(bad.error, E.InvalidField)
+    assert bad.error.message.startswith("Hello.client:")
+
+
+def test_trailing_defaults_may_be_omitted() -> None:
+    """msgspec semantics: a trailing field with a default may be left out (we always send it)."""
+    (c,) = P.decode_requests(msgpack.packb([1, [[20, 1, 2, 3, 4]]]))
+    assert c == P.Copy(1, 2, 3, 4, 0)
+
+
+@st.composite
+def frame_with_one_bad(draw: st.DrawFn) -> tuple[list[P.Request], int, bytes]:
+    reqs = draw(st.lists(requests, min_size=1, max_size=6))
+    i = draw(st.integers(0, len(reqs) - 1))
+    items = msgpack.unpackb(P.encode_requests(reqs))[1]
+    spoil = draw(st.sampled_from(["extra", "ext"] if len(items[i]) > 2 else ["extra"]))
+    if spoil == "extra":
+        items[i].append(0)
+    else:
+        items[i][draw(st.integers(2, len(items[i]) - 1))] = msgpack.ExtType(5, b"x")
+    return reqs, i, msgpack.packb([P.VERSION, items], use_bin_type=True)
+
+
+@settings(max_examples=200)
+@given(frame_with_one_bad())
+def test_one_bad_request_fails_alone(case: tuple[list[P.Request], int, bytes]) -> None:
+    reqs, i, frame = case
+    out = P.decode_requests(frame)
+    assert len(out) == len(reqs)
+    for k, (a, b) in enumerate(zip(reqs, out)):
+        if k == i:
+            assert isinstance(b, P.BadRequest) and b.id == a.id and isinstance(b.error, E.InvalidField), b
+            assert b.error.message.startswith(type(a).__name__), b.error.message
+        else:
+            assert same(a, b)
+
+
+# --- replies ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "body",
+    [
+        [[1, 0, msgpack.ExtType(1, b"x")]],
+        [[1, 0, {1: 2}]],
+        [[1, 0, None, "extra"]],
+        [[1, 5, "Name"]],
+        [[1, 5, "Name", None]],
+        [[1, -1, "Name", "m"]],
+        [["1", 0, None]],
+        [[1, 0, "x" * 5000]],
+        [[1, 0, {str(k): k for k in range(65)}]],
+    ],
+)
+def test_malformed_replies(body: list[object]) -> None:
+    with pytest.raises(E.MalformedFrame):
+        P.decode_replies(msgpack.packb([1, body], use_bin_type=True))
+
+
+def test_deep_reply_results_are_refused() -> None:
+    deep: list[object] = []
+    for _ in range(100):
+        deep = [deep]
+    with pytest.raises(E.MalformedFrame):
+        P.decode_replies(msgpack.packb([1, [[1, 0, deep]]]))
+
+
+def test_public_surface() -> None:
+    """What the server and client rely on, beyond names: positional construction, OP, arrays."""
+    c = P.Copy(1, 2, 3, 4)
+    assert (c.id, c.stream, P.Copy.OP, isinstance(c, P.Request)) == (1, 0, 20, True)
+    c.stream = 3  # requests stay mutable
+    assert P.Reply(5).result is None and P.Reply(5, error=E.NotOwner("x")).error is not None
+    v = P.decode_requests(P.encode_requests([P.CopyV(1, [1, 2], np.array([3, 4]), np.array([5, 6], np.uint64))]))[0]
+    assert isinstance(v, P.CopyV) and v.dst.dtype == np.dtype("<u8") and v.src.tolist() == [3, 4]
+    assert all(P.REQUEST_TYPES[op].OP == op for op in P.REQUEST_TYPES)
+    assert isinstance(P.decode_request(msgpack.packb([20, 1, 0, 0, 0, 0])), P.Copy)
+    assert isinstance(P.decode_request([20, 1, -1, 0, 0, 0]), P.BadRequest)
