@@ -28,7 +28,7 @@ from .._ring import COMPLETION_DTYPE, REQUEST_DTYPE, Op as RingOp, Ring
 from ..memory._shm import PREFIX
 from ._scheduler import Op, Planner
 
-__all__ = ["RingBatch", "open_ring", "Doorbell", "COMPLETION_DETAIL"]
+__all__ = ["RingBatch", "open_ring", "Doorbell", "completion_bell_path", "COMPLETION_DETAIL"]
 
 #: Completion flag: the error's message follows on the control socket, as a reply with this id.
 COMPLETION_DETAIL = 1
@@ -249,16 +249,27 @@ def open_ring(shm_dir: Path, instance: str, session_id: int, capacity: int, limi
         raise E.OutOfSharedMemory(f"cannot create a {cap}-descriptor ring in {shm_dir}: {exc}") from None
 
 
-class Doorbell:
-    """The FIFO clients write a byte to when the daemon sleeps (trio can poll a FIFO, not a futex).
+def completion_bell_path(ring: Ring) -> Path:
+    """A session's completion doorbell: next to its ring, under the same instance prefix
+    (so a restart's sweep removes what a killed daemon left)."""
+    assert ring.path is not None
+    return ring.path.with_name(ring.path.name + ".cbell")
 
-    One per daemon, in the shm dir under the instance prefix: mode 0600, opened
-    read-write and non-blocking here so a writer never blocks and the FIFO never
-    reports EOF. A client only ever writes to it after seeing a ring armed.
+
+class Doorbell:
+    """A FIFO whose writer rings it when its reader sleeps (trio can poll a FIFO, not a futex).
+
+    The daemon's bell (one per daemon, `path` None): clients write a byte to it
+    when the daemon sleeps; a client only ever writes to it after seeing a ring
+    armed. A session's completion bell (`path` from `completion_bell_path`): our
+    end of its ring writes to it (`Ring.set_doorbell`) when the client armed its
+    completion inbox; the trio client polls it. Both live in the shm dir under
+    the instance prefix, mode 0600, opened read-write and non-blocking here so
+    a write never blocks; closing ours is EOF for a read-only client.
     """
 
-    def __init__(self, shm_dir: Path, instance: str) -> None:
-        self.path = shm_dir / f"{PREFIX}{instance}.bell"
+    def __init__(self, shm_dir: Path, instance: str, path: Path | None = None) -> None:
+        self.path = path if path is not None else shm_dir / f"{PREFIX}{instance}.bell"
         os.mkfifo(self.path, 0o600)
         self.fd = os.open(self.path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
 

@@ -27,7 +27,7 @@ from ..memory import DaemonLock, ShmFile, sweep_stale
 from ._config import DaemonConfig
 from ._scheduler import Planner, assign_waves, execute_waves, plan_requests, replies_for, run_wave_inline
 from ._deferred import define, grant_arenas, release_arenas, resolve
-from ._ringpath import Doorbell, RingBatch, open_ring
+from ._ringpath import Doorbell, RingBatch, completion_bell_path, open_ring
 from .._ring import COMPLETION_DTYPE, RingCorrupted
 from ._metrics import Metrics
 from ._session import Session
@@ -99,6 +99,8 @@ class Server:
         #: Sessions with a request ring, and the FIFO clients ring when the daemon sleeps.
         self.ring_sessions: dict[int, Session] = {}
         self.bell: Doorbell | None = None
+        #: Per-session completion doorbells: our end of a ring writes one when the client armed it.
+        self.cbells: dict[int, Doorbell] = {}
         self._ring_loop_started = False
         # Set by the daemon loop:
         self.send: Callable[[bytes, bytes], None] = lambda identity, data: None
@@ -599,6 +601,9 @@ class Server:
             ring, session.ring = session.ring, None
             ring.unlink()  # the client unlinks it on attach; a client that died first did not
             ring.close()
+            cbell = self.cbells.pop(session.id, None)
+            if cbell is not None:
+                cbell.close()  # after the closed flag: a client polling it sees EOF, then the flag
         release_arenas(self, session)
         for sid in session.attached:
             seg = self.table.get(sid)
@@ -628,6 +633,14 @@ class Server:
                 ring.unlink()
                 ring.close()
                 raise E.OutOfSharedMemory(f"cannot create the ring doorbell in {self.config.shm_dir}: {exc}") from None
+        try:  # the client's completion doorbell: for a client that sleeps on an fd (trio), not a futex
+            cbell = Doorbell(self.config.shm_dir, self.instance, path=completion_bell_path(ring))
+        except OSError as exc:
+            ring.unlink()
+            ring.close()
+            raise E.OutOfSharedMemory(f"cannot create the ring's completion doorbell in {self.config.shm_dir}: {exc}") from None
+        ring.set_doorbell(cbell.fd)
+        self.cbells[session.id] = cbell
         session.ring = ring
         self.ring_sessions[session.id] = session
         ring.arm()  # if the ring loop sleeps now, the client's first push must ring the bell
@@ -639,6 +652,7 @@ class Server:
         return {
             "path": str(ring.path),
             "bell": str(self.bell.path),  # type: ignore[union-attr]
+            "cbell": str(cbell.path),
             "capacity": ring.request_capacity,
             "completion_capacity": ring.completion_capacity,
         }
