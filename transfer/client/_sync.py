@@ -212,7 +212,9 @@ class Client(Session):
         """Send, staying within the daemon's credits: a full window waits for completions."""
         with self._lock:
             core = self._core
-            unsent = sum(1 for r in reqs if r.id in core.pending) + len(self._batch or ())
+            pending = core.pending
+            # Created, not sent yet: these requests, and what a batch() holds.
+            unsent = (reqs[0].id in pending if len(reqs) == 1 else sum(1 for r in reqs if r.id in pending)) + len(self._batch or ())
             if core.ring_route(reqs, unsent):
                 link = core.ring
                 assert link is not None
