@@ -110,7 +110,7 @@ def test_trio_pool(daemon) -> None:
             with pytest.raises(transfer.RequestTimeout):
                 await pool.acquire(timeout=0.05)
             held.release()
-            await pool.aclose()
+            await pool.close()
 
     trio.run(main)
 

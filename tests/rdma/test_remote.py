@@ -293,3 +293,27 @@ def test_trio_client_with_curve_keys(keys: Path, curve_daemon: tuple[DaemonProce
             assert await c.checksum(buf, 4096) == transfer.checksum64(b"\x01" * 4096)
 
     trio.run(main)
+
+
+def test_trio_client_remote_segments(tcp_daemon: tuple[DaemonProcess, str]) -> None:
+    import trio
+
+    async def main() -> None:
+        async with transfer.open_client(tcp_daemon[1], name="rdma-trio") as c:
+            arr = np.random.default_rng(2).integers(0, 256, 1 << 20, dtype=np.uint8)
+            seg = await c.register_remote(arr)
+            buf = await c.alloc(arr.nbytes)
+            await c.copy(buf, seg)  # a one-sided READ of our memory
+            assert await c.checksum(buf) == transfer.checksum64(arr)
+            out = await c.remote_segment(4096)
+            await c.fill(buf, 4096, 0x33)
+            await c.copy(out, buf, 4096)  # a WRITE into our memory
+            assert (out.buffer == 0x33).all()
+            await out.free()
+            await c.free(seg)
+            assert seg.freed and out.freed
+            with pytest.raises(transfer.SegmentFreed):
+                await c.copy(buf, seg.va, 16)
+            await c.free(buf)
+
+    trio.run(main)

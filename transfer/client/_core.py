@@ -1,288 +1,72 @@
-"""What the sync and trio clients share, with no I/O: ids, pending requests,
-reply handling, and the local mirror of the session's segments.
+"""The session state both clients share, with no I/O and no waiting.
 
-The mirror is what makes addressing free: a segment knows its base VA and
-size, so `seg.va + offset` names a byte without asking the daemon.
+Request ids and the pending table, frame encoding and reply dispatch, the
+hello handshake's outcome, deferred definitions, the ring link and its
+routing rule, the mapped segments and the NIXL agent: everything a client
+knows about its session lives here. `Client` (blocking) and `TrioClient`
+differ only in how they move bytes and how they wait.
 """
 
 from __future__ import annotations
 
-import contextlib
-
+import inspect
 import os
-from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence, Union
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from .. import errors as E
 from .. import protocol as P
-from ..kernels import DTYPES, TensorRef, tensor_extent
-from ..memory import ShmFile
+from ._deferred import DeferredState
+from ._pending import Pending
+from ._resources import HostSegment
+from ._ringlink import RingLink, ring_able
 
-__all__ = ["Addressed", "RequestMethods", "Pending", "ClientCore", "HostSegment", "DeviceBuffer", "SharedSegment", "Addressable", "resolve_va", "make_tensor"]
-
-
-def make_tensor(owner: Any, shape: int | Sequence[int], dtype: Any, offset: int, strides: Sequence[int] | None) -> TensorRef:
-    """A TensorRef inside `owner` (a segment or buffer), bounds-checked locally."""
-    dt = np.dtype(dtype)
-    if dt.name not in DTYPES:
-        raise TypeError(f"dtype {dt} is not supported on the wire; use one of {', '.join(DTYPES)}")
-    shape_t = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(d) for d in shape)
-    t = TensorRef(owner.va + offset, dt.name, shape_t, None if strides is None else tuple(int(x) for x in strides))
-    if offset < 0 or offset + tensor_extent(t) > owner.nbytes:
-        raise E.OutOfBounds(f"tensor {shape_t} {dt} at offset {offset} exceeds {owner.nbytes} bytes")
-    return t
-
-
-class HasVA(Protocol):
-    va: int
-
-
-Addressable = Union[int, HasVA]
-
-
-def resolve_va(x: Addressable) -> int:
-    va = x if type(x) is int else getattr(x, "va", None)
-    if type(va) is not int:
-        raise TypeError(f"expected a VA (int) or an object with .va, got {type(x).__name__}")
-    return va
-
-
-class Pending:
-    """A request in flight. `result()` waits for it (driving the client's I/O)."""
-
-    __slots__ = ("id", "_waiter", "_done", "_value", "_error", "_observed", "_callback", "_deps")
-
-    def __init__(self, rid: int, waiter: Callable[["Pending", float | None], None]) -> None:
-        self.id = rid
-        self._waiter = waiter
-        self._done = False
-        self._value: Any = None
-        self._error: E.TransferError | None = None
-        self._observed = False
-        self._callback: Callable[[Pending], None] | None = None
-        #: Deferred definitions sent for this request: their failure is this request's failure.
-        self._deps: list[Pending] | None = None
-
-    def done(self) -> bool:
-        return self._done
-
-    def result(self, timeout: float | None = None) -> Any:
-        err = self.exception(timeout)
-        if err is not None:
-            raise err
-        return self._value
-
-    def exception(self, timeout: float | None = None) -> E.TransferError | None:
-        if not self._done:
-            self._waiter(self, timeout)
-        self._observed = True
-        for dep in self._deps or ():
-            if dep._error is not None:  # e.g. the deferred alloc this request touched was refused
-                dep._observed = True
-                return dep._error
-        return self._error
-
-    def _finish(self, value: Any, error: E.TransferError | None) -> None:
-        self._done = True
-        self._value = value
-        self._error = error
-        if self._callback is not None:
-            self._callback(self)
-
-    def __repr__(self) -> str:
-        state = "pending" if not self._done else ("failed" if self._error else "done")
-        return f"<Pending #{self.id} {state}>"
-
-
-class Addressed:
-    """What every resource named by a VA shares: byte addresses and tensor descriptions.
-
-    Subclasses set `va` and `nbytes`; both methods check bounds locally, with no round trip.
-    """
-
-    va: int
-    nbytes: int
-
-    def at(self, offset: int) -> int:
-        """The VA of byte `offset` (plain arithmetic)."""
-        if not 0 <= offset <= self.nbytes:
-            raise E.OutOfBounds(f"offset {offset} is outside {type(self).__name__} of {self.nbytes} bytes")
-        return self.va + offset
-
-    def tensor(self, shape: int | Sequence[int], dtype: Any = np.uint8, offset: int = 0, strides: Sequence[int] | None = None) -> TensorRef:
-        """Describe (not copy) a tensor here, for compute requests."""
-        return make_tensor(self, shape, dtype, offset, strides)
-
-
-class HostSegment(Addressed):
-    """Shared memory mapped by this process and the daemon."""
-
-    def __init__(self, client: Any, va: int, nbytes: int, shm: ShmFile) -> None:
-        self._client = client
-        self.va = va
-        self.nbytes = nbytes
-        self._shm: ShmFile | None = shm
-
-    @property
-    def buffer(self) -> np.ndarray:
-        """The whole segment as a writable flat uint8 array (no copy)."""
-        if self._shm is None:
-            raise E.SegmentFreed(f"segment {self.va:#x} has been freed")
-        return self._shm.array
-
-    def ndarray(self, shape: int | Sequence[int], dtype: Any = np.uint8, offset: int = 0) -> np.ndarray:
-        """A writable NumPy view of part of the segment: what the daemon reads in place."""
-        dt = np.dtype(dtype)
-        if dt.hasobject:
-            raise TypeError("object dtypes cannot live in shared memory")
-        shape_t = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-        count = int(np.prod(shape_t, dtype=np.int64)) if shape_t else 1
-        nbytes = count * dt.itemsize
-        if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
-            raise E.OutOfBounds(f"view of {nbytes} bytes at offset {offset} exceeds the segment's {self.nbytes} bytes")
-        return np.ndarray(shape_t, dtype=dt, buffer=self.buffer, offset=offset)
-
-    def _unmap(self) -> None:
-        if self._shm is not None:
-            self._shm.close()
-            self._shm = None
-
-    @property
-    def freed(self) -> bool:
-        return self._shm is None
-
-    def __repr__(self) -> str:
-        return f"<HostSegment va={self.va:#x} nbytes={self.nbytes}{' freed' if self.freed else ''}>"
-
-
-class DeviceBuffer(Addressed):
-    """Memory on one of the daemon's devices, named by its VA."""
-
-    def __init__(self, client: Any, va: int, nbytes: int, device: int) -> None:
-        self._client = client
-        self.va = va
-        self.nbytes = nbytes
-        self.device = device
-
-    def __repr__(self) -> str:
-        return f"<DeviceBuffer va={self.va:#x} nbytes={self.nbytes} device={self.device}>"
-
-
-class SharedSegment(Addressed):
-    """Another session's segment or buffer this session attached to: addressable by VA, not mapped here."""
-
-    def __init__(self, va: int, nbytes: int, kind: str, device: int) -> None:
-        self.va = va
-        self.nbytes = nbytes
-        self.kind = kind
-        self.device = device
-
-    def __repr__(self) -> str:
-        return f"<SharedSegment {self.kind} va={self.va:#x} nbytes={self.nbytes}>"
-
-
-class RequestMethods:
-    """Data requests both clients submit the same way; only `_submit` (and what it returns) differs."""
-
-    _batch: list[P.Request] | None
-
-    def _submit(self, cls: type[P.Request], *args: Any, objects: Sequence[Any] = (), blocking: bool = False) -> Any:
-        raise NotImplementedError
-
-    def _send(self, reqs: Sequence[P.Request]) -> None:
-        raise NotImplementedError
-
-    def _io_lock(self) -> ContextManager[Any]:
-        """Held while touching the outgoing batch (the blocking client is thread-safe)."""
-        return contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def batch(self) -> Iterator[None]:
-        """Requests submitted inside the block leave in one frame when it exits."""
-        with self._io_lock():
-            outer = self._batch
-            if outer is None:
-                self._batch = []
-            try:
-                yield
-            finally:
-                if outer is None:
-                    reqs, self._batch = self._batch or [], None
-                    if reqs:
-                        self._send(reqs)
-
-    def copy(self, dst: Addressable, src: Addressable, nbytes: int | None = None, *, stream: int = 0) -> Any:
-        """Copy `nbytes` from `src` to `dst` inside the daemon (VAs or segments/buffers)."""
-        if nbytes is None:
-            sizes = [getattr(x, "nbytes") for x in (dst, src) if hasattr(x, "nbytes")]
-            if not sizes:
-                raise TypeError("nbytes is required when copying between plain VAs")
-            nbytes = min(sizes)
-        return self._submit(P.Copy, resolve_va(dst), resolve_va(src), nbytes, stream)
-
-    def copy_many(self, dst: Sequence[int] | np.ndarray, src: Sequence[int] | np.ndarray, nbytes: Sequence[int] | np.ndarray, *, stream: int = 0) -> Any:
-        """Many copies as one vector request; the daemon merges contiguous ones."""
-        d, s, n = (np.asarray(x, dtype=np.uint64) for x in (dst, src, nbytes))
-        if not (d.ndim == s.ndim == n.ndim == 1 and len(d) == len(s) == len(n)):
-            raise ValueError("copy_many needs three 1-D sequences of equal length")
-        return self._submit(P.CopyV, d, s, n, stream)
-
-    def fill(self, dst: Addressable, nbytes: int, value: int = 0, *, stream: int = 0) -> Any:
-        return self._submit(P.Fill, resolve_va(dst), nbytes, value, stream)
-
-    def checksum(self, src: Addressable, nbytes: int | None = None, *, stream: int = 0) -> Any:
-        """The daemon reads the range in place and answers its checksum64."""
-        if nbytes is None:
-            nbytes = int(getattr(src, "nbytes"))
-        return self._submit(P.Checksum, resolve_va(src), nbytes, stream)
-
-    def compute(
-        self,
-        op: Any,
-        inputs: Sequence[Any],
-        outputs: Sequence[Any] = (),
-        params: dict[str, Any] | None = None,
-        *,
-        device: int = -1,
-        placement: str = "",
-        stream: int = 0,
-    ) -> Any:
-        """Run an operator on tensors named by VA (see transfer.OPERATORS).
-
-        `op` is an operator name with TensorRefs, or a `Plan` with `Tensor` descriptors,
-        in which case only their ids travel once the daemon has their definitions.
-        """
-        from ._deferred import Plan, Tensor
-
-        if isinstance(op, Plan):
-            if params:
-                raise TypeError("a Plan carries its own parameters: use plan.set(...)")
-            objs = [op, *inputs, *outputs]
-            if not all(isinstance(t, Tensor) for t in objs[1:]):
-                raise TypeError("compute with a Plan takes Tensor descriptors (client.tensor(...))")
-            ref = lambda o: (o.id, o.version)  # noqa: E731
-            return self._submit(P.ComputeRef, [ref(op)], [ref(t) for t in inputs], [ref(t) for t in outputs], stream, objects=objs)
-        ins = [t.ref if isinstance(t, Tensor) else t for t in inputs]
-        outs = [t.ref if isinstance(t, Tensor) else t for t in outputs]
-        return self._submit(P.Compute, op, ins, outs, dict(params or {}), device, placement, stream)
+__all__ = ["ClientCore"]
 
 
 class ClientCore:
-    """Request ids, pending table, reply dispatch; no sockets."""
+    """One session's state: ids, pending table, replies, deferred state, ring, segments."""
 
-    def __init__(self, waiter: Callable[[Pending, float | None], None]) -> None:
+    def __init__(self, pending_cls: type[Pending], waiter: Callable[..., Any]) -> None:
+        self._pending_cls = pending_cls
+        self._waiter = waiter
         self._next_id = 1
         self.pending: dict[int, Pending] = {}
-        self._waiter = waiter
         #: Failed requests; fence() raises the first one nobody called result() on.
         self.unobserved: list[Pending] = []
         self.limits = P.Limits()
         self.broken: E.TransferError | None = None
         self.pid = os.getpid()
         #: Deferred-creation state (arenas, pending definitions); None in eager mode.
-        self.deferred: Any = None
+        self.deferred: DeferredState | None = None
+        self.ring: RingLink | None = None
+        self.segments: dict[int, HostSegment] = {}
+        self.remote: Any = None  # the NIXL agent, made by the first register_remote
+        self.session_id = 0
+        self.server_pid = 0
+        self.backend: dict[str, Any] = {}
+        self.shm_dir = Path("/dev/shm")
+        self.heartbeat_s = 0.5  # until the daemon says otherwise in hello
+        self.max_inflight = 1 << 16
 
+    # --- the handshake ----------------------------------------------------------------------
+    def on_hello(self, info: dict[str, Any], deferred: bool) -> None:
+        """Take in what the daemon granted: limits, heartbeat, credits, arenas."""
+        self.session_id = info["session"]
+        self.server_pid = info["server_pid"]
+        self.backend = info["backend"]
+        self.shm_dir = Path(info["shm_dir"])
+        known = inspect.signature(P.Limits).parameters
+        self.limits = P.Limits(**{k: int(v) for k, v in info["limits"].items() if k in known})
+        self.heartbeat_s = float(info["heartbeat_s"])
+        self.max_inflight = max(1, min(self.max_inflight, int(info.get("max_inflight", self.max_inflight))))
+        # Deferred creation: allocations, descriptors and plans are answered here and
+        # travel with their first use. deferred=False sends each at once (for debugging).
+        self.deferred = DeferredState(info["arenas"]) if deferred and info.get("arenas") else None
+
+    # --- requests ---------------------------------------------------------------------------
     def prepare(self, cls: type[P.Request], args: tuple[Any, ...], objects: Sequence[Any] = (), blocking: bool = False) -> tuple[list[P.Request], Pending]:
         """The frame's worth of requests for one call: deferred definitions it needs first,
         the request, and a Wait marker when the caller will block on it."""
@@ -300,8 +84,6 @@ class ClientCore:
 
     def _definitions(self, cls: type[P.Request], args: tuple[Any, ...], objects: Sequence[Any]) -> list[P.Request]:
         """Deferred definitions a request needs first: allocations it touches, descriptors it names."""
-        from ._deferred import DeferredState
-
         state = self.deferred
         stale = [o for o in objects if o.sent_version != o.version]
         if state is None:
@@ -316,15 +98,64 @@ class ClientCore:
         rid = self._next_id
         self._next_id += 1
         req = cls(rid, *args)
-        pending = Pending(rid, self._waiter)
+        pending = self._pending_cls(rid, self._waiter)
         self.pending[rid] = pending
         return req, pending
+
+    def ping(self) -> P.Request:
+        """A Ping nobody waits on: its reply only proves the daemon is alive."""
+        req, _ = self.new(P.Ping)
+        self.pending.pop(req.id, None)
+        return req
+
+    def signal(self) -> Pending:
+        """A local event in the shape of a request (id 0, never sent): a pool's "a slot was released"."""
+        return self._pending_cls(0, self._waiter)
 
     def encode(self, reqs: Sequence[P.Request]) -> list[bytes]:
         """One or more frames, each within the daemon's batch limit."""
         step = self.limits.max_batch
         return [P.encode_requests(reqs[i : i + step]) for i in range(0, len(reqs), step)]
 
+    # --- routing and credits ------------------------------------------------------------------
+    def ring_route(self, reqs: Sequence[P.Request], unsent: int) -> bool:
+        """Whether `reqs` may take the ring: the ring keeps order only with itself, so only
+        when nothing sent on the socket is still pending. `unsent`: requests in the pending
+        table not handed to any transport yet (including `reqs`).
+
+        (The daemon takes what is in the ring before each frame it reads, so the other
+        direction, ring then socket, is ordered already.)"""
+        link = self.ring
+        if link is None or not ring_able(reqs):
+            return False
+        return len(self.pending) - len(link.outstanding) - unsent == 0
+
+    def socket_room(self, unsent: int) -> int:
+        """How many more requests the socket may carry within the daemon's credits."""
+        outstanding = len(self.ring.outstanding) if self.ring is not None else 0
+        return self.max_inflight - (len(self.pending) - unsent - outstanding)
+
+    def reap_ring(self) -> int:
+        """Finish what the ring has completed; return how many completions there were."""
+        link = self.ring
+        if link is None or not link.outstanding:
+            return 0
+        return link.reap(self.pending, self.unobserved)
+
+    def ring_closed(self) -> None:
+        """The daemon closed its end of the ring: the session is over."""
+        self.fail_all(E.SessionClosed("the daemon ended this session (its ring is closed)"))
+        if self.ring is not None:
+            self.ring.outstanding.clear()
+
+    def ring_details(self) -> list[Pending]:
+        """Requests that failed on the ring and whose full error is still on its way (fence waits)."""
+        link = self.ring
+        if link is None or link.details_in():
+            return []
+        return list(link.detail.values())
+
+    # --- replies ------------------------------------------------------------------------------
     def on_frame(self, data: bytes) -> None:
         try:
             replies = P.decode_replies(data, self.limits)
@@ -366,6 +197,20 @@ class ClientCore:
         if len(errs) > 1:
             first.add_note(f"{len(errs) - 1} more request(s) also failed since the last fence")
         return first
+
+    # --- teardown ------------------------------------------------------------------------------
+    def release(self) -> None:
+        """Local teardown after the session ended: unmap, close the ring, fail what is left."""
+        for seg in self.segments.values():
+            seg._unmap()
+        self.segments.clear()
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+        self.fail_all(E.SessionClosed("the client was closed"))
+        if self.remote is not None:  # after Close: the daemon no longer reads our buffers
+            self.remote.close()
+            self.remote = None
 
 
 def _touched(cls: type[P.Request], args: tuple[Any, ...]) -> list[int]:

@@ -24,7 +24,7 @@ from .. import errors as E
 from .. import protocol as P
 from ..addressing import OFFSET_BITS
 from ..kernels import DTYPES, OPERATORS, TensorRef, tensor_extent
-from ._core import Addressed
+from ._resources import Addressed
 
 __all__ = ["Arena", "DeferredBuffer", "Tensor", "Plan", "DeferredState", "creation_site"]
 

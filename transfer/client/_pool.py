@@ -9,24 +9,25 @@ zero-copy bug (overwriting a buffer the consumer is still reading) cannot
 happen through the API. When every slot is in flight, `acquire` waits:
 that is the backpressure.
 
-The same Slot/Pool code serves the blocking and the trio client; only
-"wait for a completion" differs (see `SyncWaiter` / `TrioPool`).
+One Slot/Pool implementation serves both clients: the pool takes its client
+as a duck-typed parameter (anything with `copy`, `compute`, `free` and the
+operation driver `_run`, see client._session), and its waiting methods are
+operations, so `pool.acquire()` blocks on a `Client` and is awaited on a
+`TrioClient` (`slot = await pool.acquire()`).
 """
 
 from __future__ import annotations
 
-import time
+import inspect
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Generator, Sequence
 
 import numpy as np
 
 from .. import errors as E
 from ..kernels import TensorRef
-from ._core import DeviceBuffer, HostSegment, Pending, make_tensor
-
-if TYPE_CHECKING:
-    from ._sync import Client
+from ._pending import Pending
+from ._resources import DeviceBuffer, HostSegment, make_tensor
 
 __all__ = ["SlotPool", "Slot"]
 
@@ -120,34 +121,43 @@ class Slot:
 
 
 class SlotPool:
-    """N slots of `slot_nbytes` over one registered segment (blocking client)."""
+    """N slots of `slot_nbytes` over one registered segment (`client.pool(...)` makes one)."""
 
-    def __init__(self, client: "Client", slot_nbytes: int, slots: int, *, align: int = 4096) -> None:
-        if slot_nbytes <= 0 or slots <= 0:
-            raise ValueError("slot_nbytes and slots must be positive")
-        stride = -(-slot_nbytes // align) * align  # each slot starts page-aligned
+    def __init__(self, client: Any, segment: HostSegment, slot_nbytes: int, slots: int, stride: int) -> None:
         self.client = client
         self.slot_nbytes = slot_nbytes
-        self.segment: HostSegment = client.segment(stride * slots)
-        self.slots = [Slot(self, i, i * stride, slot_nbytes, self.segment.va + i * stride) for i in range(slots)]
+        self.segment = segment
+        self.slots = [Slot(self, i, i * stride, slot_nbytes, segment.va + i * stride) for i in range(slots)]
         self._free: deque[Slot] = deque(self.slots)
         self._in_flight: deque[Slot] = deque()
+        #: Set while an acquire waits for a slot the caller's own code holds.
+        self._released: Pending | None = None
+
+    @staticmethod
+    def stride(slot_nbytes: int, slots: int, align: int = 4096) -> int:
+        """Bytes between slot starts: each slot starts page-aligned."""
+        if slot_nbytes <= 0 or slots <= 0:
+            raise ValueError("slot_nbytes and slots must be positive")
+        return -(-slot_nbytes // align) * align
 
     # --- returns -------------------------------------------------------------------------------
     def _give_back(self, slot: Slot) -> None:
         slot._state = _FREE
         slot.pending = None
         self._free.append(slot)
+        signal, self._released = self._released, None
+        if signal is not None:
+            signal._finish(None, None)
 
     def _reap(self) -> None:
         """Return every slot whose request has completed (failed ones too: the daemon is done with it)."""
         still: deque[Slot] = deque()
+        done: list[Slot] = []
         for slot in self._in_flight:
-            if slot.pending is not None and slot.pending.done():
-                self._give_back(slot)
-            else:
-                still.append(slot)
+            (done if slot.pending is not None and slot.pending.done() else still).append(slot)
         self._in_flight = still
+        for slot in done:
+            self._give_back(slot)
 
     def _take(self) -> Slot:
         slot = self._free.popleft()
@@ -155,26 +165,23 @@ class SlotPool:
         slot._generation += 1
         return slot
 
-    def acquire(self, timeout: float | None = None) -> Slot:
-        """A free slot; waits (driving the client's I/O) while all are in flight."""
+    def acquire(self, timeout: float | None = None) -> Any:
+        """A free slot; waits while all are in flight (awaitable on a trio client)."""
+        return self.client._run(self._op_acquire(timeout), timeout)
+
+    def _op_acquire(self, timeout: float | None) -> Generator[Pending, None, Slot]:
         self._reap()
-        if not self._free:
-            self.client.poll()
-            self._reap()
-        deadline = None if timeout is None else time.monotonic() + timeout
         while not self._free:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise E.RequestTimeout(f"no slot of {len(self.slots)} came back within {timeout}s (all held or in flight)")
-            if not self._in_flight:
-                # Every slot is held by the caller's code: only a release (another thread) helps.
-                time.sleep(0.001 if left is None else min(0.001, left))
-                continue
-            oldest = self._in_flight[0]
+            if self._in_flight:
+                wait_on = self._in_flight[0].pending
+            else:  # every slot is held by the caller's code: only a release helps
+                if self._released is None:
+                    self._released = self.client._core.signal()
+                wait_on = self._released
             try:
-                oldest.pending.exception(timeout=left)  # type: ignore[union-attr]
+                yield wait_on
             except E.RequestTimeout:
-                continue
+                raise E.RequestTimeout(f"no slot of {len(self.slots)} came back within {timeout}s (all held or in flight)") from None
             self._reap()
         return self._take()
 
@@ -183,74 +190,45 @@ class SlotPool:
         self._reap()
         return len(self._in_flight)
 
-    def drain(self, timeout: float | None = None) -> None:
-        """Wait until every slot is back (raises the first failure nobody looked at)."""
-        for slot in list(self._in_flight):
-            if slot.pending is not None:
-                slot.pending.exception(timeout=timeout)
-        self._reap()
+    def drain(self, timeout: float | None = None) -> Any:
+        """Wait until every slot is back; raise the first failure among them nobody looked at."""
+        return self.client._run(self._op_drain(), timeout)
 
-    def close(self) -> None:
-        self.drain()
-        self.client.free(self.segment)
+    def _op_drain(self) -> Generator[Pending, None, None]:
+        pendings = [s.pending for s in self._in_flight if s.pending is not None]
+        for p in pendings:
+            yield p
+        self._reap()
+        for p in pendings:
+            err = None if p._observed else p.exception()
+            if err is not None:
+                raise err
+
+    def close(self) -> Any:
+        """Drain, then free the segment (awaitable on a trio client)."""
+        return self.client._run(self._op_close())
+
+    def _op_close(self) -> Generator[Pending, None, None]:
+        failed: E.TransferError | None = None
+        try:
+            yield from self._op_drain()
+        except E.TransferError as exc:
+            failed = exc  # the segment goes all the same
+        yield from self.client._op_free(self.segment)
+        if failed is not None:
+            raise failed
 
     def __enter__(self) -> "SlotPool":
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        done = self.close()
+        if inspect.isawaitable(done):
+            done.close()  # type: ignore[attr-defined]
+            raise TypeError("a trio client's pool closes with `async with pool:` or `await pool.close()`")
 
+    async def __aenter__(self) -> "SlotPool":
+        return self
 
-class TrioSlotPool(SlotPool):
-    """The same pool for the trio client: `await pool.acquire()`."""
-
-    def __init__(self, client: Any, segment: HostSegment, slot_nbytes: int, slots: int, stride: int) -> None:
-        self.client = client
-        self.slot_nbytes = slot_nbytes
-        self.segment = segment
-        self.slots = [Slot(self, i, i * stride, slot_nbytes, segment.va + i * stride) for i in range(slots)]
-        self._free = deque(self.slots)
-        self._in_flight = deque()
-        self._released: Any = None
-
-    @classmethod
-    async def create(cls, client: Any, slot_nbytes: int, slots: int, align: int = 4096) -> "TrioSlotPool":
-        if slot_nbytes <= 0 or slots <= 0:
-            raise ValueError("slot_nbytes and slots must be positive")
-        stride = -(-slot_nbytes // align) * align
-        return cls(client, await client.segment(stride * slots), slot_nbytes, slots, stride)
-
-    async def acquire(self, timeout: float | None = None) -> Slot:  # type: ignore[override]
-        import trio
-
-        self._reap()
-        with trio.move_on_after(float("inf") if timeout is None else timeout):
-            while not self._free:
-                if not self._in_flight:
-                    self._released = trio.Event()
-                    await self._released.wait()  # every slot is held: wait for a release
-                    continue
-                try:
-                    await self._in_flight[0].pending
-                except E.TransferError:
-                    pass  # the request failed; the daemon is done with the slot all the same
-                self._reap()
-            return self._take()
-        raise E.RequestTimeout(f"no slot of {len(self.slots)} came back within {timeout}s (all in flight)")
-
-    def _give_back(self, slot: Slot) -> None:
-        super()._give_back(slot)
-        if self._released is not None:
-            self._released.set()
-
-    async def drain(self, timeout: float | None = None) -> None:  # type: ignore[override]
-        for slot in list(self._in_flight):
-            try:
-                await slot.pending
-            except E.TransferError:
-                pass
-        self._reap()
-
-    async def aclose(self) -> None:
-        await self.drain()
-        await self.client.free(self.segment)
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import os
 import secrets
-from typing import Any
+from typing import Any, Callable, Generator
 
 import numpy as np
 
 from .. import errors as E
 from .. import protocol as P
-from ._core import Addressed
+from ._resources import Addressed
 
 __all__ = ["RemoteSegment", "RemoteAgent"]
 
@@ -70,8 +70,9 @@ class RemoteSegment(Addressed):
     def freed(self) -> bool:
         return self._array is None
 
-    def free(self) -> None:
-        self._client.free(self)
+    def free(self) -> Any:
+        """The same as `client.free(self)` (awaitable on a trio client)."""
+        return self._client.free(self)
 
     def _deregister(self, agent: RemoteAgent | None) -> None:
         if self._reg is not None and agent is not None and not agent.ep.closed:
@@ -83,8 +84,9 @@ class RemoteSegment(Addressed):
         return f"<RemoteSegment va={self.va:#x} nbytes={self.nbytes}{' freed' if self.freed else ''}>"
 
 
-def register(client: Any, agent: RemoteAgent, array: np.ndarray, call: Any) -> RemoteSegment:
-    """Register `array` with our agent, then with the daemon (`call(cls, *args)` waits for the reply)."""
+def register(client: Any, agent: RemoteAgent, array: np.ndarray, call: Callable[..., Generator[Any, None, Any]]) -> Generator[Any, None, RemoteSegment]:
+    """Register `array` with our agent, then with the daemon: an operation (see client._session)
+    whose `call(cls, *args)` is the client's own request-and-wait operation."""
     if not isinstance(array, np.ndarray):
         raise TypeError(f"register_remote takes a NumPy array, got {type(array).__name__}")
     if not array.flags.c_contiguous or not array.flags.writeable or array.nbytes == 0:
@@ -92,7 +94,7 @@ def register(client: Any, agent: RemoteAgent, array: np.ndarray, call: Any) -> R
     reg = agent.ep.register(array)
     try:
         # Metadata is taken after registering: it carries the new buffer's remote key.
-        info = call(P.RegisterRemote, agent.ep.metadata, reg.descs_bytes, int(array.nbytes))
+        info = yield from call(P.RegisterRemote, agent.ep.metadata, reg.descs_bytes, int(array.nbytes))
     except BaseException:
         agent.ep.deregister(reg)
         raise

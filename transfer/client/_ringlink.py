@@ -1,10 +1,14 @@
 """The client's end of a session's shared-memory request ring (docs/ring.md).
 
 Sans-I/O in the h11 sense as far as a ring allows: it turns requests into
-descriptors and completions into finished `Pending`s; the blocking client
-decides when to push and when to wait. Only plain data requests travel here
-(copy, fill, checksum, fence); everything else, and every error's message,
-stays on the control socket.
+descriptors and completions into finished `Pending`s; each client decides
+when to push and how to wait. The blocking client sleeps on the completion
+futex (`Ring.wait`); trio cannot wait on a futex, so the trio client opens
+the session's completion doorbell (`cbell`, a FIFO the daemon's end of the
+ring writes a byte to whenever it finds our completion inbox armed) and
+waits for it to become readable (`arm`, `bell_fd`, `drain_bell`). Only plain
+data requests travel here (copy, fill, checksum, fence); everything else,
+and every error's message, stays on the control socket.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import numpy as np
 from .. import errors as E
 from .. import protocol as P
 from .._ring import REQUEST_DTYPE, Op as RingOp, Ring
-from ._core import Pending
+from ._pending import Pending
 
 __all__ = ["RingLink", "ring_able"]
 
@@ -47,17 +51,28 @@ def _descriptor(req: P.Request) -> tuple[int, ...] | None:
 class RingLink:
     """One session's ring, mapped here: descriptors out, completions in."""
 
-    def __init__(self, info: dict[str, Any], shm_dir: Path) -> None:
+    def __init__(self, info: dict[str, Any], shm_dir: Path, *, completion_bell: bool = False) -> None:
+        """`completion_bell`: also open the session's completion doorbell (for a waiter
+        that polls an fd instead of sleeping on the futex: the trio client)."""
         path, bell = Path(info["path"]), Path(info["bell"])
-        for p in (path, bell):
-            if p.parent != shm_dir:
+        cbell = Path(info["cbell"]) if completion_bell and info.get("cbell") else None
+        if completion_bell and cbell is None:
+            raise E.RingUnavailable("this daemon's rings have no completion doorbell (the trio client needs one)")
+        for p in (path, bell, cbell):
+            if p is not None and p.parent != shm_dir:
                 raise E.ProtocolError(f"the daemon named a ring file outside its shm dir: {p}")
         self.ring = Ring.attach(path)
         self.ring.unlink()  # mapped on both sides now: a crash leaves nothing behind
+        self.bell_fd = self.cbell_fd = -1
         try:
             self.bell_fd = os.open(bell, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            if cbell is not None:
+                # Read-only: the daemon is the FIFO's only writer, so when its end closes (the
+                # session ended, or the daemon died) the fd turns readable with EOF.
+                self.cbell_fd = os.open(cbell, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+                os.unlink(cbell)  # open on both sides now, as the ring: a crash leaves nothing
         except BaseException:
-            self.ring.close()
+            self.close()
             raise
         self.ring.set_doorbell(self.bell_fd)
         #: Never more descriptors outstanding than completion slots: the daemon never waits on us.
@@ -121,6 +136,15 @@ class RingLink:
                 self.detail[rid] = p  # the reply with the full error is on the socket; it finishes p
         return len(comps)
 
+    def drain_bell(self) -> bool:
+        """Empty the completion doorbell; True if the daemon closed its end (EOF)."""
+        try:
+            while True:
+                if not os.read(self.cbell_fd, 4096):
+                    return True
+        except BlockingIOError:
+            return False
+
     def details_in(self) -> bool:
         """Whether every failure seen on the ring has had its reply (a fence reports them)."""
         for rid in [r for r, p in self.detail.items() if p._done]:
@@ -128,7 +152,10 @@ class RingLink:
         return not self.detail
 
     def close(self) -> None:
-        self.ring.close()
-        if self.bell_fd >= 0:
-            os.close(self.bell_fd)
-            self.bell_fd = -1
+        if not self.ring.closed:
+            self.ring.close()
+        for name in ("bell_fd", "cbell_fd"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)

@@ -1,187 +1,180 @@
-"""The trio client: the same concepts as the blocking one, as awaitables.
+"""The trio client: the blocking client's API, with awaits where it waits.
 
-Submitting (`copy`, `fill`, `checksum`, `copy_many`) is synchronous and
-returns an awaitable `Pending`, so a producer keeps many requests in flight
-without a task each; control calls (`segment`, `alloc`, `fence`) are async.
-One background task owns the socket (see transport._zmq.SocketPump) and
-another watches liveness: heartbeats, and the daemon's pid on this host.
+Everything but waiting and I/O is shared (client._session, client._core).
+Submitting (`copy`, `fill`, `checksum`, `copy_many`, `compute`) returns an
+awaitable `TrioPending` at once, so a producer keeps many requests in flight
+without a task each; methods that wait (`segment`, `fence`, `pool.acquire`)
+are awaited. Background tasks, all in one nursery owned by `open_client`:
+the socket pump (transport._zmq.SocketPump), liveness (heartbeats, the
+daemon's pid on this host) and, with `ring=True`, the ring's completion
+reaper, which sleeps on the session's completion doorbell FIFO (trio cannot
+wait on a futex; docs/ring.md).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from collections import deque
-from pathlib import Path
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Sequence, TypeVar
 
-import numpy as np
 import trio
 import zmq
 
 from .. import errors as E
 from .. import protocol as P
-from ..memory import ShmFile
 from ..transport._zmq import SocketPump, default_endpoint, ipc_path
-from ._deferred import DeferredBuffer, DeferredState, Plan, Tensor, creation_site
-from ._core import ClientCore, RequestMethods, DeviceBuffer, HostSegment, Pending, SharedSegment
+from ._pending import Pending
+from ._ringlink import RingLink, ring_able
+from ._session import Op, Session, open_socket
 
 __all__ = ["TrioClient", "open_client", "TrioPending"]
 
+T = TypeVar("T")
 
-class TrioPending:
+
+class TrioPending(Pending):
     """Await it for the result (or the error) of one request."""
 
-    __slots__ = ("_p", "_event")
+    __slots__ = ()
 
-    def __init__(self, p: Pending) -> None:
-        self._p = p
-        self._event = trio.Event()
-        if p._done:
-            self._event.set()
-        else:
-            p._callback = lambda _p: self._event.set()
-
-    @property
-    def id(self) -> int:
-        return self._p.id
-
-    def done(self) -> bool:
-        return self._p._done
+    def exception(self, timeout: float | None = None) -> E.TransferError | None:
+        if not self._done:
+            raise RuntimeError("in a trio client, await the request instead of calling result()")
+        return super().exception(timeout)
 
     async def wait(self) -> Any:
-        await self._event.wait()
-        return self._p.result()
+        await self._waiter(self, None)
+        return self.result()
 
     def __await__(self) -> Any:
         return self.wait().__await__()
 
 
-def _no_blocking_wait(p: Pending, timeout: float | None) -> None:
-    raise RuntimeError("in a trio client, await the request instead of calling result()")
+class TrioClient(Session):
+    """A session with a transfer daemon inside a trio program; made by `open_client`."""
 
-
-class TrioClient(RequestMethods):
-    def __init__(self, endpoint: str, sock: zmq.Socket, name: str, liveness_timeout: float) -> None:
-        self.endpoint = endpoint
+    def __init__(self, endpoint: str, sock: zmq.Socket, liveness_timeout: float, max_inflight: int) -> None:
+        super().__init__(endpoint, TrioPending, self._wait)
         self._sock = sock
         self._pump = SocketPump(sock)
-        self._core = ClientCore(_no_blocking_wait)
-        self._name = name
         self._liveness_timeout = liveness_timeout
-        self._batch: list[P.Request] | None = None
+        self._core.max_inflight = max(1, max_inflight)
+        #: Submitted, not yet handed to the ring or the socket (credits), in order.
         self._held: deque[P.Request] = deque()
-        self._max_inflight = 1 << 16
-        self._segments: dict[int, HostSegment] = {}
         self._last_rx = time.monotonic()
-        self._heartbeat_s = 0.5
-        self.session_id = 0
-        self.server_pid = 0
-        self.backend: dict[str, Any] = {}
-        self._shm_dir = Path("/dev/shm")
+        self._ring_kick = trio.Event()  # set when descriptors go out: the reaper has work
+        self._bg = trio.CancelScope()
+        self._bg_nursery: trio.Nursery | None = None
+        self._bg_done = trio.Event()
+        self._closed = False
 
-    # --- resources -------------------------------------------------------------------
-    async def segment(self, nbytes: int) -> HostSegment:
-        info = await self._call(P.RegisterHost, nbytes)
-        shm = ShmFile.attach(info["path"], info["nbytes"], expect_dir=self._shm_dir)
-        seg = HostSegment(self, info["va"], info["nbytes"], shm)
-        self._segments[seg.va] = seg
-        return seg
+    async def close(self) -> None:
+        """End the session: the daemon releases everything it holds for us (`open_client` does this on exit)."""
+        if self._closed:
+            return
+        self._closed = True
+        with trio.move_on_after(min(5.0, self._liveness_timeout)) as scope:
+            scope.shield = True
+            with contextlib.suppress(E.TransferError):
+                await self._run(self._op_close())
+        with trio.CancelScope(shield=True):
+            self._bg.cancel()
+            await self._bg_done.wait()  # the tasks are gone: their fds can close
+        self._core.release()
+        self._sock.close(0)
 
-    async def alloc(self, nbytes: int, device: int = -1) -> DeviceBuffer | DeferredBuffer:
-        """A zeroed device buffer; deferred (the default): its VA at once, allocated at first use."""
-        if self._core.deferred is not None:
-            return self._core.deferred.alloc(nbytes, device, creation_site())
-        info = await self._call(P.Alloc, nbytes, device)
-        return DeviceBuffer(self, info["va"], info["nbytes"], info["device"])
+    def poll(self) -> int:
+        """Take in what the ring has completed (the socket's replies come in by themselves);
+        return how many requests are still pending."""
+        self._core.check_usable()
+        if self._core.reap_ring():
+            self._release_held()
+        return len(self._core.pending)
 
-    async def free(self, resource: HostSegment | DeviceBuffer) -> None:
-        if isinstance(resource, HostSegment):
-            await self._call(P.Unregister, resource.va)
-            self._segments.pop(resource.va, None)
-            resource._unmap()
-        elif isinstance(resource, DeviceBuffer):
-            await self._call(P.Free, resource.va)
-        elif isinstance(resource, DeferredBuffer):
-            self._core.deferred.free(resource)  # travels with the next frame
-        else:
-            raise TypeError(f"cannot free {type(resource).__name__}")
+    # --- how this client waits: awaiting ----------------------------------------------------
+    def _run(self, op: Op[T], timeout: float | None = None) -> Any:
+        return self._drive(op, timeout)
 
-    async def tensor(self, owner: Any, shape: int | Sequence[int], dtype: Any = np.uint8, offset: int = 0, strides: Sequence[int] | None = None) -> Tensor:
-        """A tensor descriptor, defined on the daemon at first use (at once in eager mode)."""
-        t = Tensor(owner, (shape,) if isinstance(shape, int) else shape, dtype, offset, strides)
-        if self._core.deferred is None:
-            await self._define_now(t)
-        return t
+    async def _drive(self, op: Op[T], timeout: float | None) -> T:
+        """Run an operation, awaiting each request it yields."""
+        deadline = math.inf if timeout is None else trio.current_time() + timeout
+        failed: BaseException | None = None
+        while True:
+            try:
+                p = op.throw(failed) if failed is not None else op.send(None)
+            except StopIteration as stop:
+                await trio.lowlevel.checkpoint()
+                return stop.value  # type: ignore[no-any-return]
+            failed = None
+            try:
+                await self._wait(p, None if deadline == math.inf else max(0.0, deadline - trio.current_time()))
+            except BaseException as exc:  # thrown in: the operation may clean up (and re-raises)
+                failed = exc
 
-    async def plan(self, op: str, params: dict[str, Any] | None = None, *, device: int = -1, placement: str = "") -> Plan:
-        """An operator configuration, defined on the daemon at first use (at once in eager mode)."""
-        p = Plan(op, params, device=device, placement=placement)
-        if self._core.deferred is None:
-            await self._define_now(p)
-        return p
-
-    async def _define_now(self, obj: Tensor | Plan) -> None:
-        kind = P.DEF_TENSOR if isinstance(obj, Tensor) else P.DEF_PLAN
-        await self._call(P.Define, kind, obj.id, obj.version, obj.definition(), obj.site)
-        obj.sent_version = obj.version
-
-    async def pool(self, slot_nbytes: int, slots: int = 4) -> Any:
-        """Batch slots over one segment (see SlotPool); `await pool.acquire()`."""
-        from ._pool import TrioSlotPool
-
-        return await TrioSlotPool.create(self, slot_nbytes, slots)
-
-    async def share(self, resource: HostSegment | DeviceBuffer) -> bytes:
-        """A token that lets another session name this segment's VAs (fan-in to one consumer)."""
-        return (await self._call(P.Share, resource.va))["token"]
-
-    async def attach(self, token: bytes) -> SharedSegment:
-        """Use a segment another session shared; valid until its owner frees it."""
-        info = await self._call(P.Attach, token)
-        return SharedSegment(info["va"], info["nbytes"], info["kind"], info["device"])
-
-    # --- data requests -----------------------------------------------------------------
-
-    async def fence(self, stream: int = 0) -> None:
-        await self._call(P.Fence, stream)
-        err = self._core.take_unobserved()
-        if err is not None:
-            raise err
-
-    async def stats(self) -> dict[str, Any]:
-        return await self._call(P.Stats)
-
-
-    # --- machinery -----------------------------------------------------------------------
-    async def _call(self, cls: type[P.Request], *args: Any) -> Any:
-        """A call the task waits on: its frame carries a Wait marker (a counted round trip)."""
-        return await self._submit(cls, *args, blocking=True)
-
-    def _submit(self, cls: type[P.Request], *args: Any, objects: Sequence[Any] = (), blocking: bool = False) -> TrioPending:
-        reqs, pending = self._core.prepare(cls, args, objects, blocking)
-        if self._batch is not None:
-            self._batch.extend(reqs)
-        else:
+    async def _wait(self, p: Pending, timeout: float | None) -> None:
+        if self._batch:  # requests held back by batch() must leave before we can wait on them
+            reqs, self._batch = self._batch, []
             self._send(reqs)
-        return TrioPending(pending)
+        if p._done:
+            await trio.lowlevel.checkpoint()
+            return
+        if p._waker is None:
+            p._waker = trio.Event()
+        with trio.move_on_after(math.inf if timeout is None else timeout):
+            await p._waker.wait()
+        if not p._done:
+            raise E.RequestTimeout(f"no reply within {timeout}s")
 
+    # --- how this client moves bytes: queued for the tasks ----------------------------------
     def _send(self, reqs: Sequence[P.Request]) -> None:
-        """Queue for sending; requests beyond the daemon's credits wait for completions."""
         self._held.extend(reqs)
         self._release_held()
 
     def _release_held(self) -> None:
-        held, limit = self._held, self._max_inflight
+        """Hand held requests, in order, to the ring or the socket as far as credits go."""
+        held, core = self._held, self._core
         if not held:
             return
-        room = limit - (len(self._core.pending) - len(held) - len(self._batch or ()))
-        if room <= 0:
-            return
-        chunk = [held.popleft() for _ in range(min(room, len(held)))]
-        for frame in self._core.encode(chunk):
-            self._pump.send_nowait([frame])
+        pending = core.pending
+        unsent = sum(1 for r in held if r.id in pending) + len(self._batch or ())
+        while held:
+            link = core.ring
+            if link is not None and core.ring_route([held[0]], unsent):
+                n = 0
+                room = link.credits - len(link.outstanding)
+                while n < min(room, len(held)) and ring_able([held[n]]):
+                    n += 1
+                if n == 0:
+                    return  # the ring is full: the reaper calls again as completions come
+                chunk = [held.popleft() for _ in range(n)]
+                self._push(link, chunk)
+                self._ring_kick.set()
+            else:
+                room = core.socket_room(unsent)
+                if room <= 0:
+                    return  # out of credits: replies call again
+                chunk = [held.popleft() for _ in range(min(room, len(held)))]
+                for frame in core.encode(chunk):
+                    self._pump.send_nowait([frame])
+                    self.frames_sent += 1
+            unsent -= sum(1 for r in chunk if r.id in pending)
+
+    def _push(self, link: RingLink, chunk: list[P.Request]) -> None:
+        def full() -> None:
+            raise AssertionError("pushed beyond the ring's credits")
+
+        try:
+            link.push(chunk, self._core.pending, full)
+        except E.TransferError as exc:  # a field out of range: those requests fail, nothing else
+            for r in chunk:
+                if r.id not in link.outstanding:
+                    p = self._core.pending.pop(r.id, None)
+                    if p is not None:
+                        p._finish(None, exc)
+                        self._core.unobserved.append(p)
 
     def _on_message(self, parts: list[bytes]) -> None:
         self._last_rx = time.monotonic()
@@ -189,15 +182,63 @@ class TrioClient(RequestMethods):
             self._core.on_frame(part)
         self._release_held()
 
+    def _link(self, info: dict[str, Any]) -> RingLink:
+        link = RingLink(info, self._core.shm_dir, completion_bell=True)
+        assert self._bg_nursery is not None
+        self._bg_nursery.start_soon(self._reap_ring, link)
+        return link
+
+    # --- background tasks ---------------------------------------------------------------------
+    async def _serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """The socket pump and whatever else the session needs, until close() cancels them."""
+        try:
+            with self._bg:
+                async with trio.open_nursery() as nursery:
+                    self._bg_nursery = nursery
+                    nursery.start_soon(self._pump.run, self._on_message)
+                    task_status.started()
+        finally:
+            self._bg_done.set()
+
+    async def _reap_ring(self, link: RingLink) -> None:
+        """Finish ring requests as completions come: reap; if none, arm the completion
+        inbox, re-check (the daemon's push either sees the armed word and rings the
+        FIFO, or our re-check sees its completion), then sleep until the FIFO is readable."""
+        core, ring = self._core, link.ring
+        while core.broken is None:
+            if core.reap_ring():
+                self._release_held()
+                await trio.lowlevel.checkpoint()
+                continue
+            if not link.outstanding:
+                self._ring_kick = trio.Event()
+                await self._ring_kick.wait()
+                continue
+            if ring.arm():
+                ring.disarm()
+                continue
+            if ring.peer_closed:
+                core.ring_closed()
+                return
+            with trio.move_on_after(core.heartbeat_s):
+                await trio.lowlevel.wait_readable(link.cbell_fd)
+            gone = link.drain_bell()
+            ring.disarm()
+            if gone:  # the daemon closed its end: the session ended, or the daemon died
+                core.reap_ring()
+                if ring.peer_closed:
+                    core.ring_closed()
+                else:
+                    core.fail_all(E.ConnectionLost(f"the daemon (pid {core.server_pid}) closed the ring's doorbell"))
+                return
+
     async def _liveness(self) -> None:
         while True:
-            await trio.sleep(self._heartbeat_s)
+            await trio.sleep(self._core.heartbeat_s)
             if time.monotonic() - self._last_rx > self._liveness_timeout:
                 self._core.fail_all(E.ConnectionLost(f"the daemon at {self.endpoint} has not answered for {self._liveness_timeout}s"))
                 return
-            req, _ = self._core.new(P.Ping)
-            self._core.pending.pop(req.id, None)
-            self._send([req])
+            self._send([self._core.ping()])
 
     async def _watch_daemon(self, pidfd: int) -> None:
         try:
@@ -214,60 +255,51 @@ async def open_client(
     name: str = "",
     connect_timeout: float = 5.0,
     liveness_timeout: float = 10.0,
+    max_inflight: int = 1 << 16,
+    watch_daemon_pid: bool = True,
     server_key: Any = None,
     client_keys: Any = None,
     deferred: bool = True,
+    ring: bool | int = False,
 ) -> AsyncIterator[TrioClient]:
-    """A trio session with the daemon; everything it holds is released on exit.
-
-    `server_key` / `client_keys`: CURVE for tcp:// (as `transfer.connect`; a refused
-    handshake shows here as DaemonUnavailable after `connect_timeout`)."""
+    """A trio session with the daemon (the arguments are `transfer.connect`'s); everything
+    it holds is released on exit. A failing request raises its own exception out of the
+    block, never an ExceptionGroup wrapping it."""
     endpoint = endpoint or os.environ.get("TRANSFER_ENDPOINT") or default_endpoint()
-    path = ipc_path(endpoint)
-    if path is not None and not path.exists():
-        raise E.DaemonUnavailable(f"no daemon at {endpoint}: {path} does not exist (is transferd running?)")
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    if server_key is not None:
-        from ..transport._curve import apply_client
-
-        apply_client(sock, server_key, client_keys)
-    sock.connect(endpoint)
-    client = TrioClient(endpoint, sock, name or f"pid{os.getpid()}", liveness_timeout)
+    if endpoint.startswith("tcp://"):  # the CURVE handshake wait blocks: not on the event loop
+        sock = await trio.to_thread.run_sync(open_socket, endpoint, server_key, client_keys, connect_timeout)
+    else:
+        sock = open_socket(endpoint, server_key, client_keys, connect_timeout)
+    client = TrioClient(endpoint, sock, liveness_timeout, max_inflight)
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(client._pump.run, client._on_message)
-            with trio.move_on_after(connect_timeout) as scope:
-                info = await client._call(P.Hello, P.VERSION, client._name, os.getpid(), b"")
-            if scope.cancelled_caught:
-                raise E.DaemonUnavailable(f"no daemon answered at {endpoint} within {connect_timeout}s")
-            client.session_id = info["session"]
-            client.server_pid = info["server_pid"]
-            client.backend = info["backend"]
-            client._shm_dir = Path(info["shm_dir"])
-            client._heartbeat_s = float(info["heartbeat_s"])
-            client._max_inflight = max(1, int(info.get("max_inflight", client._max_inflight)))
-            if deferred and info.get("arenas"):
-                client._core.deferred = DeferredState(info["arenas"])
-            client._core.limits = P.Limits(**{k: int(v) for k, v in info["limits"].items() if k in P.Limits.__dataclass_fields__})
-            nursery.start_soon(client._liveness)
-            if path is not None:
-                with contextlib.suppress(OSError):
-                    nursery.start_soon(client._watch_daemon, os.pidfd_open(client.server_pid))
+            await nursery.start(client._serve)
             try:
+                try:
+                    await client._run(client._op_hello(name, deferred), connect_timeout)
+                except E.RequestTimeout:
+                    raise E.DaemonUnavailable(f"no daemon answered at {endpoint} within {connect_timeout}s") from None
+            except BaseException:
+                client._bg.cancel()
+                raise
+            try:
+                bg = client._bg_nursery
+                assert bg is not None
+                bg.start_soon(client._liveness)
+                if ipc_path(endpoint) is not None and watch_daemon_pid:
+                    with contextlib.suppress(OSError):
+                        bg.start_soon(client._watch_daemon, os.pidfd_open(client.server_pid))
+                if ring:
+                    await client._open_ring(1024 if ring is True else int(ring))
                 yield client
             finally:
-                with trio.move_on_after(min(5.0, liveness_timeout)) as close_scope:
-                    close_scope.shield = True
-                    if client._core.broken is None:
-                        with contextlib.suppress(E.TransferError):
-                            await client._call(P.Close)
-                nursery.cancel_scope.cancel()
+                await client.close()
+    except BaseExceptionGroup as group:
+        # trio's strict exception groups wrap the block's one error: hand it back as itself.
+        if len(group.exceptions) != 1:
+            raise
+        exc = group.exceptions[0]
+        raise exc from exc.__cause__
     finally:
-        for seg in client._segments.values():
-            seg._unmap()
-        client._core.fail_all(E.SessionClosed("the client was closed"))
+        client._core.release()
         sock.close(0)

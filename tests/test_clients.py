@@ -1,0 +1,278 @@
+"""The shared client suite: every test body runs against the blocking client and the
+trio client (through tests/_clients.py's facade), with and without the request ring."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import time
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+import trio
+
+import transfer
+from _clients import connect
+
+VARIANTS = [("sync", False), ("sync", True), ("trio", False), ("trio", True)]
+IDS = ["sync", "sync-ring", "trio", "trio-ring"]
+
+
+@pytest.fixture(params=VARIANTS, ids=IDS)
+def variant(request: pytest.FixtureRequest) -> tuple[str, bool]:
+    return request.param
+
+
+@pytest.fixture
+def client(variant: tuple[str, bool], daemon: Any) -> Iterator[Any]:
+    kind, ring = variant
+    with connect(kind, daemon.endpoint, ring=ring) as c:
+        assert c.ring is ring
+        yield c
+
+
+def test_segment_copy_checksum_fence(client: Any) -> None:
+    seg = client.segment(1 << 20)
+    x = seg.ndarray((256, 1024), np.float32)
+    x[:] = np.arange(256 * 1024, dtype=np.float32).reshape(256, 1024)
+    buf = client.alloc(seg.nbytes)
+    assert client.copy(buf, seg).result() is None
+    assert client.checksum(buf).result() == transfer.checksum64(x)
+    client.copy(buf.va + 4096, seg.va, 4096).result(timeout=10)
+    assert client.checksum(buf.va + 4096, 4096).result() == transfer.checksum64(seg.buffer[:4096])
+    back = client.segment(64 * 64)
+    pend = [client.copy(back.va + i * 64, buf.va + i * 64, 64) for i in range(64)]  # many in flight
+    client.fence()
+    assert all(p.done() for p in pend)
+    assert np.array_equal(back.buffer, buf_bytes(client, buf, 64 * 64))
+    client.free(back)
+    with pytest.raises(transfer.SegmentFreed):
+        back.buffer
+
+
+def buf_bytes(client: Any, buf: Any, n: int) -> np.ndarray:
+    out = client.segment(n)
+    client.copy(out, buf.va, n).result()
+    data = out.buffer.copy()
+    client.free(out)
+    return data
+
+
+def test_copy_many_fill_and_batch(client: Any) -> None:
+    n = 64
+    seg = client.segment(n * 4096)
+    seg.buffer[:] = np.arange(n * 4096) % 251
+    buf = client.alloc(n * 4096)
+    offs = np.arange(n, dtype=np.uint64) * 4096
+    client.copy_many(buf.va + offs, seg.va + offs, np.full(n, 4096, np.uint64)).result()
+    assert client.checksum(buf).result() == transfer.checksum64(seg.buffer)
+    with client.batch():
+        for i in range(8):
+            client.fill(buf.va + i * 4096, 4096, i)
+    client.fence()
+    got = buf_bytes(client, buf, 8 * 4096).reshape(8, 4096)
+    assert (got == np.arange(8, dtype=np.uint8)[:, None]).all()
+
+
+def test_compute_tensors_and_plans(client: Any) -> None:
+    imgs = client.segment(2 * 3 * 8 * 8)
+    imgs.ndarray((2, 3, 8, 8), np.uint8)[:] = 128
+    out = client.segment(2 * 3 * 8 * 8 * 4)
+    client.compute(
+        "normalize",
+        [imgs.tensor((2, 3, 8, 8), np.uint8)],
+        [out.tensor((2, 3, 8, 8), np.float32)],
+        {"mean": [64, 64, 64], "std": [32, 32, 32]},
+    ).result()
+    assert (out.ndarray((2, 3, 8, 8), np.float32) == 2.0).all()
+    # Deferred: buffers, descriptors and plans are answered here and travel with first use.
+    host = client.segment(2 * 4096)
+    host.ndarray(1024, np.float32)[:] = 2.0
+    frames = client.frames_sent
+    a, b = client.alloc(4096), client.alloc(4096)
+    ta, tb = client.tensor(a, 1024, np.float32), client.tensor(b, 1024, np.float32)
+    plan = client.plan("scale_add", {"a": 3.0})
+    assert client.frames_sent == frames  # nothing sent yet
+    client.copy(a, host.va, 4096)
+    client.compute(plan, [ta], [tb])
+    client.copy(host.va + 4096, b.va, 4096)
+    client.fence()
+    assert (host.ndarray(1024, np.float32, offset=4096) == 6.0).all()
+    plan.set(a=4.0)  # re-sent under a new version with its next use
+    client.compute(plan, [ta], [tb])
+    client.copy(host.va + 4096, b.va, 4096)
+    client.fence()
+    assert (host.ndarray(1024, np.float32, offset=4096) == 8.0).all()
+    client.free(a)
+    client.free(b)
+    client.fill(host, 16, 0)
+    client.fence()
+    assert client.stats()["daemon"]["device_bytes"] == 0  # the frees travelled with that frame
+
+
+def _errors(c: Any) -> list[tuple[str, str]]:
+    """Bad requests of every kind: (class, message with the numbers taken out)."""
+    seg = c.segment(4096)
+    buf = c.alloc(4096)
+    out: list[tuple[str, str]] = []
+
+    def record(fn: Any) -> None:
+        try:
+            fn()
+        except transfer.TransferError as exc:
+            # Numbers differ between sessions; the creation site through the facade is its own file.
+            msg = re.sub(r"\w+\.py:\d+", "FILE", str(exc))
+            out.append((type(exc).__name__, re.sub(r"0x[0-9a-f]+|\d+", "N", msg)))
+        else:
+            out.append(("no error", ""))
+
+    record(lambda: c.copy(seg.va, 999 << 40, 16).result())
+    record(lambda: c.copy(buf.va, seg.va, 2 << 20).result())
+    record(lambda: c.checksum(seg.va + 4096, 1).result())
+    record(lambda: c.fill(seg.va, 16, 300).result())
+    record(lambda: c.compute("no-such-op", [], []).result())
+    record(lambda: c.alloc(1 << 50))
+    record(lambda: seg.ndarray(8192))
+    c.copy(seg.va, seg.va + 1, 4096)  # nobody looks at this one...
+    record(lambda: c.fence())  # ...so the fence reports it
+    record(lambda: c.fence())  # and only once
+    c.free(seg)
+    record(lambda: c.checksum(seg.va, 1).result())
+    record(lambda: c.attach(b"\0" * 16))
+    return out
+
+
+@pytest.mark.parametrize("ring", [False, True], ids=["socket", "ring"])
+def test_errors_are_the_same_class_and_message_on_both(daemon: Any, ring: bool) -> None:
+    got = {}
+    for kind in ("sync", "trio"):
+        with connect(kind, daemon.endpoint, ring=ring) as c:
+            got[kind] = _errors(c)
+            c.fill(c.segment(64), 64, 1).result()  # the session still serves
+    assert got["sync"] == got["trio"]
+    names = [name for name, _ in got["sync"]]
+    assert names == [
+        "UnknownSegment", "OutOfBounds", "OutOfBounds", "InvalidField", "UnknownOperation",
+        "InvalidField", "OutOfBounds", "OutOfBounds", "no error", "SegmentFreed", "UnknownSegment",
+    ]
+
+
+def test_share_and_attach(variant: tuple[str, bool], daemon: Any) -> None:
+    kind, ring = variant
+    with connect(kind, daemon.endpoint, ring=ring) as consumer, connect(kind, daemon.endpoint, ring=ring) as producer:
+        out = consumer.segment(4096)
+        token = consumer.share(out)
+        target = producer.attach(token)
+        assert (target.va, target.nbytes, target.kind) == (out.va, 4096, "host")
+        producer.fill(target.va, 16, 7).result()
+        assert (out.buffer[:16] == 7).all() and not out.buffer[16:].any()
+        with pytest.raises(transfer.NotOwner):
+            producer.share(out)
+        consumer.free(out)
+        with pytest.raises(transfer.SegmentFreed):
+            producer.fill(target.va, 4, 0).result()
+
+
+def test_pool_acquire_submit_release_drain(client: Any) -> None:
+    buf = client.alloc(8192)
+    with client.pool(4096, slots=2) as pool:
+        for i in range(5):
+            with pool.acquire(timeout=10) as slot:
+                x = slot.ndarray(4096)
+                x[:] = i
+                slot.submit(to=buf, offset=4096)
+                with pytest.raises(ValueError):
+                    x[0] = 1  # in flight: the daemon may be reading it
+                with pytest.raises(transfer.SlotError, match="in flight"):
+                    slot.release()
+        pool.drain()
+        assert pool.in_flight == 0
+        assert client.checksum(buf.va + 4096, 4096).result() == transfer.checksum64(np.full(4096, 4, np.uint8))
+        held = [pool.acquire(), pool.acquire()]
+        t0 = time.monotonic()
+        with pytest.raises(transfer.RequestTimeout, match="no slot"):
+            pool.acquire(timeout=0.05)
+        assert time.monotonic() - t0 < 5
+        held[0].release()
+        pool.acquire(timeout=1).release()
+        held[1].release()
+        failing = pool.acquire()
+        failing.submit(to=buf, nbytes=4096, offset=8192)  # past the buffer: fails in the daemon
+        with pytest.raises(transfer.OutOfBounds):
+            pool.drain()  # the failure nobody looked at
+    assert client.fence() is None
+
+
+def test_poll_and_stats(client: Any) -> None:
+    seg = client.segment(1 << 16)
+    p = client.checksum(seg)
+    deadline = time.monotonic() + 10
+    while client.poll() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert p.done() and p.result(timeout=0) == transfer.checksum64(seg.buffer)
+    s = client.stats()
+    assert s["session"]["id"] == client.session_id
+    assert s["session"]["ring"] is client.ring
+    assert s["daemon"]["sessions"] >= 1
+    assert client.server_pid > 0 and client.backend
+
+
+def test_trio_client_has_every_public_method_of_the_blocking_client() -> None:
+    def public(cls: type) -> dict[str, Any]:
+        return {n: getattr(cls, n) for n in dir(cls) if not n.startswith("_")}
+
+    sync, trio_ = public(transfer.Client), public(transfer.TrioClient)
+    assert set(sync) <= set(trio_), set(sync) - set(trio_)
+    for name, member in sync.items():
+        if callable(member):
+            assert inspect.signature(member) == inspect.signature(trio_[name]), name
+    assert inspect.iscoroutinefunction(transfer.TrioClient.close)
+
+
+@pytest.mark.parametrize("ring", [False, True], ids=["socket", "ring"])
+def test_trio_raises_the_request_error_itself_not_a_group(daemon: Any, ring: bool) -> None:
+    async def failing_request() -> None:
+        async with transfer.open_client(daemon.endpoint, ring=ring) as c:
+            seg = await c.segment(4096)
+            await c.copy(seg.va, seg.va, 1 << 20)
+
+    async def failing_code() -> None:
+        async with transfer.open_client(daemon.endpoint, ring=ring):
+            raise KeyError("mine")
+
+    async def deferred_site() -> None:
+        async with transfer.open_client(daemon.endpoint, ring=ring) as c:
+            with pytest.raises(transfer.InvalidField, match=r"test_clients\.py:\d+"):
+                await c.alloc(1 << 50)  # names this line, as the blocking client does
+
+    trio.run(deferred_site)
+    with pytest.raises(transfer.OutOfBounds) as info:
+        trio.run(failing_request)
+    assert type(info.value) is transfer.OutOfBounds
+    with pytest.raises(KeyError, match="mine"):
+        trio.run(failing_code)
+
+
+def test_trio_ring_waits_without_a_thread_and_survives_a_killed_daemon(daemon_factory: Any) -> None:
+    import threading
+
+    d = daemon_factory()
+
+    async def main() -> None:
+        async with transfer.open_client(d.endpoint, ring=True) as c:
+            seg = await c.segment(4096)
+            threads = threading.active_count()
+            pend = [c.copy(seg.va + 64, seg.va, 64) for _ in range(500)]
+            for p in pend:
+                await p
+            assert threading.active_count() == threads
+            assert c._ring.pushed >= 500
+            d.kill()
+            with trio.fail_after(5):
+                with pytest.raises((transfer.ConnectionLost, transfer.SessionClosed)):
+                    while True:
+                        await c.copy(seg.va + 64, seg.va, 64)
+                        await trio.sleep(0.01)
+
+    trio.run(main)

@@ -1,0 +1,368 @@
+"""The public client API, written once for both clients.
+
+A method that has to wait for the daemon is an *operation*: a generator that
+yields each `Pending` it needs and resumes when that request is done (the
+result is read from it; a failed wait is thrown in, so cleanup code runs).
+Each client supplies the driver, `_run`: the blocking client runs the
+operation to its end in the caller's thread and returns the value; the trio
+client returns a coroutine that does the same with `await`. So
+`c.segment(n)` and `await c.segment(n)` are one implementation. Submitting a
+data request (`copy`, `fill`, `checksum`, `copy_many`, `compute`) never waits
+on either client: it returns a pending request at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from typing import Any, Callable, ContextManager, Generator, Iterator, Sequence, TypeVar
+
+import numpy as np
+import zmq
+
+from .. import errors as E
+from .. import protocol as P
+from ..memory import ShmFile
+from ..transport import _curve
+from ..transport._zmq import ipc_path
+from ._core import ClientCore
+from ._deferred import DeferredBuffer, Plan, Tensor, creation_site
+from ._pending import Pending
+from ._pool import SlotPool
+from ._remote import RemoteAgent, RemoteSegment, register as register_remote
+from ._resources import Addressable, DeviceBuffer, HostSegment, SharedSegment, resolve_va
+from ._ringlink import RingLink
+
+__all__ = ["Session", "Op", "operation", "open_socket"]
+
+T = TypeVar("T")
+#: An operation: yields the requests it waits on, returns its value.
+Op = Generator[Pending, None, T]
+
+
+def operation(fn: Callable[..., Op[Any]]) -> Callable[..., Any]:
+    """The public method for an operation `_op_NAME`: `self._run(self._op_NAME(...))`."""
+
+    @functools.wraps(fn)
+    def run(self: "Session", *args: Any, **kwargs: Any) -> Any:
+        return self._run(fn(self, *args, **kwargs))
+
+    run.__name__ = fn.__name__.removeprefix("_op_")
+    run.__qualname__ = fn.__qualname__.replace(fn.__name__, run.__name__)
+    return run
+
+
+class Session:
+    """What `Client` and `TrioClient` share: the whole API over one `ClientCore`."""
+
+    def __init__(self, endpoint: str, pending_cls: type[Pending], waiter: Callable[..., Any]) -> None:
+        self.endpoint = endpoint
+        self._core = ClientCore(pending_cls, waiter)
+        self._batch: list[P.Request] | None = None
+        #: Frames (zmq messages) this client has sent: what deferred creation saves.
+        self.frames_sent = 0
+
+    # --- what each client supplies ----------------------------------------------------------
+    def _run(self, op: Op[T], timeout: float | None = None) -> Any:
+        """Drive an operation: its value (blocking) or an awaitable of it (trio)."""
+        raise NotImplementedError
+
+    def _send(self, reqs: Sequence[P.Request]) -> None:
+        """Hand requests to the ring or the socket (never waits in trio; may in the blocking client)."""
+        raise NotImplementedError
+
+    def _link(self, info: dict[str, Any]) -> RingLink:
+        """Map the ring the daemon made, with what this client needs to wait on it."""
+        raise NotImplementedError
+
+    def _io_lock(self) -> ContextManager[Any]:
+        """Held while touching shared state (the blocking client is thread-safe)."""
+        return contextlib.nullcontext()
+
+    # --- session facts -------------------------------------------------------------------
+    @property
+    def session_id(self) -> int:
+        return self._core.session_id
+
+    @property
+    def server_pid(self) -> int:
+        return self._core.server_pid
+
+    @property
+    def backend(self) -> dict[str, Any]:
+        return self._core.backend
+
+    @property
+    def ring(self) -> bool:
+        """Whether data requests take the shared-memory ring."""
+        return self._core.ring is not None
+
+    @property
+    def _ring(self) -> RingLink | None:
+        return self._core.ring
+
+    @property
+    def _remote(self) -> RemoteAgent | None:
+        return self._core.remote
+
+    # --- the handshake, the ring, the end ---------------------------------------------------
+    def _op_hello(self, name: str, deferred: bool) -> Op[None]:
+        info = yield from self._op_call(P.Hello, P.VERSION, name or f"pid{os.getpid()}", os.getpid(), b"")
+        self._core.on_hello(info, deferred)
+
+    def _op_open_ring(self, capacity: int) -> Op[None]:
+        info = yield from self._op_call(P.OpenRing, capacity)
+        self._core.ring = self._link(info)
+
+    _open_ring = operation(_op_open_ring)
+
+    def _op_close(self) -> Op[None]:
+        """Tell the daemon (it releases everything the session holds), unless it is gone."""
+        if self._core.broken is None and os.getpid() == self._core.pid:
+            yield from self._op_call(P.Close)
+
+    # --- resources -------------------------------------------------------------------------
+    def _op_segment(self, nbytes: int) -> Op[HostSegment]:
+        """Shared memory of `nbytes`, mapped here and in the daemon."""
+        info = yield from self._op_call(P.RegisterHost, nbytes)
+        shm = ShmFile.attach(info["path"], info["nbytes"], expect_dir=self._core.shm_dir)
+        seg = HostSegment(self, info["va"], info["nbytes"], shm)
+        self._core.segments[seg.va] = seg
+        return seg
+
+    segment = operation(_op_segment)
+
+    def _op_alloc(self, nbytes: int, device: int = -1) -> Op[DeviceBuffer | DeferredBuffer]:
+        """A zeroed buffer on one of the daemon's devices.
+
+        Deferred (the default): the VA comes from this session's arena at once, and
+        the daemon allocates when the first request touching it arrives; an error
+        then names the line that called alloc.
+        """
+        state = self._core.deferred
+        if state is not None:
+            with self._io_lock():
+                return state.alloc(nbytes, device, creation_site())
+        info = yield from self._op_call(P.Alloc, nbytes, device)
+        return DeviceBuffer(self, info["va"], info["nbytes"], info["device"])
+
+    alloc = operation(_op_alloc)
+
+    def _op_free(self, resource: Any) -> Op[None]:
+        """Release a segment or buffer (waits for the daemon, so its VA is dead afterwards)."""
+        core = self._core
+        if isinstance(resource, HostSegment):
+            yield from self._op_call(P.Unregister, resource.va)
+            core.segments.pop(resource.va, None)
+            resource._unmap()
+        elif isinstance(resource, DeviceBuffer):
+            yield from self._op_call(P.Free, resource.va)
+        elif isinstance(resource, DeferredBuffer):
+            assert core.deferred is not None
+            with self._io_lock():
+                core.deferred.free(resource)  # travels with the next frame
+        elif isinstance(resource, RemoteSegment):
+            if not resource.freed:
+                yield from self._op_call(P.Unregister, resource.va)  # the daemon lets go first, then we deregister
+                resource._deregister(core.remote)
+        else:
+            raise TypeError(f"cannot free {type(resource).__name__}")
+
+    free = operation(_op_free)
+
+    def _op_register_remote(self, array: np.ndarray) -> Op[RemoteSegment]:
+        """Register `array` (this process's memory) with NIXL and map it in the daemon as a
+        remote segment: copies from its VAs are one-sided READs, copies to it WRITEs."""
+        with self._io_lock():
+            if self._core.remote is None:
+                self._core.remote = RemoteAgent(self._core.session_id)
+            agent = self._core.remote
+        return (yield from register_remote(self, agent, array, self._op_call))
+
+    register_remote = operation(_op_register_remote)
+
+    def _op_remote_segment(self, nbytes: int) -> Op[RemoteSegment]:
+        """A new zeroed buffer of `nbytes` here, registered as a remote segment."""
+        return (yield from self._op_register_remote(np.zeros(nbytes, dtype=np.uint8)))
+
+    remote_segment = operation(_op_remote_segment)
+
+    def _op_pool(self, slot_nbytes: int, slots: int = 4) -> Op[SlotPool]:
+        """Batch slots over one segment: acquire, write, submit; a slot returns once the daemon is done."""
+        stride = SlotPool.stride(slot_nbytes, slots)
+        seg = yield from self._op_segment(stride * slots)
+        return SlotPool(self, seg, slot_nbytes, slots, stride)
+
+    pool = operation(_op_pool)
+
+    def _op_share(self, resource: HostSegment | DeviceBuffer) -> Op[bytes]:
+        """A token that lets another session name this segment's VAs (fan-in to one consumer)."""
+        return (yield from self._op_call(P.Share, resource.va))["token"]
+
+    share = operation(_op_share)
+
+    def _op_attach(self, token: bytes) -> Op[SharedSegment]:
+        """Use a segment another session shared; valid until its owner frees it."""
+        info = yield from self._op_call(P.Attach, token)
+        return SharedSegment(info["va"], info["nbytes"], info["kind"], info["device"])
+
+    attach = operation(_op_attach)
+
+    def _op_tensor(self, owner: Any, shape: int | Sequence[int], dtype: Any = np.uint8, offset: int = 0, strides: Sequence[int] | None = None) -> Op[Tensor]:
+        """A tensor descriptor over a buffer or segment: defined on the daemon at first use."""
+        t = Tensor(owner, (shape,) if isinstance(shape, int) else shape, dtype, offset, strides)
+        if self._core.deferred is None:
+            yield from self._op_define(t)
+        return t
+
+    tensor = operation(_op_tensor)
+
+    def _op_plan(self, op: str, params: dict[str, Any] | None = None, *, device: int = -1, placement: str = "") -> Op[Plan]:
+        """An operator configuration, reusable across compute calls; defined at first use."""
+        p = Plan(op, params, device=device, placement=placement)
+        if self._core.deferred is None:
+            yield from self._op_define(p)
+        return p
+
+    plan = operation(_op_plan)
+
+    def _op_define(self, obj: Tensor | Plan) -> Op[None]:
+        """Eager mode (deferred=False): define a descriptor now."""
+        kind = P.DEF_TENSOR if isinstance(obj, Tensor) else P.DEF_PLAN
+        yield from self._op_call(P.Define, kind, obj.id, obj.version, obj.definition(), obj.site)
+        obj.sent_version = obj.version
+
+    # --- waiting on the session -------------------------------------------------------------
+    def fence(self, stream: int = 0, timeout: float | None = None) -> Any:
+        """Wait until everything submitted on `stream` is done; raise the first unobserved failure."""
+        return self._run(self._op_fence(stream), timeout)
+
+    def _op_fence(self, stream: int) -> Op[None]:
+        yield from self._op_call(P.Fence, stream)
+        for p in self._core.ring_details():
+            yield p  # failed on the ring: its full error comes on the socket
+        err = self._core.take_unobserved()
+        if err is not None:
+            raise err
+
+    def _op_stats(self) -> Op[dict[str, Any]]:
+        """The daemon's counters, and this session's."""
+        return (yield from self._op_call(P.Stats))
+
+    stats = operation(_op_stats)
+
+    # --- data requests (return a pending request at once) -------------------------------------
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Requests submitted inside the block leave in one frame when it exits."""
+        with self._io_lock():
+            outer = self._batch
+            if outer is None:
+                self._batch = []
+            try:
+                yield
+            finally:
+                if outer is None:
+                    reqs, self._batch = self._batch or [], None
+                    if reqs:
+                        self._send(reqs)
+
+    def copy(self, dst: Addressable, src: Addressable, nbytes: int | None = None, *, stream: int = 0) -> Any:
+        """Copy `nbytes` from `src` to `dst` inside the daemon (VAs or segments/buffers)."""
+        if nbytes is None:
+            sizes = [getattr(x, "nbytes") for x in (dst, src) if hasattr(x, "nbytes")]
+            if not sizes:
+                raise TypeError("nbytes is required when copying between plain VAs")
+            nbytes = min(sizes)
+        return self._submit(P.Copy, resolve_va(dst), resolve_va(src), nbytes, stream)
+
+    def copy_many(self, dst: Sequence[int] | np.ndarray, src: Sequence[int] | np.ndarray, nbytes: Sequence[int] | np.ndarray, *, stream: int = 0) -> Any:
+        """Many copies as one vector request; the daemon merges contiguous ones."""
+        d, s, n = (np.asarray(x, dtype=np.uint64) for x in (dst, src, nbytes))
+        if not (d.ndim == s.ndim == n.ndim == 1 and len(d) == len(s) == len(n)):
+            raise ValueError("copy_many needs three 1-D sequences of equal length")
+        return self._submit(P.CopyV, d, s, n, stream)
+
+    def fill(self, dst: Addressable, nbytes: int, value: int = 0, *, stream: int = 0) -> Any:
+        """Set `nbytes` at `dst` to the byte `value`."""
+        return self._submit(P.Fill, resolve_va(dst), nbytes, value, stream)
+
+    def checksum(self, src: Addressable, nbytes: int | None = None, *, stream: int = 0) -> Any:
+        """The daemon reads the range in place and answers its checksum64."""
+        if nbytes is None:
+            nbytes = int(getattr(src, "nbytes"))
+        return self._submit(P.Checksum, resolve_va(src), nbytes, stream)
+
+    def compute(
+        self,
+        op: Any,
+        inputs: Sequence[Any],
+        outputs: Sequence[Any] = (),
+        params: dict[str, Any] | None = None,
+        *,
+        device: int = -1,
+        placement: str = "",
+        stream: int = 0,
+    ) -> Any:
+        """Run an operator on tensors named by VA (see transfer.OPERATORS).
+
+        `op` is an operator name with TensorRefs, or a `Plan` with `Tensor` descriptors,
+        in which case only their ids travel once the daemon has their definitions.
+        """
+        if isinstance(op, Plan):
+            if params:
+                raise TypeError("a Plan carries its own parameters: use plan.set(...)")
+            objs = [op, *inputs, *outputs]
+            if not all(isinstance(t, Tensor) for t in objs[1:]):
+                raise TypeError("compute with a Plan takes Tensor descriptors (client.tensor(...))")
+            ref = lambda o: (o.id, o.version)  # noqa: E731
+            return self._submit(P.ComputeRef, [ref(op)], [ref(t) for t in inputs], [ref(t) for t in outputs], stream, objects=objs)
+        ins = [t.ref if isinstance(t, Tensor) else t for t in inputs]
+        outs = [t.ref if isinstance(t, Tensor) else t for t in outputs]
+        return self._submit(P.Compute, op, ins, outs, dict(params or {}), device, placement, stream)
+
+    # --- machinery ----------------------------------------------------------------------------
+    def _submit(self, cls: type[P.Request], *args: Any, objects: Sequence[Any] = (), blocking: bool = False) -> Any:
+        """Prepare one call's requests and send them (or hold them in a batch); never waits
+        unless the daemon's credits are used up (blocking client only)."""
+        with self._io_lock():
+            reqs, pending = self._core.prepare(cls, args, objects, blocking)
+            if self._batch is not None:
+                self._batch.extend(reqs)
+            else:
+                self._send(reqs)
+            return pending
+
+    def _op_call(self, cls: type[P.Request], *args: Any) -> Op[Any]:
+        """One request the caller waits on: its frame carries a Wait marker (a counted round trip)."""
+        p = self._submit(cls, *args, blocking=True)
+        yield p
+        return p.result()
+
+    def _call(self, cls: type[P.Request], *args: Any, timeout: float | None = None) -> Any:
+        return self._run(self._op_call(cls, *args), timeout)
+
+
+def open_socket(endpoint: str, server_key: Any, client_keys: Any, connect_timeout: float) -> zmq.Socket:
+    """A connected DEALER socket (CURVE on tcp:// when keyed); a refused handshake fails now."""
+    path = ipc_path(endpoint)
+    if path is not None and not path.exists():
+        raise E.DaemonUnavailable(f"no daemon at {endpoint}: {path} does not exist (is transferd running?)")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    mon = None
+    try:
+        if endpoint.startswith("tcp://"):
+            if server_key is not None:
+                _curve.apply_client(sock, server_key, client_keys)
+            mon = _curve.monitor(sock)
+        sock.connect(endpoint)
+        if mon is not None:
+            _curve.wait_handshake(sock, mon, endpoint, connect_timeout, server_key is not None)
+    except BaseException:
+        sock.close(0)
+        raise
+    return sock
