@@ -13,7 +13,9 @@ outputs, unknown operators). The same program runs through every path:
   (`ring=True`; the trio client when `open_client` accepts `ring=`);
 * submission: one request at a time (each one waited for before the next:
   the daemon's inline path), pipelined (everything submitted, results
-  collected at the end), and batched (`with c.batch():` frames);
+  collected at the end), and batched (`with c.batch():` frames; the trio
+  client's batches end before each fence, since awaiting inside a batch hangs
+  it today: see the strict xfail at the end);
 * daemon: default settings, and settings that force data work onto worker
   threads and split the program into many small scheduler passes
   (``--inline-bytes 0 --max-pass 2``).
@@ -38,10 +40,13 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import re
+import signal
 import shutil
 import tempfile
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +55,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import pytest
 import trio
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 import transfer
 from transfer.addressing import MAX_SEGMENT_ID, make_va, split_va
@@ -546,7 +551,12 @@ def describe(program: list[tuple]) -> str:
 
 # --- the property ----------------------------------------------------------------------------------------------
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@settings(max_examples=35, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=35,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],  # no "explain": it reruns ~100 times
+)
 @given(program=PROGRAM, seed=st.integers(0, 2**32 - 1))
 def test_every_path_gives_the_same_memory_and_replies(paths: list[Path_], program: list[tuple], seed: int) -> None:
     rng = np.random.default_rng(seed)
@@ -620,18 +630,35 @@ def test_fill_value_over_255_is_the_same_error_on_ring_and_socket(daemon) -> Non
         assert errors[0] == errors[1]
 
 
+@contextlib.contextmanager
+def daemon_paused(d: DaemonProcess) -> Iterator[None]:
+    """SIGSTOP the daemon while the block submits, so everything is waiting when it resumes
+    (the reproductions below then do not depend on how busy the machine is)."""
+    os.kill(d.pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 5
+        while Path(f"/proc/{d.pid}/stat").read_text().rpartition(")")[2].split()[0] != "T":
+            assert time.monotonic() < deadline, "the daemon did not stop"
+            time.sleep(0.001)
+        yield
+    finally:
+        os.kill(d.pid, signal.SIGCONT)
+
+
 @pytest.mark.xfail(strict=True, reason="ring descriptors beyond max_pass are queued after a socket frame that came later")
 def test_ring_requests_run_before_a_later_socket_request(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """`_ring_ingest` drains at most max_pass descriptors before a frame; the rest run after it."""
     d = daemon_factory("--max-pass", "1")
     with transfer.connect(d.endpoint, ring=True) as c:
         seg = c.segment(4096)
-        for trial in range(100):
+        for trial in range(20):
             seg.buffer[:] = 0
             seg.buffer[16:24] = 1
             seg.buffer[24:32] = 2
-            first = c.copy(seg.va + 64, seg.va + 128, 8)  # ring: unrelated
-            ring_copy = c.copy(seg.va, seg.va + 16, 8)  # ring: seg[0:8] = 1
-            socket_copy = c.copy_many([seg.va], [seg.va + 24], [8])  # socket (a vector): seg[0:8] = 2, submitted last
+            with daemon_paused(d):
+                first = c.copy(seg.va + 64, seg.va + 128, 8)  # ring: unrelated
+                ring_copy = c.copy(seg.va, seg.va + 16, 8)  # ring: seg[0:8] = 1
+                socket_copy = c.copy_many([seg.va], [seg.va + 24], [8])  # socket (a vector): seg[0:8] = 2, submitted last
             first.result(TIMEOUT), ring_copy.result(TIMEOUT), socket_copy.result(TIMEOUT)
             assert (seg.buffer[:8] == 2).all(), f"trial {trial}: the socket request ran before the ring request submitted before it"
 
@@ -640,10 +667,61 @@ def test_ring_requests_run_before_a_later_socket_request(daemon_factory) -> None
 def test_fence_raises_the_first_failure_submitted(daemon) -> None:  # type: ignore[no-untyped-def]
     with transfer.connect(daemon.endpoint, ring=True) as c:
         seg = c.segment(4096)
-        for trial in range(100):
-            c.copy(NOWHERE_VA, seg.va, 8)  # ring: UnknownSegment (its message follows on the socket)
-            c.copy_many([seg.va + 64], [seg.va + 128], [8])  # a vector: the socket
-            c.copy(seg.va, seg.va + 8, 1 << 63)  # socket (behind the vector): OutOfBounds
+        for trial in range(20):
+            with daemon_paused(daemon):
+                c.copy(NOWHERE_VA, seg.va, 8)  # ring: UnknownSegment (its message follows on the socket)
+                c.copy_many([seg.va + 64], [seg.va + 128], [8])  # a vector: the socket
+                c.copy(seg.va, seg.va + 8, 1 << 63)  # socket (behind the vector): OutOfBounds
             with pytest.raises(transfer.TransferError) as info:
                 c.fence(timeout=TIMEOUT)
             assert type(info.value) is transfer.UnknownSegment, f"trial {trial}: fence raised {info.value!r}"
+
+
+@pytest.mark.xfail(strict=True, reason="the trio client does not send a batch() it is asked to wait on: awaiting inside the block hangs")
+def test_trio_waits_inside_a_batch_like_the_blocking_client(daemon) -> None:  # type: ignore[no-untyped-def]
+    """The blocking client sends what batch() holds before it waits (fence or result()); the trio one must too."""
+
+    async def main() -> None:
+        async with transfer.open_client(daemon.endpoint) as c:
+            seg = await c.segment(4096)
+            with trio.fail_after(2):
+                with c.batch():
+                    c.copy(seg.va, seg.va + 64, 8)
+                    await c.fence()
+
+    trio.run(main)
+
+
+@pytest.mark.xfail(strict=True, reason="sizes outside u64: OverflowError (socket, client side), InvalidField from the daemon (-1), "
+                   "'request field out of range: ...' with numpy's or C's wording (ring)")
+def test_a_size_outside_u64_is_the_same_error_on_every_path(daemon) -> None:  # type: ignore[no-untyped-def]
+    got = {}
+    for ring in (False, True):
+        with transfer.connect(daemon.endpoint, ring=ring) as c:
+            seg = c.segment(64)
+            for n in (1 << 64, -1):
+                for batched in (False, True):
+                    try:
+                        with c.batch() if batched else contextlib.nullcontext():
+                            p = c.copy(seg.va, seg.va, n)
+                        p.result(5)
+                        got[(ring, n, batched)] = ("ok", "")
+                    except Exception as exc:
+                        got[(ring, n, batched)] = (type(exc).__name__, str(exc))
+    for n in (1 << 64, -1):
+        outcomes = {k: v for k, v in got.items() if k[1] == n}
+        assert len(set(outcomes.values())) == 1, outcomes
+
+
+@pytest.mark.xfail(strict=True, reason="a request that cannot be encoded drops every other request of its batch: they never leave and never complete")
+@pytest.mark.parametrize("ring", [False, True])
+def test_one_unencodable_request_does_not_lose_its_batch(daemon, ring: bool) -> None:  # type: ignore[no-untyped-def]
+    with transfer.connect(daemon.endpoint, ring=ring) as c:
+        seg = c.segment(64)
+        seg.buffer[8:16] = 7
+        with contextlib.suppress(Exception):
+            with c.batch():
+                good = c.copy(seg.va, seg.va + 8, 8)
+                c.copy(seg.va, seg.va, 1 << 64)  # not a u64
+        assert good.result(2) is None  # today: RequestTimeout, and the copy never ran
+        assert (seg.buffer[:8] == 7).all()
