@@ -10,12 +10,10 @@ outputs, unknown operators). The same program runs through every path:
 * client: the blocking client (`transfer.connect`) and the trio client
   (`transfer.open_client`);
 * transport: the control socket, and the shared-memory request ring
-  (`ring=True`; the trio client when `open_client` accepts `ring=`);
+  (`ring=True`), for both clients;
 * submission: one request at a time (each one waited for before the next:
   the daemon's inline path), pipelined (everything submitted, results
-  collected at the end), and batched (`with c.batch():` frames; the trio
-  client's batches end before each fence, since awaiting inside a batch hangs
-  it today: see the strict xfail at the end);
+  collected at the end), and batched (`with c.batch():` frames);
 * daemon: default settings, and settings that force data work onto worker
   threads and split the program into many small scheduler passes
   (``--inline-bytes 0 --max-pass 2``).
@@ -608,16 +606,13 @@ def test_every_path_gives_the_same_memory_and_replies(paths: list[Path_], progra
 
 
 def test_the_trio_client_takes_the_ring_too() -> None:
-    """The ring variant of the trio client joins the property above when `open_client` has `ring=`."""
-    if not trio_has_ring():
-        pytest.skip("transfer.open_client has no ring= parameter yet: the trio-ring path is not compared")
+    """The ring variant of the trio client is one of the paths the property compares."""
+    assert trio_has_ring()
 
 
-# --- minimal reproductions of disagreements the property found (today's code) -------------------------------------
-# Each is strict: when the refactor fixes the bug, the xfail turns into a failure and the mark must go.
+# --- regressions: disagreements the property found between paths, each reduced to its minimum -----------------------
 
 
-@pytest.mark.xfail(strict=True, reason="a fill value over 255 gets a different message on the ring than on the socket")
 def test_fill_value_over_255_is_the_same_error_on_ring_and_socket(daemon) -> None:  # type: ignore[no-untyped-def]
     with transfer.connect(daemon.endpoint) as sock, transfer.connect(daemon.endpoint, ring=True) as ring:
         errors = []
@@ -645,7 +640,6 @@ def daemon_paused(d: DaemonProcess) -> Iterator[None]:
         os.kill(d.pid, signal.SIGCONT)
 
 
-@pytest.mark.xfail(strict=True, reason="ring descriptors beyond max_pass are queued after a socket frame that came later")
 def test_ring_requests_run_before_a_later_socket_request(daemon_factory) -> None:  # type: ignore[no-untyped-def]
     """`_ring_ingest` drains at most max_pass descriptors before a frame; the rest run after it."""
     d = daemon_factory("--max-pass", "1")
@@ -663,7 +657,6 @@ def test_ring_requests_run_before_a_later_socket_request(daemon_factory) -> None
             assert (seg.buffer[:8] == 2).all(), f"trial {trial}: the socket request ran before the ring request submitted before it"
 
 
-@pytest.mark.xfail(strict=True, reason="with a ring, fence() raises the failure whose reply arrived first, not the first submitted")
 def test_fence_raises_the_first_failure_submitted(daemon) -> None:  # type: ignore[no-untyped-def]
     with transfer.connect(daemon.endpoint, ring=True) as c:
         seg = c.segment(4096)
@@ -677,7 +670,6 @@ def test_fence_raises_the_first_failure_submitted(daemon) -> None:  # type: igno
             assert type(info.value) is transfer.UnknownSegment, f"trial {trial}: fence raised {info.value!r}"
 
 
-@pytest.mark.xfail(strict=True, reason="the trio client does not send a batch() it is asked to wait on: awaiting inside the block hangs")
 def test_trio_waits_inside_a_batch_like_the_blocking_client(daemon) -> None:  # type: ignore[no-untyped-def]
     """The blocking client sends what batch() holds before it waits (fence or result()); the trio one must too."""
 
@@ -692,8 +684,6 @@ def test_trio_waits_inside_a_batch_like_the_blocking_client(daemon) -> None:  # 
     trio.run(main)
 
 
-@pytest.mark.xfail(strict=True, reason="sizes outside u64: OverflowError (socket, client side), InvalidField from the daemon (-1), "
-                   "'request field out of range: ...' with numpy's or C's wording (ring)")
 def test_a_size_outside_u64_is_the_same_error_on_every_path(daemon) -> None:  # type: ignore[no-untyped-def]
     got = {}
     for ring in (False, True):
@@ -713,7 +703,6 @@ def test_a_size_outside_u64_is_the_same_error_on_every_path(daemon) -> None:  # 
         assert len(set(outcomes.values())) == 1, outcomes
 
 
-@pytest.mark.xfail(strict=True, reason="a request that cannot be encoded drops every other request of its batch: they never leave and never complete")
 @pytest.mark.parametrize("ring", [False, True])
 def test_one_unencodable_request_does_not_lose_its_batch(daemon, ring: bool) -> None:  # type: ignore[no-untyped-def]
     with transfer.connect(daemon.endpoint, ring=ring) as c:

@@ -71,6 +71,9 @@ class ClientCore:
         """The frame's worth of requests for one call: deferred definitions it needs first,
         the request, and a Wait marker when the caller will block on it."""
         self.check_usable()
+        fields = _INT_FIELDS.get(cls)
+        if fields is not None:
+            _check_ints(cls, fields, args)
         defs = self._definitions(cls, args, objects)
         req, pending = self.new(cls, *args)
         reqs = [*defs, req]
@@ -190,6 +193,7 @@ class ClientCore:
     def take_unobserved(self) -> E.TransferError | None:
         """The first failure nobody asked about since the last call (fence reports it)."""
         failed, self.unobserved = self.unobserved, []
+        failed.sort(key=lambda p: p.id)  # the first submitted, whichever transport answered first
         errs = [p._error for p in failed if not p._observed and p._error is not None]
         if not errs:
             return None
@@ -211,6 +215,30 @@ class ClientCore:
         if self.remote is not None:  # after Close: the daemon no longer reads our buffers
             self.remote.close()
             self.remote = None
+
+
+_U64, _U32, _U8 = (1 << 64) - 1, (1 << 32) - 1, 255
+#: The integer fields of the requests that may take the ring, with their bounds, in argument order.
+_INT_FIELDS: dict[type, tuple[tuple[str, int], ...]] = {
+    P.Copy: (("dst", _U64), ("src", _U64), ("nbytes", _U64), ("stream", _U32)),
+    P.Fill: (("dst", _U64), ("nbytes", _U64), ("value", _U8), ("stream", _U32)),
+    P.Checksum: (("src", _U64), ("nbytes", _U64), ("stream", _U32)),
+}
+
+
+def _check_ints(cls: type, fields: tuple[tuple[str, int], ...], args: tuple[Any, ...]) -> None:
+    """Refuse at submission what no transport can carry, with the daemon decoder's words:
+    one error, whichever path the request would have taken."""
+    for (name, hi), v in zip(fields, args):
+        if type(v) is not int:
+            if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+                v = int(v)
+            else:
+                raise E.InvalidField(f"{cls.__name__}.{name}: expected `int`, got `{type(v).__name__}`")
+        if v < 0:
+            raise E.InvalidField(f"{cls.__name__}.{name}: expected `int` >= 0, got {v}")
+        if v > hi:
+            raise E.InvalidField(f"{cls.__name__}.{name}: expected `int` <= {hi}, got {v}")
 
 
 def _touched(cls: type[P.Request], args: tuple[Any, ...]) -> list[int]:

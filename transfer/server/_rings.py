@@ -64,7 +64,7 @@ def _request(row: tuple[int, ...]) -> Any:
             return P.Copy(rid, dst, src, nbytes, stream)
         if op == _FILL:
             if arg0 > _U8_MAX:
-                raise E.InvalidField(f"fill value {arg0} is not a byte")
+                raise E.InvalidField(f"Fill.value: expected `int` <= {_U8_MAX}, got {arg0}")  # the decoder's words
             return P.Fill(rid, dst, nbytes, arg0, stream)
         if op == _CHECKSUM:
             return P.Checksum(rid, src, nbytes, stream)
@@ -199,8 +199,12 @@ class Rings:
             self.bell = None
 
     # --- ingest and complete -------------------------------------------------------------------
-    def ingest(self, session: Session) -> int:
-        """Move what the session's ring holds (within its completion budget) into its queue."""
+    def ingest(self, session: Session, limit: int | None = None) -> int:
+        """Move what the session's ring holds (within its completion budget) into its queue.
+
+        `limit` bounds one poll's take (fairness between rings); before a socket frame
+        the front takes everything, so ring requests keep their place ahead of it.
+        """
         ring = session.ring
         if ring is None or not session.accepting:
             return 0
@@ -209,7 +213,7 @@ class Rings:
             if not avail:
                 return 0
             # Each descriptor needs a completion slot when it is answered: take only what fits.
-            n = min(avail, ring.free() - session.ring_pending, self.config.max_pass)
+            n = min(avail, ring.free() - session.ring_pending, avail if limit is None else limit)
             if n <= 0:
                 return 0  # the client has not taken its completions: it waits, we do not
             if n <= 4:  # tuples, no NumPy (one wake for the batch, if any)
@@ -253,7 +257,7 @@ class Rings:
         took = 0
         for session in list(self.sessions.values()):
             try:
-                n = self.ingest(session)
+                n = self.ingest(session, self.config.max_pass)
                 if n:
                     took += n
                     self.kick(session)
