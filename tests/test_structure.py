@@ -274,3 +274,17 @@ def test_modules_are_small() -> None:
     report = "\n".join(f"  {p}: {n} lines" for p, n in sorted(too_big.items(), key=lambda kv: -kv[1]))
     print(f"modules over {MAX_LINES} lines:\n{report}")
     assert not too_big, f"{len(too_big)} module(s) over {MAX_LINES} lines:\n{report}"
+
+
+if __name__ == "__main__":
+    # `python tests/test_structure.py`: every module of transfer/, its size, and what it imports
+    # from inside the package (the graph the tests above check), then the cycles found.
+    mods = modules()
+    graph = import_graph(mods)
+    for name in sorted(mods):
+        if mods[name].suffix != ".py":
+            continue  # a compiled extension: a leaf
+        lines = len(mods[name].read_text().splitlines())
+        deps = ", ".join(sorted(d.removeprefix(PACKAGE + ".") for d in graph.get(name, ())))
+        print(f"{lines:5d}  {name.removeprefix(PACKAGE + '.') or PACKAGE}  ->  {deps or '-'}")
+    print(f"cycles: {len(cycles(graph))}")

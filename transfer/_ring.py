@@ -25,7 +25,7 @@ ctypes futex; relies on x86-64 TSO, see docs/ring.md). The native one is
 chosen when it imports; ``TRANSFER_RING=python`` forces the fallback,
 ``TRANSFER_RING=native`` makes a missing extension an ImportError.
 
-This module is standalone: nothing in the daemon uses it yet.
+The daemon (`server._rings`) and the clients (`client._ringlink`) use it.
 """
 
 from __future__ import annotations
