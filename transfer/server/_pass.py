@@ -120,7 +120,8 @@ class Pass:
         b = Batch(session)
         taken = 0
         limit = self.config.max_pass
-        while q and taken < limit and session.running:
+        running = session.running
+        while q and taken < limit and running:
             req, route = q[0]
             t = type(req)
             if t in _BARRIERS:
@@ -137,6 +138,7 @@ class Pass:
                 taken += 1
                 b.socket_n += 1
                 b.replies.append((req.id, route, self.control.execute(session, req)))
+                running = session.running  # a Close stops the take here
                 continue
             q.popleft()
             taken += 1
@@ -155,7 +157,7 @@ class Pass:
                     b.refused.append((req.id, route, exc))
             else:
                 b.data.append((req, route))
-        if not session.running and q:
+        if not running and q:
             # Closed in this pass (a Close, or reclaimed): what was queued behind it is answered now.
             err = E.SessionClosed("the session closed before this request ran")
             while q:
@@ -167,9 +169,15 @@ class Pass:
                     b.refused.append((req.id, route, err))
         if b.data:
             b.ops, refused = plan_batch(self.planner, session.id, b.data)
-            b.refused.extend(refused)
+            if refused:
+                b.refused.extend(refused)
             b.waves = assign_waves(b.ops)
-            if any(op.remote is not None for op in b.ops) or sum(op.nbytes for op in b.ops) >= self.config.inline_bytes:
+            nbytes = 0
+            for op in b.ops:
+                nbytes += op.nbytes
+                if op.remote is not None:
+                    b.inline = False
+            if nbytes >= self.config.inline_bytes:
                 b.inline = False
         return b
 

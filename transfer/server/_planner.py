@@ -106,7 +106,7 @@ class Planner:
     def _plan(self, owner: Any, req: P.Request) -> Op | list[Op]:
         if isinstance(req, P.Copy):
             n = req.nbytes
-            if self.remote is not None and names_remote(self.table, (req.dst, req.src)):
+            if self.remote is not None and self.remote.ep is not None and names_remote(self.table, (req.dst, req.src)):
                 return plan_remote_copy(self, owner, req)
             dseg, doff = self._translate(owner, req.dst, n)
             sseg, soff = self._translate(owner, req.src, n)

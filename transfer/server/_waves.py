@@ -71,6 +71,8 @@ class _Intervals:
 
 def assign_waves(ops: Sequence[Op]) -> list[list[Op]]:
     """Cut ops (in arrival order) into consecutive waves with no internal hazard."""
+    if len(ops) <= 1:
+        return [list(ops)] if ops else []
     waves: list[list[Op]] = []
     cur: list[Op] = []
     reads: dict[int, _Intervals] = defaultdict(_Intervals)
@@ -109,6 +111,8 @@ def coalesce(wave: Sequence[Op]) -> list[tuple[list[Op], Callable[[], Any] | Non
     Safe because nothing in a wave conflicts: order inside a wave is free.
     Returns (ops the unit completes, work) pairs; work None means already failed.
     """
+    if len(wave) == 1:
+        return [([wave[0]], wave[0].run)]
     units: list[tuple[list[Op], Callable[[], Any] | None]] = []
     copies: dict[tuple[int, int, int], list[Op]] = defaultdict(list)
     for op in wave:
@@ -233,6 +237,9 @@ def _post_remote(ops: Sequence[Op]) -> None:
 
 def _run_wave_inline(wave: Sequence[Op]) -> None:
     """Execute one wave on the calling thread (small work: cheaper than a thread hop)."""
+    if len(wave) == 1 and wave[0].remote is None:
+        _run_units(coalesce(wave), wave[0].device)
+        return
     by_device: dict[int, list[Op]] = defaultdict(list)
     wave, remote_groups = _remote_groups(wave)
     for group in remote_groups:
