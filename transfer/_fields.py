@@ -81,17 +81,6 @@ def text(max_len: int) -> Validator:
     return check
 
 
-def blob(max_len: int) -> Validator:
-    def check(v: Any, name: str) -> bytes:
-        if type(v) is not bytes:
-            raise E.InvalidField(f"{name}: expected bytes, got {type(v).__name__}")
-        if len(v) > max_len:
-            raise E.InvalidField(f"{name}: longer than {max_len} bytes")
-        return v
-
-    return check
-
-
 def tensors(v: Any, name: str) -> list[TensorRef]:
     """[[va, dtype, shape, strides|nil], ...]: checked for types and ranges, not yet for memory."""
     if type(v) is not list or len(v) > MAX_TENSORS:

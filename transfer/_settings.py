@@ -32,7 +32,7 @@ import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 __all__ = [
     "Setting",
@@ -490,11 +490,3 @@ def setup_logging(level: str = "WARNING", json_lines: bool = False, stream: Any 
     root.addHandler(handler)
     root.setLevel(level.upper())
     return handler
-
-
-def describe_env(settings: Sequence[Setting] = SETTINGS) -> str:
-    """A table of every setting (used by docs and --help epilog)."""
-    rows = ["| key | flag | env | default |", "| --- | --- | --- | --- |"]
-    for s in settings:
-        rows.append(f"| `{s.key}` | `{s.flag}` | `{s.env}` | `{_json_value(s.default) if s.key != 'endpoints' else 'per-user ipc socket'}` |")
-    return "\n".join(rows)

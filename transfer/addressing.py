@@ -161,9 +161,6 @@ class MappingTable(Generic[H]):
         for sid in range(first, first + count):
             self._reserved.pop(sid, None)
 
-    def reserved_by(self, segment_id: int) -> Hashable | None:
-        return self._reserved.get(segment_id)
-
     def remove(self, segment_id: int) -> Segment[H]:
         seg = self._segments.pop(segment_id)
         if self._next_id > MAX_SEGMENT_ID:
@@ -231,6 +228,3 @@ class MappingTable(Generic[H]):
             i = int(np.argmax(bad))
             self.translate(int(vas[i]), int(sizes[i]), owner)  # raises with the precise message
         return sids, offs, segs
-
-    def owned_by(self, owner: Hashable) -> list[Segment[H]]:
-        return [s for s in self._segments.values() if s.owner == owner]

@@ -15,7 +15,7 @@ different devices the request is refused. Only when every operand is host
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -71,14 +71,6 @@ def tensor_extent(t: TensorRef) -> int:
             n *= d
         return n
     return sum((d - 1) * s for d, s in zip(t.shape, t.strides)) + item
-
-
-def contiguous_strides(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
-    out, acc = [], itemsize
-    for d in reversed(shape):
-        out.append(acc)
-        acc *= max(d, 1)
-    return tuple(reversed(out))
 
 
 # --- operators -----------------------------------------------------------------------------
@@ -214,9 +206,6 @@ class Registry:
 
     def supported(self, op: str, device_kind: str | None = None) -> list[str]:
         return sorted({dt for (o, dt, kind) in self._kernels if o == op and (device_kind is None or kind == device_kind)})
-
-    def kinds_for(self, op: str, dtype: str) -> set[str]:
-        return {kind for (o, dt, kind) in self._kernels if o == op and dt == dtype}
 
     def lookup(self, op: str, dtype: str, device_kind: str) -> Kernel:
         k = self._kernels.get((op, dtype, device_kind))

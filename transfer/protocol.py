@@ -58,7 +58,6 @@ from ._fields import (  # noqa: F401 - validators and limits are public: server/
     Str64,
     Str256,
     Validator,
-    blob,
     bounded,
     check_result,
     i32,

@@ -37,7 +37,7 @@ _FREE, _WRITING, _IN_FLIGHT, _RELEASED = "free", "writing", "in flight", "releas
 class Slot:
     """One slot of a pool: writable until submitted, then owned by the daemon until done."""
 
-    __slots__ = ("pool", "index", "offset", "nbytes", "va", "_state", "_views", "_generation", "pending")
+    __slots__ = ("pool", "index", "offset", "nbytes", "va", "_state", "_views", "pending")
 
     def __init__(self, pool: "SlotPool", index: int, offset: int, nbytes: int, va: int) -> None:
         self.pool = pool
@@ -47,7 +47,6 @@ class Slot:
         self.va = va
         self._state = _FREE
         self._views: list[np.ndarray] = []
-        self._generation = 0
         self.pending: Pending | Any | None = None
 
     # --- writing ---------------------------------------------------------------------------
@@ -162,7 +161,6 @@ class SlotPool:
     def _take(self) -> Slot:
         slot = self._free.popleft()
         slot._state = _WRITING
-        slot._generation += 1
         return slot
 
     def acquire(self, timeout: float | None = None) -> Any:
