@@ -222,7 +222,7 @@ class Attach(Request, tag=17):
 class OpenRing(Request, tag=18):
     """Open this session's shared-memory request ring (same host only; docs/ring.md).
 
-    Reply {path, bell, capacity, completion_capacity}: the client maps the ring
+    Reply {path, bell, cbell, capacity, completion_capacity}: the client maps the ring
     file and unlinks it, and writes a byte to the daemon's doorbell FIFO `bell`
     when the daemon sleeps. `capacity` is rounded up to a power of two.
     """
