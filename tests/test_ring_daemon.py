@@ -326,3 +326,27 @@ def test_an_idle_ring_costs_the_daemon_no_cpu(ringd) -> None:
         assert used < 0.1, f"an idle daemon with a ring used {used:.3f}s of CPU in 1s"
         # and it still wakes for the next request (the doorbell)
         assert c.checksum(seg.at(0), 64).result(5) == transfer.checksum64(bytes(64))
+
+
+@pytest.mark.parametrize("ring", [False, True])
+def test_one_accounting_whatever_the_path(daemon_factory, ring: bool) -> None:  # type: ignore[no-untyped-def]
+    """Requests, bytes and errors are counted once, the same way, on the ring and on the socket."""
+    d = daemon_factory()
+    with transfer.connect(d.endpoint, ring=ring) as c:
+        seg = c.segment(1 << 16)
+        before = c.stats()
+        c.copy(seg.at(4096), seg.at(0), 4096).result(5)  # small: runs inline
+        with c.batch():
+            for k in range(20):  # a run of copies: one vector op
+                c.copy(seg.at(8192 + 64 * k), seg.at(64 * k), 64)
+        c.fill(seg.at(0), 1000, 3)
+        with pytest.raises(E.OutOfBounds):
+            c.checksum(seg.at(0), 1 << 20).result(5)
+        c.fence()
+        after = c.stats()
+    moved = 4096 + 20 * 64 + 1000
+    s0, s1, d0, d1 = before["session"], after["session"], before["daemon"], after["daemon"]
+    assert s1["bytes_moved"] - s0["bytes_moved"] == moved
+    assert d1["bytes_moved"] - d0["bytes_moved"] == moved
+    assert s1["errors"] - s0["errors"] == 1
+    assert s1["requests"] - s0["requests"] >= 23  # + the fence and the stats request
