@@ -720,3 +720,17 @@ def test_one_unencodable_request_does_not_lose_its_batch(daemon, ring: bool) -> 
                 c.copy(seg.va, seg.va, 1 << 64)  # not a u64
         assert good.result(2) is None  # today: RequestTimeout, and the copy never ran
         assert (seg.buffer[:8] == 7).all()
+
+
+def test_an_unencodable_compute_fails_alone(daemon) -> None:  # type: ignore[no-untyped-def]
+    """A param msgpack cannot carry fails its own request; the rest of the batch still runs."""
+    with transfer.connect(daemon.endpoint) as c:
+        seg = c.segment(4096)
+        seg.buffer[8:16] = 7
+        x = seg.tensor((4,), np.float32, offset=1024)
+        with c.batch():
+            good = c.copy(seg.va, seg.va + 8, 8)
+            bad = c.compute("scale_add", [x], [x], {"a": object(), "b": 0.0})
+        assert good.result(5) is None and (seg.buffer[:8] == 7).all()
+        with pytest.raises(transfer.InvalidField, match="cannot be encoded"):
+            bad.result(5)

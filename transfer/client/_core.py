@@ -116,9 +116,32 @@ class ClientCore:
         return self._pending_cls(0, self._waiter)
 
     def encode(self, reqs: Sequence[P.Request]) -> list[bytes]:
-        """One or more frames, each within the daemon's batch limit."""
+        """One or more frames, each within the daemon's batch limit.
+
+        A request that cannot be encoded (a compute param msgpack cannot carry) fails
+        alone, with its reason; the rest of its batch still leaves.
+        """
         step = self.limits.max_batch
-        return [P.encode_requests(reqs[i : i + step]) for i in range(0, len(reqs), step)]
+        frames = []
+        for i in range(0, len(reqs), step):
+            chunk = reqs[i : i + step]
+            try:
+                frames.append(P.encode_requests(chunk))
+            except (TypeError, ValueError, OverflowError):
+                good = []
+                for r in chunk:
+                    try:
+                        P.encode_requests([r])
+                    except (TypeError, ValueError, OverflowError) as exc:
+                        p = self.pending.pop(r.id, None)
+                        if p is not None:
+                            p._finish(None, E.InvalidField(f"{type(r).__name__} cannot be encoded: {exc}"))
+                            self.unobserved.append(p)
+                        continue
+                    good.append(r)
+                if good:
+                    frames.append(P.encode_requests(good))
+        return frames
 
     # --- routing and credits ------------------------------------------------------------------
     def ring_route(self, reqs: Sequence[P.Request], unsent: int) -> bool:
