@@ -1,0 +1,1 @@
+"""Parts of the hostile-tenant soak (bench/hostile_soak.py): tallies, the good client, the attacks."""
