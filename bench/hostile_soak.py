@@ -239,15 +239,15 @@ def run(cfg: Config, log: Any = None) -> Result:
             kind = kinds[n_ep % len(kinds)] if kinds else ""
             n_ep += 1
             length = rnd.uniform(*cfg.episode)
-            end = min(time.time() + length, deadline)
+            end = min(time.time() + length + 5, deadline)  # +5: a spawned process's start-up
             out = tallies / f"attack-{n_ep:05d}-{kind}.json"
-            p = ctx.Process(target=run_attack, args=(kind, daemon.endpoint, str(shm_dir), daemon.pid, str(out), end, cfg.seed * 100_000 + n_ep), daemon=True)
+            p = ctx.Process(target=run_attack, args=(kind, daemon.endpoint, str(shm_dir), daemon.pid, str(out), length, deadline, cfg.seed * 100_000 + n_ep), daemon=True)
             p.start()
             spawned.append(p)
             episodes[kind] += 1
             # clients killed mid-request: midkill episodes die young, by SIGKILL
-            kill_at = time.monotonic() + rnd.uniform(0.3, 2.0) if kind == "midkill" else None
-            return {"proc": p, "kind": kind, "end": end, "kill_at": kill_at}
+            kill_at = time.monotonic() + rnd.uniform(1.5, 3.5) if kind == "midkill" else None  # start-up ~1 s
+            return {"proc": p, "kind": kind, "end": end, "kill_at": kill_at, "born": time.monotonic()}
 
         if kinds:
             slots = [start_episode(i) for i in range(cfg.procs)]
@@ -273,8 +273,9 @@ def run(cfg: Config, log: Any = None) -> Result:
                 elif time.time() > sl["end"] + 15:  # an attacker stuck past its episode: note it, kill it
                     hung[sl["kind"]] += 1
                     p.kill()
-            if now >= next_kill and slots:
-                sl = rnd.choice(slots)
+            grown = [sl for sl in slots if now - sl["born"] > 2.5]  # past start-up: killed mid-attack
+            if now >= next_kill and grown:
+                sl = rnd.choice(grown)
                 if sl["proc"].is_alive():
                     os.kill(sl["proc"].pid, signal.SIGKILL)
                     killed[sl["kind"]] += 1

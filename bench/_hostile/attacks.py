@@ -673,9 +673,11 @@ ATTACKS: dict[str, Callable[[Ctx, Tally, random.Random], None]] = {
 }
 
 
-def run_attack(kind: str, endpoint: str, shm_dir: str, daemon_pid: int, out: str, deadline: float, seed: int) -> None:
-    """Process entry point: one episode of one attack; every exception is counted, never raised."""
+def run_attack(kind: str, endpoint: str, shm_dir: str, daemon_pid: int, out: str, length: float, deadline: float, seed: int) -> None:
+    """Process entry point: one episode of `length` seconds from now (the process's start-up
+    does not count), ending by `deadline` at the latest; every exception is counted, never raised."""
     t = Tally(Path(out), kind)
+    deadline = min(time.time() + length, deadline)
     rng = random.Random(seed)
     ctx = Ctx(endpoint, shm_dir, daemon_pid, deadline)
     try:
