@@ -265,6 +265,7 @@ def run(cfg: Config, log: Any = None) -> Result:
             for i, sl in enumerate(slots):
                 p = sl["proc"]
                 if sl["kill_at"] is not None and now >= sl["kill_at"] and p.is_alive():
+                    sl["kill_at"] = None
                     os.kill(p.pid, signal.SIGKILL)
                     killed[sl["kind"]] += 1
                 if not p.is_alive():
@@ -276,7 +277,8 @@ def run(cfg: Config, log: Any = None) -> Result:
             grown = [sl for sl in slots if now - sl["born"] > 2.5]  # past start-up: killed mid-attack
             if now >= next_kill and grown:
                 sl = rnd.choice(grown)
-                if sl["proc"].is_alive():
+                if sl["proc"].is_alive() and sl["proc"].exitcode is None:
+                    sl["kill_at"] = sl["born"] = float("inf")
                     os.kill(sl["proc"].pid, signal.SIGKILL)
                     killed[sl["kind"]] += 1
                 next_kill += cfg.kill_every
