@@ -247,7 +247,7 @@ def run(cfg: Config, log: Any = None) -> Result:
             episodes[kind] += 1
             # clients killed mid-request: midkill episodes die young, by SIGKILL
             kill_at = time.monotonic() + rnd.uniform(1.5, 3.5) if kind == "midkill" else None  # start-up ~1 s
-            return {"proc": p, "kind": kind, "end": end, "kill_at": kill_at, "born": time.monotonic()}
+            return {"proc": p, "kind": kind, "end": end, "kill_at": kill_at, "born": time.monotonic(), "out": out}
 
         if kinds:
             slots = [start_episode(i) for i in range(cfg.procs)]
@@ -274,7 +274,8 @@ def run(cfg: Config, log: Any = None) -> Result:
                 elif time.time() > sl["end"] + 15:  # an attacker stuck past its episode: note it, kill it
                     hung[sl["kind"]] += 1
                     p.kill()
-            grown = [sl for sl in slots if now - sl["born"] > 2.5]  # past start-up: killed mid-attack
+            # only attackers past their start-up (their tally exists for 1 s): killed mid-attack
+            grown = [sl for sl in slots if now - sl["born"] > 2.5 and _age(sl["out"]) > 1.0]
             if now >= next_kill and grown:
                 sl = rnd.choice(grown)
                 if sl["proc"].is_alive() and sl["proc"].exitcode is None:
@@ -331,6 +332,13 @@ def run(cfg: Config, log: Any = None) -> Result:
         res.series = monitor.samples
         res.elapsed_s = round(time.monotonic() - t_start, 1)
     return res
+
+
+def _age(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_ctime
+    except OSError:
+        return -1.0
 
 
 def _signame(code: int | None) -> str:
