@@ -285,7 +285,7 @@ def run(cfg: Config, log: Any = None) -> Result:
                 next_kill += cfg.kill_every
         say(f"t={time.monotonic() - t_start:5.1f}s stopping attackers")
         for sl in slots:  # episodes end by themselves by the deadline; stragglers are killed
-            sl["proc"].join(max(0.0, min(sl["end"], time.time() + 10) - time.time()) + 5)
+            sl["proc"].join(max(0.0, min(sl["end"], deadline) + 15 - time.time()))  # as the main loop: 15 s of grace
             if sl["proc"].is_alive():
                 hung[sl["kind"]] += 1 if daemon.alive() and died_at is None else 0
                 sl["proc"].kill()

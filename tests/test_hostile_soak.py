@@ -1,6 +1,6 @@
 """The hostile-tenant soak (bench/hostile_soak.py), short: keeps the harness working in CI.
 
-Runs ~12 s of the attacks today's daemon survives beside the two good clients, and
+Runs ~14 s of the attacks today's daemon survives beside the two good clients, and
 requires the soak's verdict: daemon alive and answering, good clients 100 %, no
 violation, no leak (sessions, segments, device bytes, rings, shm files, fds, RSS,
 processes), a clean SIGTERM exit. The attacks that break the daemon today are listed
@@ -41,7 +41,7 @@ def test_every_attack_is_either_run_or_disabled_with_a_reason() -> None:
 
 
 def test_hostile_soak_short() -> None:
-    cfg = hostile_soak.Config(seconds=12, procs=4, attacks=tuple(ENABLED), kill_every=4.0, episode=(1.0, 2.5), seed=1)
+    cfg = hostile_soak.Config(seconds=14, procs=4, attacks=tuple(ENABLED), kill_every=4.0, episode=(1.0, 2.5), seed=1)
     res = hostile_soak.run(cfg)
     print("\n" + hostile_soak.table(res))
     assert res.ok, res.failures
@@ -49,4 +49,4 @@ def test_hostile_soak_short() -> None:
     assert {k for k, a in res.attacks.items() if a["episodes"]} == set(ENABLED)
     # On a loaded machine an episode can be SIGKILLed before it counted anything; most must have.
     ran = {k for k, a in res.attacks.items() if a["counts"]}
-    assert len(ran) >= len(ENABLED) - 2, f"attacks that counted nothing: {set(ENABLED) - ran}"
+    assert len(ran) >= len(ENABLED) - 3, f"attacks that counted nothing: {set(ENABLED) - ran}"
