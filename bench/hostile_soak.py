@@ -46,9 +46,10 @@ import threading
 import time
 import uuid
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import psutil
@@ -58,12 +59,12 @@ for _p in (str(ROOT), str(ROOT / "bench")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import transfer  # noqa: E402
-from transfer.testing import DaemonProcess, start_daemon  # noqa: E402
+from _hostile.attacks import ATTACKS, run_attack
+from _hostile.good import good_client
+from _hostile.tally import read_tallies
 
-from _hostile.attacks import ATTACKS, run_attack  # noqa: E402
-from _hostile.good import good_client  # noqa: E402
-from _hostile.tally import read_tallies  # noqa: E402
+import transfer
+from transfer.testing import DaemonProcess, start_daemon
 
 MiB = 1 << 20
 #: Attacks that today's daemon does not survive (see tests/test_hostile_soak.py for why).
@@ -425,7 +426,7 @@ def _leaks(res: Result, cfg: Config, daemon: DaemonProcess, monitor: Monitor, ba
             res.failures.append(f"leak: {L[k]} {k} still held by the daemon after every client left")
     files = sorted(os.listdir(daemon.shm_dir))
     L["shm_files_running"] = files
-    unexpected = [f for f in files if not (f.endswith(".lock") or f.endswith(".bell"))]
+    unexpected = [f for f in files if not f.endswith((".lock", ".bell"))]
     if unexpected:
         res.failures.append(f"leak: {len(unexpected)} unexpected file(s) in the shm dir while running: {unexpected[:5]}")
     now = monitor.sample()
@@ -441,9 +442,8 @@ def _leaks(res: Result, cfg: Config, daemon: DaemonProcess, monitor: Monitor, ba
     for pid in L.get("worker_pids", []) + [p.pid for p in procs]:
         with contextlib.suppress(psutil.Error):
             pr = psutil.Process(pid)
-            if pr.ppid() == os.getpid() or pr.status() != psutil.STATUS_ZOMBIE and pid != daemon.pid:
-                if any("multiprocessing" in a for a in pr.cmdline()):
-                    alive.append(pid)
+            if pid != daemon.pid and pr.status() != psutil.STATUS_ZOMBIE and any("multiprocessing" in a for a in pr.cmdline()):
+                alive.append(pid)
     zombies = [c.pid for c in psutil.Process().children(recursive=True)
                if c.pid != daemon.pid and not any("resource_tracker" in a for a in _cmdline(c))]
     L["workers_alive"], L["children_left"] = sorted(set(alive)), zombies

@@ -17,7 +17,7 @@ import pytest
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH))
 
-import hostile_soak  # noqa: E402
+import hostile_soak
 
 psutil = pytest.importorskip("psutil")
 

@@ -15,9 +15,10 @@ import errno
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -126,8 +127,8 @@ class Raw:
 
 # --- 1. malformed / fuzzed frames --------------------------------------------------------------
 def _random_request(rng: random.Random, vas: list[int]) -> list[Any]:
-    va = lambda: rng.choice(vas + [0, U64, 1 << 63, rng.getrandbits(64)])  # noqa: E731
-    small = lambda: rng.choice([0, 1, 8, 4096, 70_000, U64, rng.getrandbits(64)])  # noqa: E731
+    va = lambda: rng.choice(vas + [0, U64, 1 << 63, rng.getrandbits(64)])
+    small = lambda: rng.choice([0, 1, 8, 4096, 70_000, U64, rng.getrandbits(64)])
     rid = rng.randint(1, U64 - 1)
     return rng.choice([
         lambda: [20, rid, va(), va(), small(), rng.randint(0, 3)],
@@ -449,7 +450,7 @@ def attack_ring(ctx: Ctx, t: Tally, rng: random.Random) -> None:
                 k = len(descs)
                 descs["op"] = [rng.choice([RingOp.COPY, RingOp.FILL, RingOp.CHECKSUM, RingOp.FENCE, RingOp.NOP, RingOp.COMPUTE, 7, 99, 65535]) for _ in range(k)]
                 descs["id"] = [rng.choice([0, rng.getrandbits(64), 1]) for _ in range(k)]
-                pick = lambda: rng.choice([seg.va + rng.randrange(4096), rng.getrandbits(64), rng.randint(1, 4096) << OFFSET_BITS, 0, U64])  # noqa: E731
+                pick = lambda seg=seg: rng.choice([seg.va + rng.randrange(4096), rng.getrandbits(64), rng.randint(1, 4096) << OFFSET_BITS, 0, U64])
                 descs["dst"] = [pick() for _ in range(k)]
                 descs["src"] = [pick() for _ in range(k)]
                 descs["nbytes"] = [rng.choice([0, 8, 4096, 1 << 40, U64]) for _ in range(k)]

@@ -98,9 +98,9 @@ def good_client(endpoint: str, daemon_pid: int, out_dir: str, index: int, ring: 
                     if time.monotonic() - last_flush > 0.5:
                         lines.flush()
                         last_flush = time.monotonic()
-                    if err and err not in ("WrongChecksum",):
-                        if isinstance(c._core.broken, BaseException) or err in ("ConnectionLost", "RequestTimeout", "SessionClosed", "NoSession"):
-                            break  # the session is gone: reconnect
+                    lost = err in ("ConnectionLost", "RequestTimeout", "SessionClosed", "NoSession")
+                    if err and (lost or isinstance(c._core.broken, BaseException)):
+                        break  # the session is gone: reconnect
                     if pace:
                         time.sleep(pace)
             except E.TransferError as exc:
