@@ -149,3 +149,7 @@ class CupyBackend(StreamBackend):
 
     def _sync(self, device: int) -> None:
         self.stream(device).synchronize()
+
+    def synchronize(self) -> None:
+        for dev in list(self._streams):  # devices never used have nothing queued (and no context)
+            self.synchronize_device(dev)
