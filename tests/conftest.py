@@ -85,15 +85,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-@pytest.fixture(params=["numpy", pytest.param("cupy", marks=pytest.mark.gpu)])
-def backend_daemon(request: pytest.FixtureRequest, shm_dir: Path, tmp_path: Path) -> Iterator[DaemonProcess]:
-    """A daemon per backend: the operator and scheduler suites run against each."""
-    wd = tmp_path / "run"
-    wd.mkdir(mode=0o700)
+#: Backends the operator suite runs against: streamsim is a GPU's stream semantics in host RAM
+#: (transfer/backends/_streamsim.py), so CPU-only CI checks the GPU code path's ordering too.
+BACKENDS = ["numpy", "streamsim", pytest.param("cupy", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend_daemon(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    """A daemon per backend, shared by a module's tests: the operator suite runs against each.
+
+    The simulated GPU gets all compute (`--size-threshold 0`), so host operands are staged
+    through its device memory the way a real GPU's are."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    shm = base / f"transfer-test-{uuid.uuid4().hex[:8]}"
+    shm.mkdir(mode=0o700)
+    wd = tmp_path_factory.mktemp("run")
+    wd.chmod(0o700)
     args = [a for a in FAST if a not in ("--backend", "numpy")]
-    d = start_daemon([*args, "--backend", request.param], workdir=wd, shm_dir=shm_dir)
+    extra = ["--size-threshold", "0"] if request.param == "streamsim" else []
+    d = start_daemon([*args, "--backend", request.param, *extra], workdir=wd, shm_dir=shm)
     try:
         yield d
     finally:
         d.stop()
-    assert segment_files(shm_dir) == [], "shared memory left behind"
+        try:
+            assert segment_files(shm) == [], "shared memory left behind"
+        finally:
+            shutil.rmtree(shm, ignore_errors=True)

@@ -75,6 +75,8 @@ HUGE = (1 << 40, 1 << 63, (1 << 64) - 1)  # sizes no segment has (all valid u64s
 DAEMONS = {
     "default": [],
     "threads": ["--inline-bytes", "0", "--max-pass", "2"],
+    # A simulated GPU (device work queued until the stream is synchronized): device buffers live there.
+    "streamsim": ["--backend", "streamsim"],
 }
 #: Submission styles: "seq" waits for each request; "pipe" submits all, collects at the end;
 #: "batch" is "pipe" inside `with c.batch():` (for trio, batches end at each fence).

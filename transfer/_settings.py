@@ -216,7 +216,7 @@ def _defaults() -> tuple[Setting, ...]:
     table: list[tuple[Any, ...]] = [
         # key, parser, help, flag, extra keyword arguments
         ("endpoints", _endpoints, "ipc://PATH or tcp://127.0.0.1:PORT; repeat the flag (or comma-separate) for several", "--endpoint", {"metavar": "URL"}),
-        ("backend", _str, "device backend: auto probes CuPy (an allocation, not just the import), else NumPy", "--backend", {"choices": ("auto", "cupy", "numpy"), "default": "auto"}),
+        ("backend", _str, "device backend: auto probes CuPy (an allocation, not just the import), else NumPy; streamsim: a simulated GPU for tests", "--backend", {"choices": ("auto", "cupy", "numpy", "streamsim"), "default": "auto"}),
         ("devices", _int, "virtual CPU devices for the numpy backend", "--devices", {"minimum": 1, "maximum": 1024}),
         ("shm_dir", _path, "directory for shared-memory segments (a tmpfs: /dev/shm)", "--shm-dir", {"metavar": "DIR"}),
         ("heartbeat_s", _float, "seconds between idle clients' pings (announced in hello)", "--heartbeat", {"minimum": 0.01, "metavar": "SECONDS"}),

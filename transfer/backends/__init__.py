@@ -9,9 +9,17 @@ __all__ = ["Backend", "Span", "NumpyBackend", "make_backend"]
 
 
 def make_backend(name: str = "auto", devices: int = 1) -> Backend:
-    """`numpy`, `cupy`, or `auto` (CuPy only if a device actually allocates)."""
+    """`numpy`, `cupy`, or `auto` (CuPy only if a device actually allocates).
+
+    `streamsim` is for tests: a simulated GPU with CUDA stream semantics in host RAM
+    (`_streamsim`); it checks ordering, it is not fast.
+    """
     if name == "numpy":
         return NumpyBackend(devices)
+    if name == "streamsim":
+        from ._streamsim import StreamSimBackend
+
+        return StreamSimBackend()
     if name in ("cupy", "auto"):
         try:
             from ._cupy import CupyBackend  # lazy: importing CuPy is slow and may lack a driver
@@ -25,4 +33,4 @@ def make_backend(name: str = "auto", devices: int = 1) -> Backend:
         if name == "cupy":
             raise RuntimeError(f"--backend cupy: no usable CUDA device ({why})")
         return NumpyBackend(devices)
-    raise ValueError(f"unknown backend {name!r} (choose auto, cupy or numpy)")
+    raise ValueError(f"unknown backend {name!r} (choose auto, cupy, numpy or streamsim)")

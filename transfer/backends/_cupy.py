@@ -6,6 +6,12 @@ no staging copy. Each device has one non-blocking CUDA stream; the
 scheduler submits a whole wave of copies and kernels to it and synchronizes
 once (on a worker thread, so the event loop never blocks on the GPU).
 
+Everything that follows from queued execution (host work ordered after the
+device work touching it, no overlapping `cudaMemcpyAsync`, aligned kernel
+operands) lives in `_stream.StreamBackend`, shared with the stream
+simulation the tests run on CPU-only machines; this module is only the CUDA
+primitives.
+
 Imported lazily: `import cupy` is slow, and succeeds on machines whose
 driver cannot run anything, so `probe()` makes a real allocation first.
 """
@@ -17,21 +23,23 @@ from typing import Any
 
 import numpy as np
 
-from .._checksum import checksum64, checksum64_xp
+from .._checksum import checksum64_xp
 from ..addressing import SegmentKind
-from ._base import Backend, Span
+from ._base import Span
+from ._stream import StreamBackend
 
 __all__ = ["CupyBackend"]
 
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from unified virtual addressing
 
 
-class CupyBackend(Backend):
+class CupyBackend(StreamBackend):
     name = "cupy"
 
     def __init__(self) -> None:
         import cupy
 
+        super().__init__()
         self.cp = cupy
         self._count = cupy.cuda.runtime.getDeviceCount()
         self._streams: dict[int, Any] = {}
@@ -84,7 +92,7 @@ class CupyBackend(Backend):
             raise MemoryError(str(exc)) from None
 
     def free(self, mem: Any) -> None:
-        pass  # returned to CuPy's pool when the last reference goes
+        pass  # returned to CuPy's pool when the last reference goes (the pool is stream-ordered)
 
     def register_host(self, shm: Any) -> None:
         """Page-lock the segment so copies from it are DMA (portable: every device may use it)."""
@@ -97,82 +105,51 @@ class CupyBackend(Backend):
             self.synchronize()
             self.cp.cuda.runtime.hostUnregister(shm.address)
 
-    # --- helpers ----------------------------------------------------------------------------------
-    @staticmethod
-    def _ptr(span: Span) -> int:
+    # --- primitives -----------------------------------------------------------------------------
+    def _ptr(self, span: Span) -> int:
         if span.kind == SegmentKind.HOST:
-            return span.mem.address + span.offset
+            arr = span.mem.array
+            return int(arr.ctypes.data) + span.offset
         return int(span.mem.data.ptr) + span.offset
 
-    @staticmethod
-    def _device_of(*spans: Span) -> int:
-        for s in spans:
-            if s.kind == SegmentKind.DEVICE and hasattr(s.mem, "device"):
-                return int(s.mem.device.id)
-        return 0
+    def _device_ptr(self, mem: Any) -> int:
+        return int(mem.data.ptr)
 
-    def _host_view(self, span: Span) -> np.ndarray:
-        return span.mem.array[span.offset : span.offset + span.nbytes]
+    def _device_of_mem(self, mem: Any) -> int:
+        return int(mem.device.id)
 
-    # --- operations ------------------------------------------------------------------------------
-    def copy(self, dst: Span, src: Span) -> None:
+    def _memcpy(self, dst: Span, src: Span, device: int) -> None:
         if not src.nbytes:
             return
-        if dst.kind == SegmentKind.HOST and src.kind == SegmentKind.HOST:
-            np.copyto(self._host_view(dst), self._host_view(src))
-            return
-        dev = self._device_of(dst, src)
-        with self.cp.cuda.Device(dev):
-            self.cp.cuda.runtime.memcpyAsync(self._ptr(dst), self._ptr(src), src.nbytes, _MEMCPY_DEFAULT, self.stream(dev).ptr)
+        with self.cp.cuda.Device(device):
+            self.cp.cuda.runtime.memcpyAsync(self._ptr(dst), self._ptr(src), src.nbytes, _MEMCPY_DEFAULT, self.stream(device).ptr)
 
-    def fill(self, dst: Span, value: int) -> None:
-        if dst.kind == SegmentKind.HOST:
-            self._host_view(dst).fill(value)
-            return
-        dev = self._device_of(dst)
-        with self.cp.cuda.Device(dev):
-            self.cp.cuda.runtime.memsetAsync(self._ptr(dst), value, dst.nbytes, self.stream(dev).ptr)
+    def _memset(self, dst: Span, value: int, device: int) -> None:
+        with self.cp.cuda.Device(device):
+            self.cp.cuda.runtime.memsetAsync(self._ptr(dst), value, dst.nbytes, self.stream(device).ptr)
 
-    def checksum(self, src: Span) -> int:
-        if src.kind == SegmentKind.HOST:
-            return checksum64(self._host_view(src))
-        dev = self._device_of(src)
-        with self.cp.cuda.Device(dev), self.stream(dev):
-            return checksum64_xp(src.mem[src.offset : src.offset + src.nbytes], self.cp)
+    def _scratch(self, nbytes: int, device: int) -> Any:
+        with self.cp.cuda.Device(device), self.stream(device):
+            return self.cp.empty(nbytes, dtype=self.cp.uint8)
 
-    def synchronize_device(self, device: int) -> None:
+    def _upload(self, host: np.ndarray, device: int) -> Any:
+        with self.cp.cuda.Device(device), self.stream(device):
+            return self.cp.asarray(host).reshape(-1).view(self.cp.uint8)
+
+    def _device_checksum(self, span: Span, device: int) -> int:
+        with self.cp.cuda.Device(device), self.stream(device):
+            return checksum64_xp(span.mem[span.offset : span.offset + span.nbytes], self.cp)  # int(): waits
+
+    def _launch(self, kernel: Any, inputs: list[tuple[Any, Any, int]], outputs: list[tuple[Any, Any, int]], params: Any, device: int) -> Any:
+        cp = self.cp
+        with cp.cuda.Device(device), self.stream(device):
+            ins = [cp.ndarray(t.shape, dtype=t.np_dtype, memptr=mem.data + off, strides=t.strides) for t, mem, off in inputs]
+            outs = [cp.ndarray(t.shape, dtype=t.np_dtype, memptr=mem.data + off, strides=t.strides) for t, mem, off in outputs]
+            return kernel.fn(ins, outs, params, cp)
+
+    def _sync(self, device: int) -> None:
         self.stream(device).synchronize()
 
     def synchronize(self) -> None:
-        for dev in list(self._streams):
+        for dev in list(self._streams):  # devices never used have nothing queued (and no context)
             self.synchronize_device(dev)
-
-    def compute(self, kernel: Any, inputs: list[tuple[Any, Span]], outputs: list[tuple[Any, Span]], params: Any, device: int) -> Any:
-        """Device operands are used in place; host operands are staged through the device."""
-        cp = self.cp
-        with cp.cuda.Device(device), self.stream(device):
-            ins = [self._device_tensor(t, s) for t, s in inputs]
-            outs = []
-            back: list[tuple[Any, np.ndarray]] = []
-            for t, s in outputs:
-                if s.kind == SegmentKind.HOST:
-                    tmp = cp.empty(t.shape, dtype=t.np_dtype)
-                    back.append((tmp, self._host_tensor(t, s)))
-                    outs.append(tmp)
-                else:
-                    outs.append(self._device_tensor(t, s))
-            result = kernel.fn(ins, outs, params, cp)
-            for tmp, host in back:
-                tmp.get(out=host, stream=self.stream(device)) if host.flags.c_contiguous else host.__setitem__(Ellipsis, tmp.get())
-            return result
-
-    @staticmethod
-    def _host_tensor(t: Any, span: Span) -> np.ndarray:
-        return np.ndarray(t.shape, dtype=t.np_dtype, buffer=span.mem.array, offset=span.offset, strides=t.strides)
-
-    def _device_tensor(self, t: Any, span: Span) -> Any:
-        cp = self.cp
-        if span.kind == SegmentKind.HOST:
-            return cp.asarray(self._host_tensor(t, span))  # H2D DMA from the registered pages
-        memptr = span.mem.data + span.offset
-        return cp.ndarray(t.shape, dtype=t.np_dtype, memptr=memptr, strides=t.strides)

@@ -115,6 +115,9 @@ class EmbeddedDaemon:
         n = int(np.prod(shape_t, dtype=np.int64)) * dt.itemsize
         if start < 0 or start + n > seg.nbytes:
             raise E.OutOfBounds(f"view of {n} bytes at offset {start} exceeds segment {seg.id} ({seg.nbytes} bytes)")
+        if start % dt.itemsize:
+            # A consumer's kernels load whole elements: misaligned, a GPU faults and loses its context.
+            raise E.InvalidField(f"a {dt} view must start at a multiple of {dt.itemsize} bytes, not at offset {start}")
         base = seg.handle.array if seg.kind == SegmentKind.HOST else seg.handle
         arr = base[start : start + n].view(dt).reshape(shape_t)
         return DeviceView(arr, keepalive=seg.handle)
