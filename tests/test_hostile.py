@@ -140,3 +140,132 @@ def test_too_many_requests_in_one_frame_is_batch_too_large(daemon_factory) -> No
     assert replies[0].error.code == transfer.BatchTooLarge.code, replies[0].error
     ok(call(s, P.Ping(2))[0])  # the session still works
     s.close(0)
+
+
+# --- 9: the daemon binds only in a directory that is private to its user ------------------------
+def _transferd(*args: str, timeout: float = 20.0) -> tuple[int | None, str, str]:
+    """Run transferd with --ready: (exit code or None if it came up and served, stdout, stderr)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "transfer.cli.transferd", "--ready", "--backend", "numpy", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # "ready", or "" when it exits
+    if line:
+        proc.terminate()
+        out, err = proc.communicate(timeout=timeout)
+        return None, line + out, err
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o1777, 0o770, 0o755])
+def test_socket_directory_others_can_reach_is_refused(tmp_path: Path, shm_dir: Path, mode: int) -> None:
+    d = tmp_path / "sockdir"
+    d.mkdir()
+    os.chmod(d, mode)
+    code, _, err = _transferd("--endpoint", f"ipc://{d}/d.sock", "--shm-dir", str(shm_dir))
+    assert code == 1, err
+    assert "refusing to bind" in err and str(d) in err and f"{mode:04o}" in err
+    assert not (d / "d.sock").exists()
+
+
+def test_socket_directory_of_another_user_is_refused(tmp_path: Path, shm_dir: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a directory another user owns")
+    d = tmp_path / "theirs"
+    d.mkdir(mode=0o700)
+    os.chown(d, 65534, 65534)
+    code, _, err = _transferd("--endpoint", f"ipc://{d}/d.sock", "--shm-dir", str(shm_dir))
+    assert code == 1 and "belongs to uid 65534" in err, err
+
+
+def test_socket_directory_the_daemon_creates_is_private(tmp_path: Path, shm_dir: Path) -> None:
+    os.chmod(tmp_path, 0o700)
+    d = tmp_path / "new" / "dir"
+    old = os.umask(0)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "transfer.cli.transferd", "--ready", "--backend", "numpy", "--endpoint", f"ipc://{d}/d.sock", "--shm-dir", str(shm_dir)],
+            stdout=subprocess.PIPE, text=True,
+        )
+    finally:
+        os.umask(old)
+    try:
+        assert proc.stdout is not None and "ready" in proc.stdout.readline()
+        assert (d.stat().st_mode & 0o777) == 0o700
+    finally:
+        proc.terminate()
+        assert proc.wait(20) == 0
+
+
+# --- 6: compute work is bounded by the memory that backs it, and long work leaves the loop -------
+def test_compute_extents_are_bounded_by_their_segment(daemon) -> None:
+    s = raw(daemon.endpoint)
+    hello(s)
+    (r,) = call(s, P.Alloc(2, 1 << 20, -1))
+    va = ok(r)["va"]  # type: ignore[index]
+    (r,) = call(s, P.Fill(3, va, 1 << 20, 5))
+    ok(r)
+
+    def checksum(rid: int, shape: list[int], strides: list[int] | None) -> P.Reply:
+        (r,) = call(s, P.Compute(rid, "checksum", [transfer.TensorRef(va, "uint8", tuple(shape), None if strides is None else tuple(strides))], [], {}))
+        return r
+
+    t0 = time.monotonic()
+    # 2**33 elements over one byte (stride 0): refused at once, nothing runs on the loop.
+    r = checksum(4, [1 << 33], [0])
+    assert r.error is not None and r.error.code == transfer.InvalidField.code, r
+    assert "more than its segment" in r.error.message
+    # Dims whose product is absurd are refused by validation.
+    r = checksum(5, [1 << 40, 1 << 40], [0, 0])
+    assert r.error is not None and r.error.code == transfer.InvalidField.code, r
+    r = checksum(6, [(1 << 20) + 1], [0])
+    assert r.error is not None and r.error.code == transfer.InvalidField.code, r
+    assert time.monotonic() - t0 < 1.0
+    # Broadcasting within the segment's size is allowed (and counted as element work).
+    r = checksum(7, [1 << 20], [0])
+    assert ok(r) == transfer.checksum64(np.full(1 << 20, 5, np.uint8))
+    r = checksum(8, [1 << 10, 1 << 10], [0, 1])
+    assert ok(r) == transfer.checksum64(np.full(1 << 20, 5, np.uint8))
+    s.close(0)
+
+
+# --- 3: hello/close cycles return every id; a refused hello leaves nothing behind ----------------
+def test_hello_close_cycles_never_exhaust_segment_ids(daemon_factory) -> None:
+    # Each hello reserves 4 Mi ids: the 16.7 Mi id space holds four sessions' arenas at once.
+    d = daemon_factory("--arena-ids", str(1 << 22))
+    t0 = time.monotonic()
+    for i in range(24):
+        s = raw(d.endpoint)
+        info = hello(s, f"cycle{i}")
+        (r,) = call(s, P.Alloc(2, 4096, -1))
+        ok(r)
+        ok(call(s, P.Close(3))[0])
+        s.close(0)
+    assert time.monotonic() - t0 < 5.0  # an arena costs one table entry, not one per id
+    with transfer.connect(d.endpoint) as c:
+        c.fill(c.alloc(4096), 4096, 1).result()
+        assert c.stats()["daemon"]["sessions"] == 1
+
+
+def test_a_refused_hello_leaves_nothing_behind(daemon_factory) -> None:
+    # Two devices of 6 Mi ids each: one session's arenas fit in the space, a second's do not.
+    d = daemon_factory("--devices", "2", "--arena-ids", str(6_000_000))
+    first = raw(d.endpoint)
+    hello(first, "first")
+    s = raw(d.endpoint)
+    for attempt in range(3):
+        (r,) = call(s, P.Hello(1, P.VERSION, "refused", os.getpid(), b""))
+        assert r.error is not None and r.error.code == transfer.QuotaExceeded.code, r
+        (r,) = call(s, P.Ping(2))
+        assert r.error is not None and r.error.code == transfer.NoSession.code, r
+    (r,) = call(first, P.Stats(2))
+    assert ok(r)["daemon"]["sessions"] == 1  # type: ignore[index]
+    ok(call(first, P.Close(3))[0])
+    # The first session's ids came back, and the refused hellos took none: a new one fits.
+    hello(s, "now")
+    (r,) = call(s, P.Stats(2))
+    assert ok(r)["daemon"]["sessions"] == 1  # type: ignore[index]
+    s.close(0)
+    first.close(0)

@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 from pathlib import Path
 from typing import Callable
 
@@ -23,16 +24,29 @@ log = logging.getLogger("transfer.daemon")
 
 
 def _prepare_ipc(endpoint: str) -> Path | None:
-    """Make the socket's directory private (0700) and clear a stale socket file."""
+    """Bind only in a private directory: ours, mode 0700 or stricter; clear a stale socket file.
+
+    A directory the daemon creates is made 0700. One that already exists is
+    used only if it belongs to this user and grants group and other nothing:
+    in a directory others can write (a world-writable one like /tmp, sticky
+    or not) another user could bind first or swap the socket for their own,
+    and clients would talk to them.
+    """
     path = ipc_path(endpoint)
     if path is None:
         return None
     parent = path.parent
     if not parent.exists():
         parent.mkdir(mode=0o700, parents=True)
+        os.chmod(parent, 0o700)  # mkdir's mode is filtered by the umask; never widened here
     st = parent.stat()
     if st.st_uid != os.geteuid():
-        raise PermissionError(f"socket directory {parent} belongs to another user")
+        raise PermissionError(f"refusing to bind {endpoint}: socket directory {parent} belongs to uid {st.st_uid}, not to this user ({os.geteuid()})")
+    if st.st_mode & 0o077:
+        raise PermissionError(
+            f"refusing to bind {endpoint}: socket directory {parent} has mode {stat.S_IMODE(st.st_mode):04o}; "
+            "it must be private to this user (chmod 700, or name a directory the daemon may create)"
+        )
     if path.exists():
         # Refuse to steal a live daemon's endpoint; a dead one's socket file is stale.
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -174,7 +174,7 @@ class Pass:
             b.waves = assign_waves(b.ops)
             nbytes = 0
             for op in b.ops:
-                nbytes += op.nbytes
+                nbytes += op.cost
                 if op.remote is not None:
                     b.inline = False
             if nbytes >= self.config.inline_bytes:

@@ -287,7 +287,7 @@ async def run_waves(
         for ops in by_device.values():
             device = ops[0].device
             units = coalesce(ops)
-            nbytes = sum(o.nbytes for o in ops)
+            nbytes = sum(o.cost for o in ops)
             if nbytes < inline_bytes:
                 _run_units(units, device)
             else:
