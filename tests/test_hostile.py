@@ -263,9 +263,121 @@ def test_a_refused_hello_leaves_nothing_behind(daemon_factory) -> None:
     (r,) = call(first, P.Stats(2))
     assert ok(r)["daemon"]["sessions"] == 1  # type: ignore[index]
     ok(call(first, P.Close(3))[0])
-    # The first session's ids came back, and the refused hellos took none: a new one fits.
-    hello(s, "now")
+    # The first session's ids come back (its task releases them just after the Close
+    # reply), and the refused hellos took none: a new one fits.
+    for _ in range(100):
+        (r,) = call(s, P.Hello(1, P.VERSION, "now", 0, b""))
+        if r.error is None or r.error.code != transfer.QuotaExceeded.code:
+            break
+        time.sleep(0.02)
+    ok(r)
     (r,) = call(s, P.Stats(2))
     assert ok(r)["daemon"]["sessions"] == 1  # type: ignore[index]
     s.close(0)
     first.close(0)
+
+
+# --- 8: shutdown answers every accepted request, or fails it with ShuttingDown -------------------
+def test_shutdown_answers_every_request_even_past_its_grace(daemon_factory) -> None:
+    import signal
+
+    d = daemon_factory("--shutdown-grace", "0.3")
+    s = raw(d.endpoint, timeout_ms=10000)
+    hello(s)
+    n = 32 << 20
+    a, b = (ok(r)["va"] for r in call(s, P.Alloc(2, n, -1), P.Alloc(3, n, -1)))  # type: ignore[index]
+    # 400 copies of 32 MiB onto the same buffer: one wave each, seconds of work in all.
+    ids = list(range(10, 410))
+    for k in range(0, len(ids), 100):
+        s.send(P.encode_requests([P.Copy(i, a, b, n) for i in ids[k : k + 100]]))
+    time.sleep(0.2)
+    d.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.05)
+    s.send(P.encode_requests([P.Copy(1000, a, b, 16), P.Ping(1001)]))  # during the drain
+    got: dict[int, P.Reply] = {}
+    deadline = time.monotonic() + 20
+    while len(got) < len(ids) + 2 and time.monotonic() < deadline:
+        for r in P.decode_replies(s.recv(), BIG):
+            got[r.id] = r
+    assert set(got) == {*ids, 1000, 1001}, f"{len(ids) + 2 - len(got)} requests got no reply"
+    codes = [None if r.error is None else r.error.code for r in got.values()]
+    assert set(codes) <= {None, transfer.ShuttingDown.code}, set(codes)
+    assert codes.count(None) >= 1 and codes.count(transfer.ShuttingDown.code) >= 2
+    assert got[1000].error is not None and got[1000].error.code == transfer.ShuttingDown.code
+    assert got[1001].error is not None and got[1001].error.code == transfer.ShuttingDown.code
+    # Answered in order: what ran came first, then what the grace cut off.
+    done = [i for i in ids if got[i].error is None]
+    assert done == ids[: len(done)]
+    assert d.proc.wait(20) == 0
+    s.close(0)
+
+
+# --- 4: connections and sessions are bounded by the fd limit; the daemon never aborts ------------
+_HOLDER = """
+import os, sys, zmq
+from transfer import protocol as P
+ep, idle, hellos = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+ctx = zmq.Context(); ctx.set(zmq.MAX_SOCKETS, 4096)
+socks = []
+for i in range(idle):
+    s = ctx.socket(zmq.DEALER); s.setsockopt(zmq.LINGER, 0); s.connect(ep); socks.append(s)
+codes = {}
+for i in range(hellos):
+    s = ctx.socket(zmq.DEALER); s.setsockopt(zmq.LINGER, 0); s.setsockopt(zmq.RCVTIMEO, 5000); s.connect(ep); socks.append(s)
+    s.send(P.encode_requests([P.Hello(1, P.VERSION, "h", os.getpid(), b"")]))
+    try:
+        (r,) = P.decode_replies(s.recv())
+        k = "ok" if r.error is None else r.error.code
+    except zmq.Again:
+        k = "none"
+    codes[k] = codes.get(k, 0) + 1
+print(codes, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_idle_connections_and_hellos_cannot_exhaust_descriptors(tmp_path: Path, shm_dir: Path) -> None:
+    import resource
+
+    os.chmod(tmp_path, 0o700)
+    ep = f"ipc://{tmp_path}/d.sock"
+
+    def low_soft_limit() -> None:  # like a shell's default ulimit -n, with room under the hard limit
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 2048))
+
+    log = open(tmp_path / "transferd.log", "w+")
+    d = subprocess.Popen(
+        [sys.executable, "-m", "transfer.cli.transferd", "--ready", "--backend", "numpy", "--endpoint", ep,
+         "--shm-dir", str(shm_dir), "--log-level", "INFO", "--heartbeat", "5", "--session-timeout", "60", "--max-sessions", "100"],
+        stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=low_soft_limit,
+    )
+    holders = []
+    try:
+        assert d.stdout is not None and "ready" in d.stdout.readline()
+        # Four processes: 1,000 idle connections and 160 hellos that give a pid (a pidfd each).
+        holders = [
+            subprocess.Popen([sys.executable, "-c", _HOLDER, ep, "250", "40"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            for _ in range(4)
+        ]
+        results = [h.stdout.readline() for h in holders]  # type: ignore[union-attr]
+        assert d.poll() is None, (tmp_path / "transferd.log").read_text()[-2000:]
+        counts = [eval(r) for r in results]  # {'ok': n, 302: m}: every hello answered
+        assert sum(c.get("ok", 0) for c in counts) == 100, results
+        assert sum(c.get(transfer.QuotaExceeded.code, 0) for c in counts) == 60, results  # the session limit
+        # A good client is served, or refused clearly; the daemon is alive.
+        try:
+            with transfer.connect(ep, connect_timeout=5.0) as c:
+                c.fill(c.alloc(4096), 4096, 1).result()
+        except transfer.QuotaExceeded as exc:
+            assert "session limit" in str(exc)
+        assert d.poll() is None
+    finally:
+        for h in holders:
+            h.stdin.close()  # type: ignore[union-attr]
+            h.wait(20)
+        d.terminate()
+        code = d.wait(30)
+        log.close()
+    err = (tmp_path / "transferd.log").read_text()
+    assert code == 0, err[-2000:]
+    assert "fd limit 2048: at most 100 sessions and 1492 connections" in err  # raised from 256 to the hard limit

@@ -30,8 +30,8 @@ tensor = st.builds(
     u64,
     st.sampled_from(sorted(DTYPES)),
     # Valid tensors present at most 2**40 bytes of elements and span at most 2**40 bytes.
-    st.one_of(st.lists(st.integers(0, 1 << 4), max_size=8), st.lists(st.integers(0, 1 << 36), max_size=1)).map(tuple),
-).flatmap(lambda t: st.one_of(st.just(t), st.lists(st.integers(0, 1 << 30), min_size=len(t.shape), max_size=len(t.shape)).map(lambda s: TensorRef(t.va, t.dtype, t.shape, tuple(s)))))
+    st.one_of(st.lists(st.integers(0, 1 << 4), max_size=8), st.lists(st.integers(0, 1 << 20), max_size=1)).map(tuple),
+).flatmap(lambda t: st.one_of(st.just(t), st.lists(st.integers(0, 1 << 19), min_size=len(t.shape), max_size=len(t.shape)).map(lambda s: TensorRef(t.va, t.dtype, t.shape, tuple(s)))))
 
 requests = st.one_of(
     st.builds(P.Hello, rid, u32, st.text(max_size=100), u32, st.binary(max_size=100)),
