@@ -114,3 +114,49 @@ def test_ids_are_not_reused_while_the_space_lasts() -> None:
     assert b.id != a.id
     with pytest.raises(E.SegmentFreed):
         t.lookup(a.va, "a")
+
+
+def test_ids_come_back_once_the_cursor_has_gone_round() -> None:
+    """Freed ids and released arenas return; not before every other id has been used once."""
+    t: MappingTable[str] = MappingTable(id_space=64)
+    blocks = [t.reserve_block(16, f"s{i}") for i in range(4)]
+    assert blocks == [1, 17, 33, 49]
+    with pytest.raises(E.QuotaExceeded):
+        t.reserve_block(16, "s4")
+    with pytest.raises(E.QuotaExceeded):
+        t.reserve_id()
+    seg = t.add_reserved(20, SegmentKind.DEVICE, 10, "s1", "h")
+    t.release_block(17, 16)  # session s1 ends: its arena returns, its segment stays until freed
+    assert t.reserve_block(8, "s5") == 21  # around past 1..16 (held) and 20 (a live segment)
+    t.remove(seg.id)
+    with pytest.raises(E.SegmentFreed):
+        t.lookup(seg.va, "s1")
+    for sid in (29, 30):
+        assert t.reserve_id() == sid
+        t.add_reserved(sid, SegmentKind.HOST, 10, "s9", "h")
+    # 31, 32 are too few before the next arena: the cursor wraps and finds 17..20 (20 freed).
+    assert t.reserve_block(4, "s6") == 17
+    with pytest.raises(E.QuotaExceeded):
+        t.reserve_block(3, "s7")
+    for first in (1, 33, 49):
+        t.release_block(first, 16)
+    # Endless open/close cycles never exhaust the space.
+    for i in range(1000):
+        first = t.reserve_block(16, i)
+        t.release_block(first, 16)
+
+
+def test_arena_ids_are_held_by_block_not_by_id() -> None:
+    """A huge arena costs the table one entry, not one per id."""
+    t: MappingTable[str] = MappingTable()
+    first = t.reserve_block(1 << 22, "a")
+    assert t.reserved_ids == 1 << 22
+    with pytest.raises(E.NotOwner):
+        t.lookup((first + 5) << 40, "b")
+    with pytest.raises(E.InvalidAddress):
+        t.lookup((first + 5) << 40, "a")
+    with pytest.raises(E.NotOwner):
+        t.add_reserved(first + 5, SegmentKind.DEVICE, 10, "b", "h")
+    t.add_reserved(first + 5, SegmentKind.DEVICE, 10, "a", "h")
+    t.release_block(first, 1 << 22)
+    assert t.reserved_ids == 0

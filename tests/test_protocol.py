@@ -29,8 +29,9 @@ tensor = st.builds(
     TensorRef,
     u64,
     st.sampled_from(sorted(DTYPES)),
-    st.lists(st.integers(0, 1 << 40), max_size=8).map(tuple),
-).flatmap(lambda t: st.one_of(st.just(t), st.lists(st.integers(0, 1 << 40), min_size=len(t.shape), max_size=len(t.shape)).map(lambda s: TensorRef(t.va, t.dtype, t.shape, tuple(s)))))
+    # Valid tensors present at most 2**40 bytes of elements and span at most 2**40 bytes.
+    st.one_of(st.lists(st.integers(0, 1 << 4), max_size=8), st.lists(st.integers(0, 1 << 20), max_size=1)).map(tuple),
+).flatmap(lambda t: st.one_of(st.just(t), st.lists(st.integers(0, 1 << 19), min_size=len(t.shape), max_size=len(t.shape)).map(lambda s: TensorRef(t.va, t.dtype, t.shape, tuple(s)))))
 
 requests = st.one_of(
     st.builds(P.Hello, rid, u32, st.text(max_size=100), u32, st.binary(max_size=100)),
@@ -394,3 +395,14 @@ def test_public_surface() -> None:
     assert all(P.REQUEST_TYPES[op].OP == op for op in P.REQUEST_TYPES)
     assert isinstance(P.decode_request(msgpack.packb([20, 1, 0, 0, 0, 0])), P.Copy)
     assert isinstance(P.decode_request([20, 1, -1, 0, 0, 0]), P.BadRequest)
+
+
+def test_tensors_beyond_the_largest_segment_are_refused() -> None:
+    """Dims whose product (times the itemsize) or whose extent passes 2**40 bytes never decode."""
+    from transfer._fields import tensors
+
+    tensors([[0, "uint8", [1 << 20, 1 << 20], None]], "t")
+    for bad in ([[0, "uint8", [1 << 20, (1 << 20) + 1], None]], [[0, "float64", [1 << 38], [0]]],
+                [[0, "uint8", [1 << 40, 1 << 40, 1 << 40], [0, 0, 0]]], [[0, "uint8", [3], [1 << 40]]]):
+        with pytest.raises(E.InvalidField):
+            tensors(bad, "t")

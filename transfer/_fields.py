@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from msgspec import Meta
 
 from . import errors as E
-from .kernels import DTYPES, MAX_DIMS, TensorRef
+from .kernels import DTYPES, MAX_DIMS, TensorRef, tensor_extent, tensor_nbytes
 
 U64_MAX = (1 << 64) - 1
 U32_MAX = (1 << 32) - 1
@@ -66,8 +66,11 @@ u64 = _int_range(0, U64_MAX, "u64")
 u32 = _int_range(0, U32_MAX, "u32")
 u8 = _int_range(0, 255, "u8")
 i32 = _int_range(I32_MIN, I32_MAX, "i32")
-_dimension = _int_range(0, 1 << 40, "dimension")
-_stride = _int_range(0, 1 << 40, "stride")
+#: No tensor presents more element bytes, or spans more bytes, than the largest segment
+#: (addressing.MAX_SEGMENT_BYTES, 1 TiB); the planner then bounds both by the real segment.
+MAX_TENSOR_BYTES = 1 << 40
+_dimension = _int_range(0, MAX_TENSOR_BYTES, "dimension")
+_stride = _int_range(0, MAX_TENSOR_BYTES, "stride")
 
 
 def text(max_len: int) -> Validator:
@@ -103,7 +106,11 @@ def tensors(v: Any, name: str) -> list[TensorRef]:
                 raise E.InvalidField(f"{where}.strides: expected nil or one stride per dimension")
             for st_ in strides:
                 _stride(st_, f"{where}.strides")
-        out.append(TensorRef(va, dtype, tuple(shape), None if strides is None else tuple(strides)))
+        ref = TensorRef(va, dtype, tuple(shape), None if strides is None else tuple(strides))
+        # Exact integers: a product of 8 dims of 2**40 cannot overflow, only be refused.
+        if tensor_nbytes(ref) > MAX_TENSOR_BYTES or tensor_extent(ref) > MAX_TENSOR_BYTES:
+            raise E.InvalidField(f"{where}.shape: the tensor's elements exceed {MAX_TENSOR_BYTES} bytes")
+        out.append(ref)
     return out
 
 

@@ -5,15 +5,19 @@ dict lookup plus integer compares, and nothing here touches memory: the
 table only decides *whether* a range may be touched, and hands back the
 segment so the caller can.
 
-Segment ids are handed out by a counter and not reused until the 24-bit
-space is exhausted, so a freed segment's VA is reported as freed rather than
-silently aliasing a newer segment.
+Segment ids are handed out by a cursor that moves through the 24-bit space
+and wraps around, skipping ids in use (the way Linux hands out pids). A freed
+id (a segment's, or a whole deferred-allocation arena's when its session
+ends) is therefore not reused until the cursor has gone once round the whole
+space: 16.7 million allocations later. Until then a freed segment's VA is
+reported as freed rather than silently aliasing a newer segment, and after
+that ids come back instead of running out.
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Generic, Hashable, Iterator, TypeVar
 
@@ -86,21 +90,33 @@ class Segment(Generic[H]):
 class MappingTable(Generic[H]):
     """segment id -> Segment, with O(1) translation and ownership checks."""
 
-    def __init__(self, max_segments: int = MAX_SEGMENT_ID) -> None:
+    def __init__(self, max_segments: int = MAX_SEGMENT_ID, id_space: int = MAX_SEGMENT_ID) -> None:
         if not 0 < max_segments <= MAX_SEGMENT_ID:
             raise ValueError("max_segments out of range")
+        if not 0 < id_space <= MAX_SEGMENT_ID:
+            raise ValueError("id_space out of range")
         self._segments: dict[int, Segment[H]] = {}
-        self._next_id = 1
         self._max_segments = max_segments
-        self._recycled: deque[int] = deque()
-        #: Arena ids reserved for a session but not (or no longer) holding a segment.
-        self._reserved: dict[int, Hashable] = {}
+        #: Ids run 1..id_space (the full 24 bits, less in tests of the wrap-around).
+        self._last_id = id_space
+        #: The next id to try; every id below it has been handed out at least once.
+        self._cursor = 1
+        #: The cursor has gone round once: every id has been handed out.
+        self._wrapped = False
+        #: Arena blocks reserved for a session: first id -> (count, owner); `_starts` sorted.
+        self._blocks: dict[int, tuple[int, Hashable]] = {}
+        self._starts: list[int] = []
 
     def __len__(self) -> int:
         return len(self._segments)
 
     def __iter__(self) -> Iterator[Segment[H]]:
         return iter(list(self._segments.values()))
+
+    @property
+    def reserved_ids(self) -> int:
+        """Ids held by arena blocks (whether or not a segment lives in them yet)."""
+        return sum(count for count, _ in self._blocks.values())
 
     def add(
         self,
@@ -121,51 +137,95 @@ class MappingTable(Generic[H]):
         handle: H,
         device: int = -1,
     ) -> Segment[H]:
-        """Insert under an id from `reserve_id` (for callers that name files after it first)."""
+        """Insert under an id from `reserve_id` or an arena block (for callers that name files after it first)."""
         if not 0 < nbytes <= MAX_SEGMENT_BYTES:
             raise InvalidAddress(f"segment size {nbytes} is outside 1..{MAX_SEGMENT_BYTES}")
         if len(self._segments) >= self._max_segments:
             raise QuotaExceeded(f"the daemon's table is full ({self._max_segments} segments)")
-        if segment_id in self._segments or not 0 < segment_id < self._next_id:
+        if segment_id in self._segments or not 0 < segment_id <= self._last_id or not (self._wrapped or segment_id < self._cursor):
             raise ValueError(f"segment id {segment_id} was not reserved")
-        held = self._reserved.get(segment_id)
+        held = self._holder(segment_id)
         if held is not None and held != owner:
             raise NotOwner(f"segment id {segment_id} is in another session's arena")
         seg: Segment[H] = Segment(segment_id, kind, nbytes, owner, handle, device)
         self._segments[segment_id] = seg
         return seg
 
+    # --- ids ------------------------------------------------------------------------------------
+    def _block_at(self, sid: int) -> tuple[int, int, Hashable] | None:
+        """The arena block holding `sid`: (first, count, owner), or None."""
+        i = bisect.bisect_right(self._starts, sid) - 1
+        if i < 0:
+            return None
+        first = self._starts[i]
+        count, owner = self._blocks[first]
+        return (first, count, owner) if sid < first + count else None
+
+    def _holder(self, sid: int) -> Hashable | None:
+        blk = self._block_at(sid)
+        return None if blk is None else blk[2]
+
+    def _conflict(self, first: int, count: int) -> int:
+        """The first id in [first, first + count) that is in use (a segment or a block), or 0."""
+        end = first + count
+        hits: list[int] = []
+        blk = self._block_at(first)
+        if blk is not None:
+            return first
+        i = bisect.bisect_left(self._starts, first)
+        if i < len(self._starts) and self._starts[i] < end:
+            hits.append(self._starts[i])
+        segs = self._segments
+        if count <= len(segs):
+            for sid in range(first, hits[0] if hits else end):
+                if sid in segs:
+                    return sid
+        else:
+            hits.extend(sid for sid in segs if first <= sid < end)
+        return min(hits) if hits else 0
+
+    def _take(self, count: int) -> int:
+        """`count` consecutive unused ids at or after the cursor (wrapping); advance past them."""
+        if count > self._last_id:
+            raise QuotaExceeded(f"segment id space exhausted: {count} ids asked, the space has {self._last_id}")
+        scanned = 0
+        start = self._cursor
+        while scanned <= self._last_id + count:
+            if start + count - 1 > self._last_id:
+                scanned += self._last_id + 1 - start
+                start = 1
+                self._wrapped = True
+                continue
+            used = self._conflict(start, count)
+            if not used:
+                self._cursor = start + count
+                if self._cursor > self._last_id:
+                    self._cursor, self._wrapped = 1, True
+                return start
+            blk = self._block_at(used)
+            nxt = blk[0] + blk[1] if blk is not None else used + 1
+            scanned += nxt - start
+            start = nxt
+        raise QuotaExceeded(f"segment id space exhausted: no {count} free consecutive ids among {self._last_id}")
+
     def reserve_id(self) -> int:
-        """Next free id; ids are recycled oldest-first only once the counter runs out."""
-        if self._next_id <= MAX_SEGMENT_ID:
-            sid = self._next_id
-            self._next_id += 1
-            return sid
-        while self._recycled:
-            sid = self._recycled.popleft()
-            if sid not in self._segments:
-                return sid
-        raise QuotaExceeded("segment id space exhausted")
+        """The next unused id; a freed id comes back only after the cursor has gone round."""
+        return self._take(1)
 
     def reserve_block(self, count: int, owner: Hashable) -> int:
         """Reserve `count` consecutive ids for `owner` (a deferred-allocation arena); return the first."""
-        if self._next_id + count - 1 > MAX_SEGMENT_ID:
-            raise QuotaExceeded("segment id space exhausted: no room for another arena")
-        first = self._next_id
-        self._next_id += count
-        for sid in range(first, first + count):
-            self._reserved[sid] = owner
+        first = self._take(count)
+        self._blocks[first] = (count, owner)
+        bisect.insort(self._starts, first)
         return first
 
     def release_block(self, first: int, count: int) -> None:
-        for sid in range(first, first + count):
-            self._reserved.pop(sid, None)
+        """Give an arena's ids back (segments in it stay until removed)."""
+        if self._blocks.pop(first, None) is not None:
+            self._starts.pop(bisect.bisect_left(self._starts, first))
 
     def remove(self, segment_id: int) -> Segment[H]:
-        seg = self._segments.pop(segment_id)
-        if self._next_id > MAX_SEGMENT_ID:
-            self._recycled.append(segment_id)
-        return seg
+        return self._segments.pop(segment_id)
 
     def get(self, segment_id: int) -> Segment[H] | None:
         return self._segments.get(segment_id)
@@ -177,12 +237,12 @@ class MappingTable(Generic[H]):
         sid = va >> OFFSET_BITS
         seg = self._segments.get(sid)
         if seg is None:
-            holder = self._reserved.get(sid)
+            holder = self._holder(sid)
             if holder is not None:
                 if holder != owner:
                     raise NotOwner(f"VA {va:#x}: segment {sid} is in another session's arena")
                 raise InvalidAddress(f"VA {va:#x}: a deferred allocation that was never defined (or was freed)")
-            if 0 < sid < self._next_id:
+            if 0 < sid <= self._last_id and (self._wrapped or sid < self._cursor):
                 raise SegmentFreed(f"VA {va:#x}: segment {sid} has been freed")
             raise UnknownSegment(f"VA {va:#x}: no segment {sid}")
         if seg.owner != owner and owner not in seg.guests:

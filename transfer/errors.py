@@ -34,6 +34,7 @@ __all__ = [
     "NoSession",
     "SessionClosed",
     "RingUnavailable",
+    "ShuttingDown",
     "ConnectionLost",
     "DaemonUnavailable",
     "RequestTimeout",
@@ -202,6 +203,12 @@ class RingUnavailable(SessionError):
     """The session cannot have a shared-memory request ring (disabled, another host, or one is open)."""
 
     code = 403
+
+
+class ShuttingDown(SessionError):
+    """The daemon is shutting down: the request was not run (it arrived during the drain, or the grace ran out)."""
+
+    code = 404
 
 
 # --- 500: the connection (raised by clients, never sent) --------------------

@@ -29,6 +29,7 @@ __all__ = [
     "Registry",
     "REGISTRY",
     "tensor_extent",
+    "tensor_nbytes",
     "OPERATORS",
 ]
 
@@ -71,6 +72,15 @@ def tensor_extent(t: TensorRef) -> int:
             n *= d
         return n
     return sum((d - 1) * s for d, s in zip(t.shape, t.strides)) + item
+
+
+def tensor_nbytes(t: TensorRef) -> int:
+    """Bytes of the tensor's elements (product of its dims times the itemsize): the work a
+    kernel does on it. Larger than the extent when strides repeat memory (stride 0)."""
+    n = DTYPES[t.dtype].itemsize
+    for d in t.shape:
+        n *= d
+    return n
 
 
 # --- operators -----------------------------------------------------------------------------

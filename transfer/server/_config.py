@@ -9,7 +9,16 @@ from ..memory import default_shm_dir
 from ..protocol import Limits
 from ..transport._zmq import default_endpoint
 
-__all__ = ["DaemonConfig"]
+__all__ = ["DaemonConfig", "session_limit", "connection_limit", "FDS_PER_SESSION", "FD_RESERVE"]
+
+#: File descriptors one session can make the daemon hold: its connection, its pidfd
+#: watcher, its ring's doorbell FIFO, and one to spare (a FIFO being opened).
+FDS_PER_SESSION = 4
+#: Descriptors kept for the daemon itself (zmq's threads and mailboxes, trio, the lock,
+#: logs, the metrics server) and for connections that have not said hello yet.
+FD_RESERVE = 256
+#: The automatic session limit never exceeds this.
+MAX_AUTO_SESSIONS = 1024
 
 
 @dataclass(frozen=True)
@@ -38,6 +47,9 @@ class DaemonConfig:
     size_threshold: int = 1 << 20
     #: Requests a session may have queued or running (credits announced in hello).
     max_inflight: int = 1 << 16
+    #: Sessions the daemon serves at once; a hello beyond gets QuotaExceeded. 0 = sized from
+    #: the file-descriptor limit (`session_limit`).
+    max_sessions: int = 0
     #: Segment ids in each session's deferred-allocation arena, per device.
     arena_ids: int = 256
     #: Requests one scheduler pass takes from a session.
@@ -62,3 +74,23 @@ class DaemonConfig:
     #: Prometheus metrics over HTTP (`transfer.server._metrics`); 0 = off.
     metrics_port: int = 0
     metrics_addr: str = "127.0.0.1"
+
+
+def session_limit(config: DaemonConfig, nofile: int) -> int:
+    """The session limit: `max_sessions` if set, else sized so that every session's
+    descriptors take at most half of what the reserve leaves under `nofile` (the other
+    half absorbs connections that have not said hello yet)."""
+    if config.max_sessions:
+        return config.max_sessions
+    return max(1, min(MAX_AUTO_SESSIONS, _available(nofile) // (2 * FDS_PER_SESSION)))
+
+
+def _available(nofile: int) -> int:
+    return nofile - min(FD_RESERVE, nofile // 4)
+
+
+def connection_limit(config: DaemonConfig, nofile: int) -> int:
+    """Connections (with or without a session) the daemon keeps open: what the sessions'
+    other descriptors leave of the available ones. Beyond it, a new connection is closed."""
+    sessions = session_limit(config, nofile)
+    return max(sessions, _available(nofile) - sessions * (FDS_PER_SESSION - 1))

@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 from pathlib import Path
 from typing import Callable
 
@@ -14,7 +15,7 @@ import trio
 import zmq
 
 from ..transport._zmq import SocketPump, check_endpoint, ipc_path
-from ._config import DaemonConfig
+from ._config import DaemonConfig, connection_limit, session_limit
 from ._server import Server
 
 __all__ = ["serve", "run"]
@@ -23,16 +24,29 @@ log = logging.getLogger("transfer.daemon")
 
 
 def _prepare_ipc(endpoint: str) -> Path | None:
-    """Make the socket's directory private (0700) and clear a stale socket file."""
+    """Bind only in a private directory: ours, mode 0700 or stricter; clear a stale socket file.
+
+    A directory the daemon creates is made 0700. One that already exists is
+    used only if it belongs to this user and grants group and other nothing:
+    in a directory others can write (a world-writable one like /tmp, sticky
+    or not) another user could bind first or swap the socket for their own,
+    and clients would talk to them.
+    """
     path = ipc_path(endpoint)
     if path is None:
         return None
     parent = path.parent
     if not parent.exists():
         parent.mkdir(mode=0o700, parents=True)
+        os.chmod(parent, 0o700)  # mkdir's mode is filtered by the umask; never widened here
     st = parent.stat()
     if st.st_uid != os.geteuid():
-        raise PermissionError(f"socket directory {parent} belongs to another user")
+        raise PermissionError(f"refusing to bind {endpoint}: socket directory {parent} belongs to uid {st.st_uid}, not to this user ({os.geteuid()})")
+    if st.st_mode & 0o077:
+        raise PermissionError(
+            f"refusing to bind {endpoint}: socket directory {parent} has mode {stat.S_IMODE(st.st_mode):04o}; "
+            "it must be private to this user (chmod 700, or name a directory the daemon may create)"
+        )
     if path.exists():
         # Refuse to steal a live daemon's endpoint; a dead one's socket file is stale.
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -46,6 +60,24 @@ def _prepare_ipc(endpoint: str) -> Path | None:
     return path
 
 
+def _raise_fd_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit (libzmq aborts the process when an
+    accept finds no free descriptor); return the limit now in force."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not Linux
+        return 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if want > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the fd limit from %d to %d: %s", soft, want, exc)
+    return soft
+
+
 async def serve(
     config: DaemonConfig,
     *,
@@ -54,6 +86,13 @@ async def serve(
 ) -> None:
     """Serve until SIGINT/SIGTERM (or `stop` is set, for an embedded daemon); then drain and release everything."""
     server = Server(config)
+    nofile = _raise_fd_limit()
+    server.front.max_sessions = session_limit(config, nofile)
+    max_connections = connection_limit(config, nofile)
+    log.info(
+        "fd limit %d: at most %d sessions%s and %d connections", nofile, server.front.max_sessions,
+        "" if config.max_sessions else " (sized from the fd limit)", max_connections,
+    )
     swept = server.open()
     if swept:
         log.warning("removed %d shared-memory files left by dead daemons", len(swept))
@@ -96,6 +135,7 @@ async def serve(
                 if secure_pump is not None:
                     nursery.start_soon(secure_pump.run, lambda parts: server.on_message([SECURE_PREFIX + parts[0], *parts[1:]], secure=True) if parts else None)
                 nursery.start_soon(server.reap_silent)
+                nursery.start_soon(_guard_connections, sock, max_connections)
                 log.info("transferd %d serving %s (backend %s)", os.getpid(), ", ".join(config.endpoints), server.backend.name)
                 task_status.started(server)
                 if signals is None:
@@ -105,10 +145,7 @@ async def serve(
                     async for signum in signals:
                         log.info("signal %d: draining", signum)
                         break
-                await _drain(server, pump, config.shutdown_grace_s)
-                if secure_pump is not None:
-                    with trio.move_on_after(1.0):
-                        await secure_pump.wait_drained()
+                await _drain(server, [pump] if secure_pump is None else [pump, secure_pump], config.shutdown_grace_s)
                 nursery.cancel_scope.cancel()
     finally:
         server.close()
@@ -145,6 +182,49 @@ def _curve_router(ctx: zmq.Context, config: DaemonConfig) -> tuple[zmq.Socket, o
     return sock, auth
 
 
+async def _guard_connections(sock: zmq.Socket, limit: int) -> None:
+    """Keep the ipc connections under `limit`: libzmq accepts every connection and aborts
+    the whole process when an accept finds no free descriptor (ipc_listener.cpp), so a
+    connection beyond the limit is shut down as soon as it is accepted (the client sees the
+    connection close; one that says hello within the limit gets an answer). A burst faster
+    than this task can close connections is bounded only by the fd limit's headroom."""
+    monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+    open_fds: set[int] = set()
+    refused = 0
+
+    def on_event(parts: list[bytes]) -> None:
+        nonlocal refused
+        if len(parts) != 2 or len(parts[0]) != 6:
+            return
+        event, fd = int.from_bytes(parts[0][:2], "little"), int.from_bytes(parts[0][2:], "little")
+        if event == zmq.EVENT_DISCONNECTED:
+            open_fds.discard(fd)
+        elif event == zmq.EVENT_ACCEPTED:
+            if len(open_fds) < limit:
+                open_fds.add(fd)
+                return
+            refused += 1
+            if refused == 1 or refused % 1000 == 0:
+                log.warning("%d connections open (the limit): closing new ones (%d so far)", len(open_fds), refused)
+            try:
+                s = socket.socket(fileno=os.dup(fd))  # a dup: libzmq keeps (and closes) its own
+            except OSError:
+                return
+            try:
+                s.shutdown(socket.SHUT_RDWR)  # libzmq reads EOF and closes its end
+            except OSError:
+                pass
+            finally:
+                s.close()
+
+    try:
+        await SocketPump(monitor).run(on_event)
+    finally:
+        with contextlib.suppress(zmq.ZMQError):
+            sock.disable_monitor()
+        monitor.close(0)
+
+
 def _route(plain: SocketPump, secure: SocketPump | None) -> Callable[[bytes, bytes], None]:
     """Replies go back through the socket the identity's prefix names."""
 
@@ -157,13 +237,30 @@ def _route(plain: SocketPump, secure: SocketPump | None) -> Callable[[bytes, byt
     return send
 
 
-async def _drain(server: Server, pump: SocketPump, grace: float) -> None:
-    """Stop accepting; let queued frames finish and their replies leave."""
-    sessions = server.front.drain()  # each session task finishes what is queued, then exits
+#: After the grace: how long the daemon waits for work already on worker threads (it cannot be
+#: interrupted), and then for the replies to leave.
+_STOP_WAIT_S = 30.0
+_FLUSH_WAIT_S = 2.0
+
+
+async def _drain(server: Server, pumps: list[SocketPump], grace: float) -> None:
+    """Stop accepting; let queued work finish for `grace` seconds, fail what is left with
+    ShuttingDown, and flush every reply before the sockets close."""
+    front = server.front
+    sessions = front.drain()  # each session task finishes what is queued, then exits
     with trio.move_on_after(grace):
         for s in sessions:
             await s.finished.wait()
-        await pump.wait_drained()
+    left = [s for s in sessions if not s.finished.is_set()]
+    if left:
+        log.warning("shutdown grace (%.1f s) ran out: %d session(s) still had work; failing it with ShuttingDown", grace, len(left))
+        front.stop(left)  # queued requests answered ShuttingDown; a running wave finishes and is answered
+        with trio.move_on_after(_STOP_WAIT_S):
+            for s in left:
+                await s.finished.wait()
+    with trio.move_on_after(_FLUSH_WAIT_S):
+        for pump in pumps:
+            await pump.wait_drained()
 
 
 def run(config: DaemonConfig) -> int:

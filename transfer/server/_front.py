@@ -45,6 +45,8 @@ class Front:
         self._stats = stats
         self.sessions: dict[bytes, Session] = {}
         self.accepting = True
+        #: Sessions served at once (the daemon sizes it from the fd limit at startup).
+        self.max_sessions = config.max_sessions or 1024
         self.watch_pids = any(e.startswith("ipc://") for e in config.endpoints)
         # Set by the daemon loop:
         self.send: Callable[[bytes, bytes], None] = lambda identity, data: None
@@ -70,6 +72,12 @@ class Front:
         session = self.sessions.get(identity)
         acc.frame(session)
         if not reqs:
+            return
+        if not self.accepting:
+            # Draining: nothing new is accepted, whoever sends it (a session that already
+            # finished draining is gone from `sessions`, and must not read NoSession).
+            acc.received(session, len(reqs))
+            self._refuse(identity, session, reqs, E.ShuttingDown("the daemon is shutting down"))
             return
         if session is None:
             first = reqs[0]
@@ -115,7 +123,9 @@ class Front:
         if req.version != P.VERSION:
             raise E.UnsupportedVersion(f"client speaks protocol {req.version}, this daemon {P.VERSION}")
         if not self.accepting:
-            raise E.SessionClosed("the daemon is shutting down")
+            raise E.ShuttingDown("the daemon is shutting down")
+        if len(self.sessions) >= self.max_sessions:
+            raise E.QuotaExceeded(f"daemon at its session limit ({self.max_sessions} sessions): try again later")
         session = Session(identity, req.client, req.pid, remote_peer=secure, last_seen=time.monotonic())
         info = self._hello_info(session)  # grants arenas: may refuse
         self.sessions[identity] = session
@@ -201,11 +211,24 @@ class Front:
                 self.end_soon(session, "heartbeat timeout")
 
     def drain(self) -> list[Session]:
-        """Shutdown: accept nothing new; each session finishes what is queued, then ends."""
+        """Shutdown: accept nothing new (new requests get ShuttingDown); each session
+        finishes what is queued, then ends."""
         self.accepting = False
+        self.pass_.shutting_down = True
         sessions = list(self.sessions.values())
         for s in sessions:
             if s.phase is Phase.OPEN:
                 s.to(Phase.DRAINING)
             s.wake.set()
         return sessions
+
+    def stop(self, sessions: list[Session]) -> None:
+        """The grace ran out: what is queued fails ShuttingDown (replies, ring completions);
+        a pass running on a worker finishes its current wave, is answered, and the session ends."""
+        err = E.ShuttingDown("the daemon is shutting down: its grace ran out before this request ran")
+        for s in sessions:
+            if not s.running:
+                continue
+            self.pass_.fail_queued(s, err)
+            s.to(Phase.CLOSING)
+            s.wake.set()

@@ -51,6 +51,13 @@ class Op:
     remote: Any = None
     #: SOCKET or RING: where the answer goes. Internal ops (a staging pull) have rid 0.
     route: int = SOCKET
+    #: Bytes of work when it exceeds `nbytes` (a compute's elements; stride 0 repeats memory).
+    work: int = 0
+
+    @property
+    def cost(self) -> int:
+        """What decides inline or a worker: the larger of the bytes touched and the element work."""
+        return self.nbytes if self.nbytes >= self.work else self.work
 
     def answered(self) -> Any:
         """The ids this op answers (an int, or a sequence for a vector of copies)."""

@@ -83,6 +83,8 @@ class Pass:
         self.send = send
         #: Set by the server: end a session (its NIXL peer died mid-transfer).
         self.on_peer_lost: Callable[[Session], None] = lambda s: None
+        #: The daemon is draining (set by the front): what cannot run fails ShuttingDown.
+        self.shutting_down = False
 
     # --- entry points --------------------------------------------------------------------------
     def kick(self, session: Session) -> None:
@@ -108,10 +110,41 @@ class Pass:
             elif batch.inline:
                 run_inline(batch.waves)
             else:
-                await run_waves(batch.waves, self.limiters, self.config.inline_bytes)
+                await run_waves(batch.waves, self.limiters, self.config.inline_bytes, lambda: self._stopped(session))
         finally:
             session.current = None
         self.complete(batch)
+        await trio.lowlevel.checkpoint()  # a queue of inline passes must not hold the loop
+
+    def _stopped(self, session: Session) -> E.TransferError | None:
+        """Between waves: the error for what has not started, once the session stopped running."""
+        if session.running:
+            return None
+        if self.shutting_down:
+            return E.ShuttingDown("the daemon is shutting down: its grace ran out before this request ran")
+        return E.SessionClosed("the session closed before this request ran")
+
+    def fail_queued(self, session: Session, err: E.TransferError) -> None:
+        """Answer everything queued with `err` (socket replies; completions for ring requests)."""
+        b = Batch(session)
+        q = session.queue
+        while q:
+            req, route = q.popleft()
+            if type(req) is CopyRun:
+                ids = req.ids.tolist()
+                if route == RING:
+                    b.ring_n += len(ids)
+                else:
+                    b.socket_n += len(ids)
+                b.refused.extend((int(i), route, err) for i in ids)
+                continue
+            if route == RING:
+                b.ring_n += 1
+            else:
+                b.socket_n += 1
+            b.refused.append((req.id, route, err))
+        if b.refused:
+            self.complete(b)
 
     # --- take and plan -------------------------------------------------------------------------
     def take(self, session: Session) -> Batch:
@@ -174,7 +207,7 @@ class Pass:
             b.waves = assign_waves(b.ops)
             nbytes = 0
             for op in b.ops:
-                nbytes += op.nbytes
+                nbytes += op.cost
                 if op.remote is not None:
                     b.inline = False
             if nbytes >= self.config.inline_bytes:

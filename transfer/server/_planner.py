@@ -16,7 +16,7 @@ from .. import errors as E
 from .. import protocol as P
 from ..addressing import MappingTable, Segment, SegmentKind
 from ..backends import Span
-from ..kernels import OPERATORS, REGISTRY, TensorRef, tensor_extent
+from ..kernels import OPERATORS, REGISTRY, TensorRef, tensor_extent, tensor_nbytes
 from ._ops import SOCKET, Op, hulls
 from ._placement import Placement, VirtualDevice
 from ._remote import names_remote, plan_remote_copies, plan_remote_copy, pull_input
@@ -198,9 +198,21 @@ class Planner:
         op.check(req.inputs, req.outputs, req.params)
         placed: list[tuple[TensorRef, Any, int, int]] = []
         pulls: list[Op] = []
+        work = 0
         for k, t in enumerate((*req.inputs, *req.outputs)):
             extent = tensor_extent(t)
             seg, off = self.table.translate(t.va, extent, owner)
+            # Element work is bounded by the bytes that really back it: repeated strides
+            # (stride 0: broadcasting) may show memory several times, but never more element
+            # bytes than the whole segment holds. So a 4-byte tensor cannot ask for 2**33
+            # elements of work; work grows only with memory the session has been granted.
+            elements = tensor_nbytes(t)
+            if elements > seg.nbytes:
+                raise E.InvalidField(
+                    f"{req.op}: tensor {k} has {elements} bytes of elements, more than its segment "
+                    f"{seg.id} holds ({seg.nbytes} bytes); repeated strides may not present more"
+                )
+            work += max(elements, extent)
             if seg.kind == SegmentKind.REMOTE and k < op.n_inputs:
                 # A remote input is pulled first (one NIXL READ into a staging buffer); the
                 # staging buffer's synthetic segment makes the compute wait for the pull.
@@ -228,7 +240,7 @@ class Planner:
         ins = [(t, self._span(seg, off, ext)) for t, seg, off, ext in placed[:n_in]]
         outs = [(t, self._span(seg, off, ext)) for t, seg, off, ext in placed[n_in:]]
         if not pulls:
-            return Op(req.id, reads, writes, dev, nbytes, lambda: backend.compute(kernel, ins, outs, params, dev.local_id))
+            return Op(req.id, reads, writes, dev, nbytes, lambda: backend.compute(kernel, ins, outs, params, dev.local_id), work=work)
 
         def run() -> Any:
             try:
@@ -240,7 +252,7 @@ class Planner:
                 for pull in pulls:
                     self.remote.release_staging(pull.info)
 
-        return [*pulls, Op(req.id, reads, writes, dev, nbytes, run)]
+        return [*pulls, Op(req.id, reads, writes, dev, nbytes, run, work=work)]
 
 
 

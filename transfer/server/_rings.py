@@ -38,7 +38,7 @@ from ._accounting import Accounting
 from ._config import DaemonConfig
 from ._ops import RING
 from ._planner import VECTOR_RUN, CopyRun
-from ._session import Session
+from ._session import Phase, Session
 
 __all__ = ["Rings", "Doorbell", "COMPLETION_DETAIL"]
 
@@ -232,7 +232,7 @@ class Rings:
     def push(self, session: Session, comps: list[tuple[int, int, int, int, int]] | np.ndarray) -> None:
         """Completions onto the ring; a ring that cannot take them ends its session."""
         ring = session.ring
-        if ring is None or not session.running:
+        if ring is None or session.phase is Phase.CLOSED:
             return  # the ring closes with the session; the client fails what it waits for
         try:
             if isinstance(comps, list):

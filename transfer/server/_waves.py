@@ -260,14 +260,23 @@ async def run_waves(
     waves: Sequence[Sequence[Op]],
     limiters: dict[int, trio.CapacityLimiter],
     inline_bytes: int,
+    stop: Callable[[], E.TransferError | None] | None = None,
 ) -> None:
     """Run waves in order; inside a wave, each device's share runs on that device's worker.
 
     A wave's remote copies are posted as one NIXL transfer per (peer, direction),
     on a worker thread (a same-host READ copies inside the post), concurrently
-    with the wave's local work.
+    with the wave's local work. Before each wave `stop()` may give an error: the
+    waves not yet started fail with it instead (a wave already running finishes).
     """
-    for wave in waves:
+    for k, wave in enumerate(waves):
+        why = stop() if stop is not None else None
+        if why is not None:
+            for rest in waves[k:]:
+                for op in rest:
+                    if op.error is None:
+                        op.error = why
+            return
         by_device: dict[int, list[Op]] = defaultdict(list)
         wave, remote_groups = _remote_groups(wave)
         for op in wave:
@@ -287,7 +296,7 @@ async def run_waves(
         for ops in by_device.values():
             device = ops[0].device
             units = coalesce(ops)
-            nbytes = sum(o.nbytes for o in ops)
+            nbytes = sum(o.cost for o in ops)
             if nbytes < inline_bytes:
                 _run_units(units, device)
             else:
