@@ -238,7 +238,7 @@ def test_hello_close_cycles_never_exhaust_segment_ids(daemon_factory) -> None:
     t0 = time.monotonic()
     for i in range(24):
         s = raw(d.endpoint)
-        info = hello(s, f"cycle{i}")
+        hello(s, f"cycle{i}")
         (r,) = call(s, P.Alloc(2, 4096, -1))
         ok(r)
         ok(call(s, P.Close(3))[0])
@@ -381,3 +381,42 @@ def test_idle_connections_and_hellos_cannot_exhaust_descriptors(tmp_path: Path, 
     err = (tmp_path / "transferd.log").read_text()
     assert code == 0, err[-2000:]
     assert "fd limit 2048: at most 100 sessions and 1492 connections" in err  # raised from 256 to the hard limit
+
+
+# --- 5: a client that never reads its replies: bounded backlog, then its session ends ----------
+def test_a_client_that_never_reads_is_cut_off_and_memory_stays_bounded(daemon_factory) -> None:
+    psutil = pytest.importorskip("psutil")
+    d = daemon_factory("--max-reply-backlog", "1MiB")
+    proc = psutil.Process(d.pid)
+    with transfer.connect(d.endpoint) as good:
+        seg = good.segment(4096)
+        rss0 = proc.memory_info().rss
+        s = raw(d.endpoint)
+        s.setsockopt(zmq.RCVHWM, 1)  # it buffers almost nothing: the daemon's side fills
+        hello(s, "never-reads")
+        # 65,536-request frames of fences (each reply ~10 bytes, a frame's ~650 KiB), never read;
+        # and frames of stats: a frame gets at most 16 answered.
+        fences = P.encode_requests([P.Fence(i + 2) for i in range(60000)])
+        stats = P.encode_requests([P.Stats(i + 2) for i in range(20000)])
+        deadline = time.monotonic() + 20
+        sent = 0
+        while time.monotonic() < deadline and good.stats()["daemon"]["sessions"] > 1:
+            s.send(fences if sent % 2 else stats)
+            sent += 1
+            assert good.checksum(seg.va, 4096).result(5) == transfer.checksum64(np.zeros(4096, np.uint8))
+        assert good.stats()["daemon"]["sessions"] == 1, f"the non-reading session survived {sent} frames"
+        grown = proc.memory_info().rss - rss0
+        assert grown < 96 << 20, f"daemon RSS grew by {grown >> 20} MiB"
+        assert proc.is_running() and good.copy(seg.va, seg.va + 64, 64).result(5) is None
+        s.close()
+
+
+def test_a_frame_of_stats_is_answered_a_bounded_number_of_times(daemon_factory) -> None:
+    d = daemon_factory()
+    s = raw(d.endpoint)
+    hello(s)
+    replies = call(s, *[P.Stats(i + 2) for i in range(100)])
+    answered = [r for r in replies if r.error is None]
+    refused = [r for r in replies if r.error is not None]
+    assert len(answered) == 16 and all(type(r.error) is transfer.QuotaExceeded for r in refused)
+    s.close()

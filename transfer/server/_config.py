@@ -54,6 +54,9 @@ class DaemonConfig:
     arena_ids: int = 256
     #: Requests one scheduler pass takes from a session.
     max_pass: int = 16384
+    #: Reply bytes parked for a client that is not reading them (beyond zmq's own
+    #: REPLY_HWM messages per peer); past this the session is ended.
+    max_reply_backlog: int = 32 << 20
     #: Seconds a graceful shutdown waits for in-flight requests.
     shutdown_grace_s: float = 10.0
     allow_remote_tcp: bool = False

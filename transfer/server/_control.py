@@ -20,7 +20,7 @@ from ._resources import Resources
 from ._rings import Rings
 from ._session import Phase, Session
 
-__all__ = ["Control", "BARRIERS", "AFTER_PASS"]
+__all__ = ["Control", "BARRIERS", "AFTER_PASS", "STATS_PER_FRAME"]
 
 log = logging.getLogger("transfer.server")
 
@@ -28,6 +28,9 @@ log = logging.getLogger("transfer.server")
 BARRIERS = (P.Define, P.OpenRing, P.RegisterHost, P.RegisterRemote, P.Unregister, P.Alloc, P.Free, P.Share, P.Attach, P.Close, P.Hello)
 #: Answered once everything taken before them in the pass has completed.
 AFTER_PASS = (P.Fence, P.Ping, P.Stats, P.Wait)
+#: Stats answered per frame (or pass): a reply is ~1 KiB, so many would amplify a small
+#: frame into megabytes. More get QuotaExceeded.
+STATS_PER_FRAME = 16
 
 
 class Control:

@@ -104,7 +104,9 @@ async def serve(
     # beyond it zmq drops the connection before we would buffer the bytes.
     sock.setsockopt(zmq.MAXMSGSIZE, max(64 << 20, config.limits.max_frame_bytes * 4))
     sock.setsockopt(zmq.RCVHWM, 0)
-    sock.setsockopt(zmq.SNDHWM, 0)
+    # Finite: a client that stops reading fills its own pipe, then its replies are parked
+    # (SocketPump) up to max_reply_backlog bytes, then its session ends.
+    sock.setsockopt(zmq.SNDHWM, REPLY_HWM)
     ipc_paths: list[Path] = []
     secure: zmq.Socket | None = None  # tcp with CURVE: its own ROUTER (ipc peers need no keys)
     auth = None
@@ -122,8 +124,12 @@ async def serve(
             if p is not None:
                 os.chmod(p, 0o600)
                 ipc_paths.append(p)
-        pump = SocketPump(sock)
-        secure_pump = SocketPump(secure) if secure is not None else None
+        cap = config.max_reply_backlog
+        pump = SocketPump(sock, max_backlog=cap, on_overflow=lambda ident: server.front.reply_overflow(PLAIN_PREFIX + ident))
+        secure_pump = (
+            SocketPump(secure, max_backlog=cap, on_overflow=lambda ident: server.front.reply_overflow(SECURE_PREFIX + ident))
+            if secure is not None else None
+        )
         # Signal receivers need the main thread; an embedded daemon is stopped by its event instead.
         receiver = trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) if stop is None else contextlib.nullcontext(None)
         with receiver as signals:
@@ -160,6 +166,8 @@ async def serve(
 
 
 PLAIN_PREFIX, SECURE_PREFIX = b"\x00", b"\x01"
+#: Reply messages zmq queues per peer before sends to it fail with EAGAIN (then parked).
+REPLY_HWM = 16
 
 
 def _curve_router(ctx: zmq.Context, config: DaemonConfig) -> tuple[zmq.Socket, object]:
@@ -178,7 +186,7 @@ def _curve_router(ctx: zmq.Context, config: DaemonConfig) -> tuple[zmq.Socket, o
     sock.setsockopt(zmq.LINGER, 1000)
     sock.setsockopt(zmq.MAXMSGSIZE, max(64 << 20, config.limits.max_frame_bytes * 4))
     sock.setsockopt(zmq.RCVHWM, 0)
-    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.SNDHWM, REPLY_HWM)
     return sock, auth
 
 

@@ -19,6 +19,7 @@ import trio
 from .. import errors as E
 from .. import protocol as P
 from ._accounting import Accounting
+from ._control import STATS_PER_FRAME
 from ._config import DaemonConfig
 from ._ops import SOCKET
 from ._pass import Pass
@@ -100,7 +101,7 @@ class Front:
             acc.received(session, len(reqs))
         # Pings and stats are answered at once; they must not wait behind a long copy.
         if all(type(r) is P.Ping or type(r) is P.Stats for r in reqs):
-            self.send(identity, P.encode_replies([P.Reply(r.id, None if type(r) is P.Ping else self._stats(session)) for r in reqs]))
+            self.send(identity, P.encode_replies(self._immediate(session, reqs)))
             return
         if not session.accepting:
             self._refuse(identity, session, reqs, E.SessionClosed("the session is closing"))
@@ -114,6 +115,34 @@ class Front:
         session.queue.extend([(r, SOCKET) for r in reqs])
         session.inflight += len(reqs)
         self.pass_.kick(session)
+
+    def _immediate(self, session: Session, reqs: list[Any]) -> list[P.Reply]:
+        """Pings and stats: the counters are read once per frame, and a frame gets at most
+        `STATS_PER_FRAME` of them (a Stats reply is ~1 KiB: many would amplify a small frame)."""
+        stats: dict[str, Any] | None = None
+        out = []
+        n = 0
+        for r in reqs:
+            if type(r) is P.Ping:
+                out.append(P.Reply(r.id, None))
+                continue
+            n += 1
+            if n > STATS_PER_FRAME:
+                out.append(P.Reply(r.id, error=E.QuotaExceeded(f"at most {STATS_PER_FRAME} Stats requests per frame")))
+                continue
+            if stats is None:
+                stats = self._stats(session)
+            out.append(P.Reply(r.id, stats))
+        if n > STATS_PER_FRAME:
+            self.accounting.failed(session, E.QuotaExceeded.code, n - STATS_PER_FRAME)
+        return out
+
+    def reply_overflow(self, identity: bytes) -> None:
+        """The client stopped reading its replies and its backlog passed the cap: end it."""
+        session = self.sessions.get(identity)
+        if session is not None:
+            log.warning("session %d: its unread replies passed the backlog cap", session.id, extra={"session": session.id})
+            self.end_soon(session, "stopped reading its replies")
 
     def _refuse(self, identity: bytes, session: Session | None, reqs: list[Any], err: E.TransferError) -> None:
         self.accounting.failed(session, err.code, len(reqs))

@@ -24,14 +24,22 @@ __all__ = ["SocketPump", "ipc_path", "check_endpoint", "default_endpoint"]
 
 #: Messages received per pass before yielding to other tasks (fairness).
 _RECV_BURST = 256
+#: How often parked replies are retried while a peer's pipe is full.
+_BACKLOG_RETRY_S = 0.005
 # Plain ints: pyzmq's flag enums cost a Python-level __and__ on every use.
 _NOBLOCK, _EVENTS, _POLLIN, _POLLOUT = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
 
 
 class SocketPump:
-    """The single owner of a zmq socket inside a trio program."""
+    """The single owner of a zmq socket inside a trio program.
 
-    def __init__(self, sock: zmq.Socket) -> None:
+    For a ROUTER with a finite SNDHWM (and ROUTER_MANDATORY), a peer that does not
+    read fills its pipe and sends to it fail with EAGAIN: its messages are parked in
+    a backlog of its own, so one slow peer never holds up the others, and a backlog
+    past `max_backlog` bytes is dropped and reported to `on_overflow(identity)`.
+    """
+
+    def __init__(self, sock: zmq.Socket, *, max_backlog: int = 0, on_overflow: Callable[[bytes], None] | None = None) -> None:
         self.sock = sock
         self._fd = sock.getsockopt(zmq.FD)
         self._out: deque[list[bytes]] = deque()
@@ -39,6 +47,11 @@ class SocketPump:
         self._drained = trio.Event()
         self._drained.set()
         self.dropped = 0  # replies to peers that have gone away
+        #: Per-peer backlogs (ROUTER): identity -> (messages, bytes).
+        self._parked: dict[bytes, tuple[deque[list[bytes]], list[int]]] = {}
+        self.max_backlog = max_backlog
+        self.on_overflow = on_overflow
+        self.overflows = 0
 
     def send_nowait(self, parts: list[bytes]) -> None:
         """Queue a multipart message; the pump sends it on its next pass."""
@@ -49,22 +62,58 @@ class SocketPump:
             self._wait_scope.cancel()
 
     async def wait_drained(self) -> None:
-        """Until every queued message has been handed to zmq."""
+        """Until every queued message has been handed to zmq (or dropped with its peer)."""
         await self._drained.wait()
 
+    def backlog(self, identity: bytes) -> int:
+        """Bytes parked for one peer (replies it has not made room for)."""
+        entry = self._parked.get(identity)
+        return entry[1][0] if entry is not None else 0
+
+    def _send(self, parts: list[bytes]) -> bool:
+        """One message; False when the peer's pipe is full (EAGAIN)."""
+        try:
+            self.sock.send_multipart(parts, _NOBLOCK)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EHOSTUNREACH:
+                raise
+            self.dropped += 1  # ROUTER_MANDATORY: that peer is gone
+        return True
+
+    def _park(self, parts: list[bytes]) -> None:
+        ident = parts[0]
+        entry = self._parked.get(ident)
+        if entry is None:
+            entry = self._parked[ident] = (deque(), [0])
+        entry[0].append(parts)
+        entry[1][0] += sum(len(p) for p in parts)
+        if self.max_backlog and entry[1][0] > self.max_backlog:
+            del self._parked[ident]
+            self.overflows += 1
+            if self.on_overflow is not None:
+                self.on_overflow(ident)
+
     def _flush(self) -> None:
-        out, sock = self._out, self.sock
+        out, parked = self._out, self._parked
+        for ident in list(parked):  # older messages first: a peer's order is kept
+            msgs, size = parked[ident]
+            while msgs:
+                if not self._send(msgs[0]):
+                    break
+                size[0] -= sum(len(p) for p in msgs.popleft())
+            if not msgs:
+                del parked[ident]
         while out:
-            try:
-                sock.send_multipart(out[0], _NOBLOCK)
-            except zmq.Again:
-                return  # peer's queue is full: wait for POLLOUT
-            except zmq.ZMQError as exc:
-                if exc.errno != errno.EHOSTUNREACH:
-                    raise
-                self.dropped += 1  # ROUTER_MANDATORY: that peer is gone
-            out.popleft()
-        self._drained.set()
+            parts = out.popleft()
+            if (parts[0] in parked if parked else False) or not self._send(parts):
+                self._park(parts)
+        self._check_drained()
+
+    def _check_drained(self) -> None:
+        if not self._out and not self._parked:
+            self._drained.set()
 
     async def run(self, on_message: Callable[[list[bytes]], None]) -> None:
         """Pump forever: flush outgoing, deliver incoming to `on_message` (synchronous)."""
@@ -83,6 +132,9 @@ class SocketPump:
             if events & _POLLIN or (self._out and events & _POLLOUT):
                 continue
             self._wait_scope = trio.CancelScope()
+            if self._parked:
+                # A ROUTER says nothing when a peer's pipe drains: look again soon.
+                self._wait_scope.deadline = trio.current_time() + _BACKLOG_RETRY_S
             try:
                 with self._wait_scope:
                     await trio.lowlevel.wait_readable(self._fd)
