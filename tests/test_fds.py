@@ -230,3 +230,14 @@ def test_the_client_refuses_unsealed_or_wrong_memory(tmp_path: Path) -> None:
     seg = ShmFile.attach(memfd(4096, sealed=True), 4096)  # the real thing maps
     seg.array[:] = 1
     seg.close()
+
+
+def test_a_pid_is_matched_through_the_peers_pid_namespace() -> None:
+    from transfer.server._fds import _same_process
+
+    me = os.getpid()
+    assert _same_process(me, me)
+    with open(f"/proc/{me}/status") as f:
+        (nspid,) = [int(ln.split()[-1]) for ln in f if ln.startswith("NSpid:")]
+    assert _same_process(nspid, me)  # what a client in a container says in hello
+    assert not _same_process(me + 1 if me + 1 != nspid else me + 2, me)
