@@ -136,6 +136,19 @@ class Summary:
         return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
 
 
+def _memfds(proc: Any) -> list[str]:
+    """The transfer memfds a process holds open (an fd, or a mapping's fd)."""
+    out = []
+    for fd in os.listdir(f"/proc/{proc.pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{proc.pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:transfer."):
+            out.append(target)
+    return sorted(out)
+
+
 def _rss(proc: psutil.Process) -> int:
     try:
         return proc.memory_info().rss
@@ -240,7 +253,10 @@ def run(
             summary.daemon_sessions = st["sessions"] - 1
             summary.daemon_segments = st["segments"]
             summary.daemon_device_bytes = st["device_bytes"]
-        summary.leaked_files = sorted(n for n in os.listdir(shm_dir) if not n.endswith(".lock"))
+        # While it lives the daemon keeps its lock and fd socket there; segments are memfds,
+        # so a leak would show as a memfd the daemon still holds with no segment left.
+        summary.leaked_files = sorted(n for n in os.listdir(shm_dir) if not n.endswith(".lock") and ".fds." not in n)
+        summary.leaked_files += [f"memfd held by the daemon: {m}" for m in _memfds(dproc)]
         time.sleep(0.3)
         summary.rss_final = min(_rss(dproc) for _ in range(3) if time.sleep(0.1) is None)
         stop_sampling.set()

@@ -82,9 +82,24 @@ def test_silent_daemon_times_out_without_pid_watch(daemon_factory) -> None:
             os.kill(d.pid, signal.SIGCONT)
 
 
+def memfds(pid: int | str = "self") -> list[str]:
+    """The transfer memfds a process holds open or maps."""
+    out = []
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:transfer."):
+            out.append(target)
+    with open(f"/proc/{pid}/maps") as f:
+        out += [ln.split(None, 5)[5].strip() for ln in f if "/memfd:transfer." in ln]
+    return out
+
+
 def test_daemon_kill_and_restart_leaves_nothing(daemon, shm_dir: Path) -> None:
-    # A peer that registers but never maps (so never unlinks) its segments: only
-    # the daemon knows of those files when it dies.
+    # A peer that registers but never collects its segments' memfds: only the daemon
+    # holds that memory when it dies.
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.connect(daemon.endpoint)
@@ -93,16 +108,37 @@ def test_daemon_kill_and_restart_leaves_nothing(daemon, shm_dir: Path) -> None:
     while len(got) < 3:
         got += P.decode_replies(s.recv())
     assert all(r.error is None for r in got)
-    assert len(segment_files(shm_dir)) == 2
+    assert segment_files(shm_dir) == []  # memfds: no files, ever
+    assert len({m for m in memfds(daemon.pid)}) == 2  # held by the daemon alone
     s.close(0)
     daemon.kill()
-    assert len(segment_files(shm_dir)) == 2  # what a crash leaves...
+    assert memfds() == []  # the memory died with its only holder
     daemon.restart()
-    assert segment_files(shm_dir) == []  # ...the next daemon sweeps
-    locks = [n for n in os.listdir(shm_dir) if n.endswith(".lock")]
-    assert len(locks) == 1  # only the live daemon's own lock
+    assert segment_files(shm_dir) == []
+    names = os.listdir(shm_dir)
+    assert len([n for n in names if n.endswith(".lock")]) == 1  # the dead one's lock...
+    assert len([n for n in names if ".fds." in n]) == 1  # ...and its fd socket were swept
     with transfer.connect(daemon.endpoint) as c:
         assert c.checksum(c.segment(4096)).result() == transfer.checksum64(np.zeros(4096, np.uint8))
+
+
+def test_killed_client_leaves_no_memory_anywhere(daemon, shm_dir: Path, tmp_path: Path) -> None:
+    """kill -9 a client holding segments and a ring: the daemon lets go, and the memory is gone."""
+    ready = str(tmp_path / "victim.pid")
+    victim = mp.get_context("spawn").Process(target=_workers.streamer, args=(daemon.endpoint, ready))
+    victim.start()
+    with transfer.connect(daemon.endpoint, ring=True) as survivor:
+        seg = survivor.segment(1 << 16)
+        mine = set(memfds())
+        _workers.wait_for_file(ready)
+        held = set(memfds(daemon.pid))
+        assert len(held - mine) >= 3  # the victim's three segments
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join()
+        wait_until(lambda: survivor.stats()["daemon"]["sessions"] == 1, 5, "victim's session to end")
+        wait_until(lambda: set(memfds(daemon.pid)) <= mine, 5, "the daemon to let go of the victim's memory")
+        assert survivor.checksum(seg).result() == transfer.checksum64(bytes(1 << 16))
+    assert [n for n in segment_files(shm_dir) if not n.endswith(".bell")] == []  # the daemon's doorbell stays
 
 
 def test_restarted_daemon_does_not_know_old_sessions(daemon) -> None:

@@ -37,6 +37,7 @@ from transfer import errors as E
 from transfer import protocol as P
 from transfer.addressing import MAX_SEGMENT_ID, OFFSET_BITS
 from transfer.memory import ShmFile
+from transfer.transport._fds import fetch_fd
 
 # Quotas keep a fuzzed RegisterHost/Alloc from eating the machine's memory. The
 # daemon fixture inherits the environment, so these reach transferd via TRANSFER_*.
@@ -406,7 +407,7 @@ class SessionModel(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.raw = Raw(self.endpoint)
-        self.raw.hello(pid=os.getpid())
+        self.fd_socket = self.raw.hello(pid=os.getpid())["fd_socket"]
         self.model: dict[int, Seg] = {}
 
     def teardown(self) -> None:
@@ -451,7 +452,7 @@ class SessionModel(RuleBasedStateMachine):
     def register_host(self, n: int) -> Seg:
         r = self.raw.call(P.RegisterHost(next(self.raw.ids), n))
         self.expect(r, None)
-        shm = ShmFile.attach(r.result["path"], n, expect_dir=self.shm_dir)
+        shm = ShmFile.attach(fetch_fd(self.fd_socket, r.result["token"]), n)
         s = Seg(r.result["va"] >> OFFSET_BITS, "host", n, shm)
         self.model[s.sid] = s
         return s

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing as mp
 import os
 import stat
@@ -17,7 +18,9 @@ import _workers
 import transfer
 from conftest import segment_files
 from transfer import protocol as P
+from transfer.addressing import MAX_SEGMENT_BYTES
 from transfer.memory import ShmFile
+from transfer.memory._shm import SEALS, memory_available
 
 
 def test_round_trip_and_views(daemon) -> None:
@@ -172,40 +175,48 @@ def test_hostile_frames_get_errors_and_the_daemon_keeps_serving(daemon) -> None:
         assert good.stats()["daemon"]["bad_frames"] >= 5
 
 
-def test_shared_memory_files_are_private_and_unlinked(daemon, shm_dir: Path) -> None:
+def test_shared_memory_is_sealed_and_has_no_name(daemon, shm_dir: Path) -> None:
     with transfer.connect(daemon.endpoint) as c:
-        c.segment(1 << 20)
-        assert segment_files(shm_dir) == []  # the client unlinked the name once mapped
-    f = ShmFile.create(shm_dir, "modetest", 1, 4096)
+        seg = c.segment(1 << 20)
+        assert segment_files(shm_dir) == []  # a memfd: nothing in the shm dir, ever
+        (fds,) = [shm_dir / n for n in os.listdir(shm_dir) if ".fds." in n]
+        assert stat.S_ISSOCK(fds.stat().st_mode) and stat.S_IMODE(fds.stat().st_mode) == 0o600
+        with open("/proc/self/maps") as f:
+            start = seg.buffer.ctypes.data
+            (line,) = [ln for ln in f if int(ln.split("-")[0], 16) == start]
+        assert "/memfd:transfer." in line and "(deleted)" in line
+    f = ShmFile.create("transfer.modetest", 4096)
     try:
-        assert stat.S_IMODE(os.stat(f.path).st_mode) == 0o600
+        assert fcntl.fcntl(f.fd, fcntl.F_GET_SEALS) == SEALS
+        with pytest.raises(PermissionError):
+            os.ftruncate(f.fd, 0)
+        with pytest.raises(PermissionError):
+            os.ftruncate(f.fd, 8192)
     finally:
-        f.unlink()
         f.close()
     sock = Path(daemon.endpoint[len("ipc://") :])
     assert stat.S_IMODE(sock.stat().st_mode) == 0o600
     assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o700
 
 
-def test_exhausted_shared_memory_says_so(daemon_factory, tmp_path: Path) -> None:
-    small = tmp_path / "smallshm"
-    small.mkdir()
-    if os.system(f"mount -t tmpfs -o size=1m,mode=0700 tmpfs {small} 2>/dev/null") != 0:
-        pytest.skip("cannot mount a small tmpfs here (needs root)")
-    try:
-        d = daemon_factory("--shm-dir", str(small))
-        with transfer.connect(d.endpoint) as c:
-            c.segment(256 << 10)
-            with pytest.raises(transfer.OutOfSharedMemory) as info:
-                c.segment(4 << 20)
-            msg = str(info.value)
-            assert str(4 << 20) in msg and "free" in msg and str(small) in msg
-            # The session survives and the partial file is gone.
-            c.segment(64 << 10)
-        d.stop()
-        assert [n for n in os.listdir(small) if not n.endswith(".lock")] == []
-    finally:
-        os.system(f"umount {small}")
+def test_exhausted_shared_memory_says_so(daemon_factory) -> None:
+    d = daemon_factory("--max-host-bytes", str(1 << 20))
+    with transfer.connect(d.endpoint) as c:
+        c.segment(256 << 10)
+        with pytest.raises(transfer.OutOfSharedMemory) as info:
+            c.segment(4 << 20)
+        msg = str(info.value)
+        assert str(4 << 20) in msg and "free" in msg and "--max-host-bytes" in msg
+        c.segment(64 << 10)  # the session survives
+        # Beyond what the machine has: refused up front (never the OOM killer, never SIGBUS).
+        room = memory_available()
+        assert room is not None
+        if 2 * room[0] < MAX_SEGMENT_BYTES:
+            with transfer.connect(daemon_factory().endpoint) as big:
+                with pytest.raises(transfer.OutOfSharedMemory) as info:
+                    big.segment(2 * room[0])
+                assert str(2 * room[0]) in str(info.value) and "free" in str(info.value)
+                assert big.checksum(big.segment(4096)).result() == transfer.checksum64(bytes(4096))
 
 
 def test_trio_client(daemon) -> None:

@@ -572,6 +572,12 @@ class Ring:
         self._bell = -1
 
     # -- construction
+    @staticmethod
+    def nbytes_for(capacity: int, completion_capacity: int | None = None) -> int:
+        """The size of a ring's mapping (what ``create`` sizes a given fd to)."""
+        sq_cap = _check_capacity(capacity, "capacity")
+        return _geometry(sq_cap, _check_capacity(completion_capacity or capacity, "completion_capacity"))[2]
+
     @classmethod
     def create(cls, target: str | os.PathLike | int | None = None, capacity: int = 1024,
                completion_capacity: int | None = None, *, role: str = "server",

@@ -157,7 +157,7 @@ class ResourceError(TransferError):
 
 
 class OutOfSharedMemory(ResourceError):
-    """The shared-memory filesystem has no room for the segment."""
+    """No memory left for the segment or ring (the machine, the memory cgroup, or --max-host-bytes)."""
 
     code = 301
 

@@ -18,12 +18,16 @@ import numpy as np
 
 from .. import errors as E
 from .. import protocol as P
+from ..transport._fds import fetch_fd
 from ._deferred import DeferredState
 from ._pending import Pending
 from ._resources import HostSegment
 from ._ringlink import RingLink, ring_able
 
 __all__ = ["ClientCore"]
+
+#: How long collecting a memfd from the daemon's fd socket may take (a local round trip).
+FETCH_TIMEOUT_S = 10.0
 
 
 class ClientCore:
@@ -48,6 +52,8 @@ class ClientCore:
         self.server_pid = 0
         self.backend: dict[str, Any] = {}
         self.shm_dir = Path("/dev/shm")
+        #: The daemon's fd socket: where the memfds behind segments and rings are collected.
+        self.fd_socket: Path | None = None
         self.heartbeat_s = 0.5  # until the daemon says otherwise in hello
         self.max_inflight = 1 << 16
 
@@ -58,6 +64,8 @@ class ClientCore:
         self.server_pid = info["server_pid"]
         self.backend = info["backend"]
         self.shm_dir = Path(info["shm_dir"])
+        fds = info.get("fd_socket")
+        self.fd_socket = Path(fds) if isinstance(fds, str) and fds else None
         known = inspect.signature(P.Limits).parameters
         self.limits = P.Limits(**{k: int(v) for k, v in info["limits"].items() if k in known})
         self.heartbeat_s = float(info["heartbeat_s"])
@@ -65,6 +73,16 @@ class ClientCore:
         # Deferred creation: allocations, descriptors and plans are answered here and
         # travel with their first use. deferred=False sends each at once (for debugging).
         self.deferred = DeferredState(info["arenas"]) if deferred and info.get("arenas") else None
+
+    def collect(self, token: Any) -> int:
+        """The memfd a RegisterHost/OpenRing reply's token stands for (ours to close)."""
+        if self.fd_socket is None:
+            raise E.ProtocolError("this daemon announced no fd socket (is it older than this client?)")
+        if self.fd_socket.parent != self.shm_dir:
+            raise E.ProtocolError(f"the daemon named an fd socket outside its shm dir: {self.fd_socket}")
+        if not isinstance(token, bytes):
+            raise E.ProtocolError(f"the daemon sent a {type(token).__name__} token, not bytes")
+        return fetch_fd(self.fd_socket, token, timeout=FETCH_TIMEOUT_S)
 
     # --- requests ---------------------------------------------------------------------------
     def prepare(self, cls: type[P.Request], args: tuple[Any, ...], objects: Sequence[Any] = (), blocking: bool = False) -> tuple[list[P.Request], Pending]:

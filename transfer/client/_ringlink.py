@@ -22,6 +22,7 @@ import numpy as np
 from .. import errors as E
 from .. import protocol as P
 from .._ring import REQUEST_DTYPE, Op as RingOp, Ring
+from ..memory._shm import check_sealed
 from ._pending import Pending
 
 __all__ = ["RingLink", "ring_able"]
@@ -51,18 +52,23 @@ def _descriptor(req: P.Request) -> tuple[int, ...] | None:
 class RingLink:
     """One session's ring, mapped here: descriptors out, completions in."""
 
-    def __init__(self, info: dict[str, Any], shm_dir: Path, *, completion_bell: bool = False) -> None:
-        """`completion_bell`: also open the session's completion doorbell (for a waiter
+    def __init__(self, info: dict[str, Any], shm_dir: Path, collect: Callable[[Any], int], *, completion_bell: bool = False) -> None:
+        """`collect` turns the reply's token into the ring's memfd (the daemon's fd socket).
+        `completion_bell`: also open the session's completion doorbell (for a waiter
         that polls an fd instead of sleeping on the futex: the trio client)."""
-        path, bell = Path(info["path"]), Path(info["bell"])
+        bell = Path(info["bell"])
         cbell = Path(info["cbell"]) if completion_bell and info.get("cbell") else None
         if completion_bell and cbell is None:
             raise E.RingUnavailable("this daemon's rings have no completion doorbell (the trio client needs one)")
-        for p in (path, bell, cbell):
+        for p in (bell, cbell):
             if p is not None and p.parent != shm_dir:
                 raise E.ProtocolError(f"the daemon named a ring file outside its shm dir: {p}")
-        self.ring = Ring.attach(path)
-        self.ring.unlink()  # mapped on both sides now: a crash leaves nothing behind
+        fd = collect(info.get("token"))
+        try:
+            check_sealed(fd)  # a ring whose size could change could SIGBUS us
+            self.ring = Ring.attach(fd)  # maps it; the kernel frees it with the last mapping
+        finally:
+            os.close(fd)
         self.bell_fd = self.cbell_fd = -1
         try:
             self.bell_fd = os.open(bell, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)

@@ -126,7 +126,13 @@ class Session:
     def _op_segment(self, nbytes: int) -> Op[HostSegment]:
         """Shared memory of `nbytes`, mapped here and in the daemon."""
         info = yield from self._op_call(P.RegisterHost, nbytes)
-        shm = ShmFile.attach(info["path"], info["nbytes"], expect_dir=self._core.shm_dir)
+        try:
+            shm = ShmFile.attach(self._core.collect(info["token"]), info["nbytes"])
+        except BaseException:
+            # The daemon holds a segment we could not map: hand it back, then fail.
+            with contextlib.suppress(E.TransferError):
+                yield from self._op_call(P.Unregister, info["va"])
+            raise
         seg = HostSegment(self, info["va"], info["nbytes"], shm)
         self._core.segments[seg.va] = seg
         return seg

@@ -135,7 +135,7 @@ class Client(Session):
         return self._lock
 
     def _link(self, info: dict[str, Any]) -> RingLink:
-        return RingLink(info, self._core.shm_dir)
+        return RingLink(info, self._core.shm_dir, self._core.collect)
 
     def _ring_wait(self, done: Any, timeout: float | None) -> None:
         """Spin, then sleep on the completion futex, until done(); the socket is looked at between sleeps."""

@@ -183,7 +183,7 @@ class TrioClient(Session):
         self._release_held()
 
     def _link(self, info: dict[str, Any]) -> RingLink:
-        link = RingLink(info, self._core.shm_dir, completion_bell=True)
+        link = RingLink(info, self._core.shm_dir, self._core.collect, completion_bell=True)
         assert self._bg_nursery is not None
         self._bg_nursery.start_soon(self._reap_ring, link)
         return link

@@ -1,20 +1,31 @@
-"""Shared-memory segments: our own mmap over files in /dev/shm.
+"""Shared-memory segments: sealed memfds, mapped by the daemon and handed to clients by fd.
 
 Not `multiprocessing.shared_memory`: on Python 3.11 its resource tracker
 unlinks segments when an *attaching* process exits (DESIGN.md pitfalls).
 
-Lifecycle, chosen so that no file outlives its owners even after kill -9:
+Not files in /dev/shm either: whoever can open a file for writing can also
+truncate it, and a daemon that touches a mapping whose file shrank under it
+dies of SIGBUS, taking every other tenant with it. So:
 
-1. The daemon creates ``transfer.<instance>.<segment>.<random>`` with
-   O_EXCL, mode 0600, and reserves its pages (posix_fallocate), so a full
-   /dev/shm fails here with a clear error instead of SIGBUS later.
-2. The client opens it, maps it, and unlinks the name at once. From then on
-   the memory lives exactly as long as one of the two mappings does.
-3. The daemon unlinks again on free, session end and shutdown (ENOENT is
-   fine), covering a client that died before step 2.
-4. Each daemon holds an flock on ``transfer.<instance>.lock``. A starting
-   daemon sweeps files of instances whose lock nobody holds: what a
-   SIGKILLed daemon left between steps 1 and 2.
+1. The daemon makes every segment (and every request ring) a memfd
+   (``memfd_create``, ``MFD_ALLOW_SEALING``), sizes it, reserves its pages
+   (``posix_fallocate``: a machine short of memory fails here, with
+   `OutOfSharedMemory`, instead of with SIGBUS or the OOM killer on first
+   touch), and seals it with ``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``:
+   from then on nobody, whatever fd or ``/proc`` path they reach it by, can
+   change its size. Then it maps it.
+2. The client receives the fd over the daemon's Unix socket
+   (`transfer.server._fds`, one single-use token per fd), checks that it is
+   sealed and of the promised size (`check_sealed`: so a hostile daemon
+   cannot SIGBUS the client either), maps it and closes the fd.
+3. There is no name anywhere: the memory lives exactly as long as the last
+   fd or mapping of it. kill -9 either side and the kernel frees it with the
+   other; kill both and nothing remains.
+
+The shm dir still holds what has a name: the daemon's lock, its doorbell
+FIFOs and its fd socket. Each daemon holds an flock on
+``transfer.<instance>.lock``; a starting daemon removes the files of every
+instance whose lock it can take (`sweep_stale`).
 """
 
 from __future__ import annotations
@@ -31,31 +42,155 @@ import numpy as np
 
 from ..errors import InvalidField, OutOfSharedMemory, ResourceError
 
-__all__ = ["ShmFile", "DaemonLock", "sweep_stale", "PREFIX", "default_shm_dir"]
+__all__ = [
+    "ShmFile", "DaemonLock", "sweep_stale", "PREFIX", "default_shm_dir",
+    "new_memfd", "reserve", "seal", "check_sealed", "memory_available", "SEALS",
+]
 
 PREFIX = "transfer."
+
+# fcntl has these on Linux since Python 3.8; the values are the kernel's.
+_F_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
+_F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
+_F_SEAL_SEAL = getattr(fcntl, "F_SEAL_SEAL", 1)
+_F_SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 2)
+_F_SEAL_GROW = getattr(fcntl, "F_SEAL_GROW", 4)
+#: What every mapping the daemon hands out carries: its size is fixed for good.
+SEALS = _F_SEAL_SHRINK | _F_SEAL_GROW | _F_SEAL_SEAL
+_SIZE_SEALS = _F_SEAL_SHRINK | _F_SEAL_GROW
 
 
 def default_shm_dir() -> Path:
     return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
 
 
-def _space(dirpath: Path) -> tuple[int, int]:
-    st = os.statvfs(dirpath)
-    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+def _meminfo() -> dict[str, int]:
+    out = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            fields = rest.split()
+            if fields:
+                out[key] = int(fields[0]) * 1024
+    return out
+
+
+_CGROUP: list[Path | None] = []  # this process's cgroup v2 directory, looked up once
+
+
+def _cgroup_dir() -> Path | None:
+    if not _CGROUP:
+        try:
+            with open("/proc/self/cgroup") as f:
+                rel = next((ln.split("::", 1)[1].strip() for ln in f if ln.startswith("0::")), None)
+        except OSError:
+            rel = None
+        _CGROUP.append(None if rel is None else Path("/sys/fs/cgroup") / rel.lstrip("/"))
+    return _CGROUP[0]
+
+
+def _cgroup_room() -> int | None:
+    """Bytes left under this process's cgroup v2 memory.max (None: no limit, or not v2)."""
+    base = _cgroup_dir()
+    if base is None:
+        return None
+    try:
+        limit = (base / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return max(0, int(limit) - int((base / "memory.current").read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def memory_available() -> tuple[int, str] | None:
+    """What the kernel can still give shared memory, and where that figure comes from.
+
+    memfd pages are shmem: charged to the creating process's memory cgroup and
+    swappable, not bounded by any tmpfs size. None if nothing can be read.
+    """
+    try:
+        info = _meminfo()
+        room, why = info["MemAvailable"] + info.get("SwapFree", 0), "MemAvailable + SwapFree"
+    except (OSError, KeyError, ValueError):
+        room, why = None, ""
+    cg = _cgroup_room()
+    if cg is not None and (room is None or cg < room):
+        room, why = cg, "the memory cgroup's memory.max - memory.current"
+    return None if room is None else (room, why)
+
+
+def _short_of_memory(nbytes: int, what: str) -> OutOfSharedMemory:
+    room = memory_available()
+    have = f"{room[0]} bytes free ({room[1]})" if room else "the kernel refused the pages"
+    return OutOfSharedMemory(
+        f"cannot reserve {nbytes} bytes of shared memory for {what}: {have}; free memory, raise the "
+        f"daemon's memory limit (container/cgroup), or bound it with --max-host-bytes"
+    )
+
+
+def new_memfd(name: str) -> int:
+    """An empty memfd that may be sealed (close-on-exec); the caller owns the fd."""
+    return os.memfd_create(name[:200], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+
+
+#: Below this, reserving is not worth a look at the machine's free memory first (~0.1 ms).
+_PRECHECK_BYTES = 4 << 20
+
+
+def reserve(fd: int, nbytes: int, what: str) -> None:
+    """Size `fd` and reserve its pages now: short memory fails here, never as SIGBUS later.
+
+    memfd pages are not bounded by a tmpfs size, so a large request is first held
+    against what the machine (or the memory cgroup) has left: posix_fallocate past
+    that would push the machine into the OOM killer rather than fail.
+    """
+    if nbytes >= _PRECHECK_BYTES:
+        room = memory_available()
+        if room is not None and nbytes > room[0]:
+            raise _short_of_memory(nbytes, what)
+    try:
+        os.ftruncate(fd, nbytes)
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+            raise _short_of_memory(nbytes, what) from None
+        raise ResourceError(f"cannot create shared memory for {what}: {exc}") from None
+
+
+def seal(fd: int) -> None:
+    """Fix the memfd's size for good (F_SEAL_SHRINK | F_SEAL_GROW), and the seals themselves."""
+    fcntl.fcntl(fd, _F_ADD_SEALS, SEALS)
+
+
+def check_sealed(fd: int, nbytes: int | None = None) -> None:
+    """Client side: map only a regular file whose size is sealed and is the size promised."""
+    try:
+        st = os.fstat(fd)
+        seals = fcntl.fcntl(fd, _F_GET_SEALS)  # EINVAL: not a memfd (a file that could shrink)
+    except OSError as exc:
+        raise InvalidField(f"the daemon sent an fd that is not a sealed memfd ({exc})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise InvalidField("the daemon sent an fd that is not a regular file")
+    if seals & _SIZE_SEALS != _SIZE_SEALS:
+        raise InvalidField(f"the daemon sent a memfd whose size is not sealed (seals {seals:#x})")
+    if nbytes is not None and st.st_size != nbytes:
+        raise InvalidField(f"the daemon sent a memfd of {st.st_size} bytes, expected {nbytes}")
 
 
 class ShmFile:
-    """One mapped shared-memory file, seen as a flat uint8 array."""
+    """One mapped shared-memory segment (a sealed memfd), seen as a flat uint8 array."""
 
-    __slots__ = ("path", "nbytes", "_mmap", "array", "_closed")
+    __slots__ = ("name", "nbytes", "_mmap", "array", "_closed", "fd")
 
-    def __init__(self, path: Path, nbytes: int, mm: mmap.mmap) -> None:
-        self.path = path
+    def __init__(self, name: str, nbytes: int, mm: mmap.mmap, fd: int = -1) -> None:
+        self.name = name
         self.nbytes = nbytes
         self._mmap = mm
         self.array: np.ndarray = np.frombuffer(mm, dtype=np.uint8, count=nbytes)
         self._closed = False
+        #: The memfd, until `take_fd` hands it on (the daemon's, to pass to its client).
+        self.fd = fd
 
     @property
     def address(self) -> int:
@@ -63,56 +198,41 @@ class ShmFile:
         return int(self.array.ctypes.data)
 
     @classmethod
-    def create(cls, dirpath: Path, instance: str, segment_id: int, nbytes: int) -> "ShmFile":
-        path = dirpath / f"{PREFIX}{instance}.{segment_id}.{secrets.token_hex(6)}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    def create(cls, name: str, nbytes: int) -> "ShmFile":
+        """Daemon side: a new sealed memfd of exactly `nbytes`, its pages reserved, mapped."""
+        fd = new_memfd(name)
         try:
-            try:
-                os.posix_fallocate(fd, 0, nbytes)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
-                    free, total = _space(dirpath)
-                    raise OutOfSharedMemory(
-                        f"cannot reserve {nbytes} bytes of shared memory in {dirpath}: "
-                        f"{free} bytes free of {total} (enlarge it, e.g. docker --shm-size, "
-                        f"or point --shm-dir elsewhere)"
-                    ) from None
-                raise ResourceError(f"cannot create shared memory in {dirpath}: {exc}") from None
+            reserve(fd, nbytes, f"a {nbytes}-byte segment")
+            seal(fd)
             mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
-            _unlink(path)
             raise
-        os.close(fd)
-        return cls(path, nbytes, mm)
+        return cls(name, nbytes, mm, fd)
 
     @classmethod
-    def attach(cls, path: str, nbytes: int, expect_dir: Path | None = None) -> "ShmFile":
-        """Client side: map the daemon's file, check it is what was promised, unlink the name."""
-        p = Path(path)
-        if not p.name.startswith(PREFIX) or (expect_dir is not None and p.parent != expect_dir):
-            raise InvalidField(f"daemon sent an unexpected segment path {path!r}")
-        fd = os.open(p, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    def attach(cls, fd: int, nbytes: int) -> "ShmFile":
+        """Client side: map a memfd received from the daemon. Takes the fd (closes it)."""
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-                raise InvalidField(f"segment file {path} is not a private regular file of this user")
-            if st.st_size != nbytes:
-                raise InvalidField(f"segment file {path} has {st.st_size} bytes, expected {nbytes}")
+            check_sealed(fd, nbytes)
             mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        _unlink(p)
-        return cls(p, nbytes, mm)
+        return cls("attached", nbytes, mm)
 
-    def unlink(self) -> None:
-        _unlink(self.path)
+    def take_fd(self) -> int:
+        """Hand the memfd on (it is the taker's to close); the mapping stays."""
+        fd, self.fd = self.fd, -1
+        return fd
 
     def close(self) -> None:
         """Unmap. Views handed out keep the mapping alive until they are gone."""
         if self._closed:
             return
         self._closed = True
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
         self.array = np.empty(0, np.uint8)
         try:
             self._mmap.close()

@@ -35,6 +35,8 @@ class DaemonConfig:
     max_segments_per_session: int = 4096
     max_host_bytes_per_session: int = 0
     max_device_bytes_per_session: int = 0
+    #: Whole-daemon shared-memory budget (segments are memfds: RAM + swap, not a tmpfs); 0 = what the machine has.
+    max_host_bytes: int = 0
     #: Whole-daemon device memory budget (NumPy backend: host RAM standing in).
     max_device_bytes: int = 16 << 30
     #: Data requests whose bytes total less than this run on the event loop; more go to a thread.

@@ -142,6 +142,7 @@ async def serve(
                     nursery.start_soon(secure_pump.run, lambda parts: server.on_message([SECURE_PREFIX + parts[0], *parts[1:]], secure=True) if parts else None)
                 nursery.start_soon(server.reap_silent)
                 nursery.start_soon(_guard_connections, sock, max_connections)
+                nursery.start_soon(server.fds.serve)  # clients collect their memfds here (server._fds)
                 log.info("transferd %d serving %s (backend %s)", os.getpid(), ", ".join(config.endpoints), server.backend.name)
                 task_status.started(server)
                 if signals is None:

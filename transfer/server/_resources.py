@@ -18,7 +18,9 @@ from .. import protocol as P
 from ..addressing import MAX_SEGMENT_BYTES, MappingTable, Segment, SegmentKind
 from ..backends import Backend
 from ..memory import ShmFile
+from ..memory._shm import PREFIX
 from ._config import DaemonConfig
+from ._fds import FdChannel
 from ._placement import VirtualDevice
 from ._remote import RemotePlane
 from ._session import Session
@@ -33,7 +35,7 @@ class Resources:
 
     def __init__(
         self, config: DaemonConfig, table: MappingTable[Any], devices: Sequence[VirtualDevice],
-        backends: Sequence[Backend], remote: RemotePlane, instance: Callable[[], str],
+        backends: Sequence[Backend], remote: RemotePlane, instance: Callable[[], str], fds: FdChannel,
     ) -> None:
         self.config = config
         self.table = table
@@ -41,9 +43,13 @@ class Resources:
         self.backends = list(backends)
         self.remote = remote
         self._instance = instance
+        #: Where the client collects each segment's memfd.
+        self.fds = fds
         #: Share tokens -> segment id (see Share/Attach).
         self.shares: dict[bytes, int] = {}
         self.device_bytes = 0
+        #: Shared-memory bytes of every session (the whole daemon's `max_host_bytes` budget).
+        self.host_bytes = 0
         self._remote_start = trio.Lock()
 
     # --- quotas ------------------------------------------------------------------------------
@@ -58,6 +64,11 @@ class Resources:
         if kind == SegmentKind.HOST:
             limit, used = cfg.max_host_bytes_per_session, session.host_bytes
             what = "host"
+            if cfg.max_host_bytes and self.host_bytes + nbytes > cfg.max_host_bytes:
+                raise E.OutOfSharedMemory(
+                    f"cannot reserve {nbytes} bytes of shared memory: the daemon's budget (--max-host-bytes) "
+                    f"has {cfg.max_host_bytes - self.host_bytes} of {cfg.max_host_bytes} bytes free"
+                )
         else:
             limit, used = cfg.max_device_bytes_per_session, session.device_bytes
             what = "device"
@@ -88,19 +99,22 @@ class Resources:
     # --- creating ------------------------------------------------------------------------------
     def register_host(self, session: Session, nbytes: int) -> dict[str, Any]:
         self.check_quota(session, nbytes, SegmentKind.HOST)
+        self.fds.check_room(session)
         sid = self.table.reserve_id()
-        shm = ShmFile.create(self.config.shm_dir, self._instance(), sid, nbytes)
+        shm = ShmFile.create(f"{PREFIX}{self._instance()}.seg{sid}", nbytes)
         try:
             for backend in self.backends:
                 backend.register_host(shm)
             seg = self.table.add_reserved(sid, SegmentKind.HOST, nbytes, session.id, shm)
         except BaseException:
-            shm.unlink()
             shm.close()
             raise
         session.segments.add(seg.id)
         session.host_bytes += nbytes
-        return {"va": seg.va, "nbytes": nbytes, "path": str(shm.path)}
+        self.host_bytes += nbytes
+        # The client collects the memfd with this token (single use) from the fd socket.
+        token = seg.info["fd_token"] = self.fds.offer(session, shm.take_fd())
+        return {"va": seg.va, "nbytes": nbytes, "token": token}
 
     def alloc_at(self, session: Session, segment_id: int | None, nbytes: int, device: int) -> dict[str, Any]:
         """Allocate a device buffer; under a given (arena) segment id for deferred allocations."""
@@ -199,12 +213,13 @@ class Resources:
         self.remote.forget_local(seg)  # deregister from our NIXL agent before the memory goes
         if seg.kind == SegmentKind.HOST:
             session.host_bytes -= seg.nbytes
+            self.host_bytes -= seg.nbytes
+            self.fds.revoke(seg.info.get("fd_token"))  # not collected yet: nobody will now
             shm: ShmFile = seg.handle
             try:
                 for backend in self.backends:
                     backend.unregister_host(shm)
             finally:
-                shm.unlink()
                 shm.close()
         elif seg.kind == SegmentKind.DEVICE:
             session.device_bytes -= seg.nbytes
@@ -226,4 +241,5 @@ class Resources:
             if seg is not None:
                 self.drop(session, seg)
         session.segments.clear()
+        self.fds.forget(session)  # uncollected memfds of its segments and ring
         self.remote.drop_session(session.id)

@@ -32,10 +32,11 @@ import trio
 
 from .. import errors as E
 from .. import protocol as P
-from .._ring import COMPLETION_DTYPE, Op as RingOp, Ring, RingCorrupted
-from ..memory._shm import PREFIX
+from .._ring import COMPLETION_DTYPE, Op as RingOp, Ring, RingCorrupted, RingError
+from ..memory._shm import PREFIX, new_memfd, reserve, seal
 from ._accounting import Accounting
 from ._config import DaemonConfig
+from ._fds import FdChannel
 from ._ops import RING
 from ._planner import VECTOR_RUN, CopyRun
 from ._session import Phase, Session
@@ -126,8 +127,10 @@ class Doorbell:
 class Rings:
     """Every session's ring: open, ingest into the queue, push completions, poll, sleep."""
 
-    def __init__(self, config: DaemonConfig, instance: Callable[[], str], accounting: Accounting) -> None:
+    def __init__(self, config: DaemonConfig, instance: Callable[[], str], accounting: Accounting, fds: FdChannel) -> None:
         self.config = config
+        #: Where the client collects its ring's memfd.
+        self.fds = fds
         self._instance = instance
         self.accounting = accounting
         self.sessions: dict[int, Session] = {}
@@ -141,6 +144,21 @@ class Rings:
     def _path(self, session: Session, what: str) -> Path:
         return self.config.shm_dir / f"{PREFIX}{self._instance()}.{what}-{session.id}.{os.urandom(6).hex()}"
 
+    def _create(self, session: Session, cap: int) -> tuple[Ring, int]:
+        """A ring in a sealed memfd (its size can never change under us: no SIGBUS), and the fd."""
+        fd = new_memfd(f"{PREFIX}{self._instance()}.ring-{session.id}")
+        try:
+            reserve(fd, Ring.nbytes_for(cap), f"a {cap}-descriptor ring")
+            seal(fd)
+            ring = Ring.create(fd, cap)
+        except RingError as exc:
+            os.close(fd)
+            raise E.OutOfSharedMemory(f"cannot create a {cap}-descriptor ring: {exc}") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        return ring, fd
+
     def open(self, session: Session, capacity: int, nursery: trio.Nursery) -> dict[str, Any]:
         cfg = self.config
         if not cfg.rings:
@@ -153,17 +171,18 @@ class Rings:
         if not 2 <= capacity <= limit:
             raise E.InvalidField(f"ring capacity {capacity} is outside 2..{limit}")
         cap = min(1 << (capacity - 1).bit_length(), 1 << (limit.bit_length() - 1))
+        self.fds.check_room(session)
         try:
             if self.bell is None:  # made with the first ring: daemons without ring clients have none
                 self.bell = Doorbell(cfg.shm_dir / f"{PREFIX}{self._instance()}.bell")
-            ring = Ring.create(self._path(session, "ring"), cap)
         except OSError as exc:
-            raise E.OutOfSharedMemory(f"cannot create a {cap}-descriptor ring in {cfg.shm_dir}: {exc}") from None
+            raise E.OutOfSharedMemory(f"cannot create the rings' doorbell in {cfg.shm_dir}: {exc}") from None
+        ring, ring_fd = self._create(session, cap)
         try:
             cbell = Doorbell(self._path(session, "cbell"))
         except OSError as exc:
-            ring.unlink()
             ring.close()
+            os.close(ring_fd)
             raise E.OutOfSharedMemory(f"cannot create the ring's doorbell in {cfg.shm_dir}: {exc}") from None
         ring.set_doorbell(cbell.fd)  # our completion pushes ring it when the client sleeps armed
         session.ring, session.ring_bell = ring, cbell
@@ -174,7 +193,7 @@ class Rings:
             nursery.start_soon(self._loop)
         log.info("session %d opened a %d-descriptor ring", session.id, ring.request_capacity, extra={"session": session.id})
         return {
-            "path": str(ring.path),
+            "token": self.fds.offer(session, ring_fd),
             "bell": str(self.bell.path),
             "cbell": str(cbell.path),
             "capacity": ring.request_capacity,
@@ -187,8 +206,7 @@ class Rings:
         self.sessions.pop(session.id, None)
         ring, session.ring = session.ring, None
         if ring is not None:
-            ring.unlink()  # the client unlinks it on attach; a client that died first did not
-            ring.close()
+            ring.close()  # its memfd goes with the client's mapping (an uncollected one with its token)
         bell, session.ring_bell = session.ring_bell, None
         if bell is not None:
             bell.close()

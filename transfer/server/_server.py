@@ -24,6 +24,7 @@ from ..memory import DaemonLock, sweep_stale
 from ._accounting import Accounting
 from ._config import DaemonConfig
 from ._control import Control
+from ._fds import FdChannel
 from ._front import Front
 from ._metrics import Metrics
 from ._pass import Pass
@@ -60,8 +61,10 @@ class Server:
         self.metrics = Metrics()
         self.accounting = Accounting(self.metrics)
         self._lock: DaemonLock | None = None
-        self.resources = Resources(config, self.table, self.devices, self.backends, self.remote, lambda: self.instance)
-        self.rings = Rings(config, lambda: self.instance, self.accounting)
+        #: Where clients collect the memfds behind their segments and rings (no paths: no SIGBUS).
+        self.fds = FdChannel(config.shm_dir, lambda: self.instance)
+        self.resources = Resources(config, self.table, self.devices, self.backends, self.remote, lambda: self.instance, self.fds)
+        self.rings = Rings(config, lambda: self.instance, self.accounting, self.fds)
         self.control = Control(self.resources, self.rings, self.stats)
         self.pass_ = Pass(config, self.planner, self.limiters, self.control, self.rings, self.accounting, self._send)
         self.front = Front(config, self.pass_, self.rings, self.resources, self.accounting, self._hello_info, self.stats)
@@ -114,6 +117,12 @@ class Server:
         shm_dir.mkdir(parents=True, exist_ok=True)
         swept = sweep_stale(shm_dir)
         self._lock = DaemonLock(shm_dir)
+        try:
+            self.fds.open()
+        except BaseException:
+            self._lock.release()
+            self._lock = None
+            raise
         return swept
 
     def close(self) -> None:
@@ -121,6 +130,7 @@ class Server:
             self.front.release(session)
         self.remote.close()
         self.rings.shutdown()
+        self.fds.close()
         if self._lock is not None:
             self._lock.release()
             self._lock = None
@@ -160,6 +170,7 @@ class Server:
             "heartbeat_s": self.config.heartbeat_s,
             "session_timeout_s": self.config.session_timeout_s,
             "shm_dir": str(self.config.shm_dir),
+            "fd_socket": str(self.fds.path),
             "arenas": arenas,
         }
 
@@ -174,6 +185,7 @@ class Server:
                 "devices": [{"index": d.index, "kind": d.kind, "queued_bytes": d.queued_bytes, "batches": d.completed} for d in self.devices],
                 "uptime_s": round(time.monotonic() - self.started, 3),
                 **self.remote.counters,
+                **self.fds.counters,
             }
         }
         if session is not None:
