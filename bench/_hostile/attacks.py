@@ -12,6 +12,7 @@ refused but served: a forged VA that reached another session's memory, say.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import random
 import time
@@ -555,9 +556,44 @@ def _fds_for(name_part: str) -> list[int]:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue
-        if name_part in target or (target.startswith("/memfd:") and "transfer" in target):
+        if target.startswith("/memfd:") and name_part in target:
             fds.append(int(fd))
     return fds
+
+
+def _map_files(name_part: str) -> list[int]:
+    """Fds opened through /proc/self/map_files (root only): another route to a mapping's file.
+    Only memfd mappings: a name part like "transfer" alone would match the package's own
+    shared library, and truncating that would fault every process that maps it."""
+    fds = []
+    try:
+        entries = os.listdir("/proc/self/map_files")
+    except OSError:
+        return fds
+    for e in entries:
+        try:
+            if os.readlink(f"/proc/self/map_files/{e}").startswith(name_part):
+                fds.append(os.open(f"/proc/self/map_files/{e}", os.O_RDWR))
+        except OSError:
+            continue
+    return fds
+
+
+def _describe_fd(fd: int) -> str:
+    """What an fd is, for the notes: its target, size and seals."""
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        target = "?"
+    try:
+        seals = fcntl.fcntl(fd, 1034)  # F_GET_SEALS
+    except OSError:
+        seals = -1
+    try:
+        size = os.fstat(fd).st_size
+    except OSError:
+        size = -1
+    return f"{target}, {size} bytes, seals {seals}"
 
 
 def _truncate(t: Tally, label: str, fds: list[int], path: str | None) -> bool:
@@ -566,8 +602,10 @@ def _truncate(t: Tally, label: str, fds: list[int], path: str | None) -> bool:
     for fd in fds:
         tried = True
         try:
+            what = _describe_fd(fd)
             os.ftruncate(fd, 0)
             t.inc(f"{label}:truncated_fd")
+            t.note(f"{label}: truncated fd {fd} ({what})")
             return True
         except OSError as exc:
             t.inc(f"{label}:defended_fd:{errno.errorcode.get(exc.errno, exc.errno)}")
@@ -590,14 +628,23 @@ def attack_truncate_segment(ctx: Ctx, t: Tally, rng: random.Random) -> None:
         for _ in range(5):
             if not ctx.left() or not _daemon_alive(ctx.daemon_pid):
                 return
-            if rng.random() < 0.5:  # the mapped segment, through the fd its mapping holds
+            if rng.random() < 0.5:  # the mapped segment, through any fd or mapping of it we can reach
                 seg = c.segment(1 << 20)
-                path = str(seg._shm.path) if seg._shm is not None else None
-                done = _truncate(t, "mapped", _fds_for(Path(path).name) if path else [], None)
+                opened = _map_files("/memfd:transfer")
+                try:
+                    done = _truncate(t, "mapped", _fds_for("memfd:transfer") + opened, None)
+                finally:
+                    for fd in opened:
+                        os.close(fd)
                 va = seg.va
-            else:  # the path the daemon hands out, before the client maps (and unlinks) it
+            else:  # the memory the daemon hands out, collected by hand (fd or path, whichever it gives)
                 info = c._call(P.RegisterHost, 1 << 20, timeout=ctx.timeout)
-                done = _truncate(t, "by_path", [], info["path"])
+                fds = [c._core.collect(info["token"])] if "token" in info else []
+                try:
+                    done = _truncate(t, "handed_out", fds, info.get("path"))
+                finally:
+                    for fd in fds:
+                        os.close(fd)
                 va = info["va"]
             if done:
                 t.note(f"truncated segment {va:#x}; now asking the daemon to read it")
@@ -618,7 +665,12 @@ def attack_truncate_ring(ctx: Ctx, t: Tally, rng: random.Random) -> None:
         assert c._ring is not None
         ring = c._ring.ring
         path = getattr(ring, "path", None)
-        done = _truncate(t, "ring", _fds_for(Path(path).name) if path else [], None)
+        opened = _map_files("/memfd:transfer")
+        try:
+            done = _truncate(t, "ring", (_fds_for(Path(path).name) if path else []) + _fds_for("memfd:transfer") + opened, None)
+        finally:
+            for fd in opened:
+                os.close(fd)
         if done:
             t.note("truncated the ring's file; now pushing a descriptor")
         try:

@@ -10,6 +10,7 @@ only builds those parts, wires them, and reports `stats()`.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
 import time
@@ -141,11 +142,16 @@ class Server:
         return self._lock.instance
 
     async def reap_silent(self) -> None:
-        """Once a period: reclaim silent sessions and refresh the metrics' gauges."""
+        """Once a period: reclaim silent sessions, refresh the metrics' gauges, and give
+        the C heap's free pages back (after a flood, glibc would keep them resident)."""
+        sessions_before = 0
         while True:
             await trio.sleep(min(1.0, self.config.session_timeout_s / 4))
             self.front.reap_silent()
             self._gauges()
+            if len(self.sessions) < sessions_before:
+                _trim_heap()  # sessions ended since the last look: their memory is free now
+            sessions_before = len(self.sessions)
 
     def _gauges(self) -> None:
         self.metrics.set_gauges(
@@ -191,3 +197,16 @@ class Server:
         if session is not None:
             out["session"] = {"id": session.id, **session.stats.to_wire(), "segments": len(session.segments), "ring": session.ring is not None}
         return out
+
+
+def _load_trim() -> Callable[[], None]:
+    """glibc's malloc_trim(0), or a no-op where there is none (musl, other platforms)."""
+    try:
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return lambda: None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return lambda: fn(0) and None
+
+
+_trim_heap = _load_trim()
