@@ -109,10 +109,11 @@ def test_daemon_kill_and_restart_leaves_nothing(daemon, shm_dir: Path) -> None:
         got += P.decode_replies(s.recv())
     assert all(r.error is None for r in got)
     assert segment_files(shm_dir) == []  # memfds: no files, ever
-    assert len({m for m in memfds(daemon.pid)}) == 2  # held by the daemon alone
+    held = set(memfds(daemon.pid))
+    assert len(held) == 2  # held by the daemon alone
     s.close(0)
     daemon.kill()
-    assert memfds() == []  # the memory died with its only holder
+    assert not held & set(memfds())  # the memory died with its only holder (nothing here maps it)
     daemon.restart()
     assert segment_files(shm_dir) == []
     names = os.listdir(shm_dir)
@@ -138,7 +139,8 @@ def test_killed_client_leaves_no_memory_anywhere(daemon, shm_dir: Path, tmp_path
         wait_until(lambda: survivor.stats()["daemon"]["sessions"] == 1, 5, "victim's session to end")
         wait_until(lambda: set(memfds(daemon.pid)) <= mine, 5, "the daemon to let go of the victim's memory")
         assert survivor.checksum(seg).result() == transfer.checksum64(bytes(1 << 16))
-    assert [n for n in segment_files(shm_dir) if not n.endswith(".bell")] == []  # the daemon's doorbell stays
+    # The daemon's doorbell stays; the survivor's completion doorbell goes when its session is released.
+    wait_until(lambda: [n for n in segment_files(shm_dir) if not n.endswith(".bell")] == [], 5, "the sessions' files to go")
 
 
 def test_restarted_daemon_does_not_know_old_sessions(daemon) -> None:
