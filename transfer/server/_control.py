@@ -61,6 +61,25 @@ class Control:
             log.exception("internal error on RegisterRemote")
             return P.Reply(req.id, error=E.InternalError(f"{type(exc).__name__}: {exc}"))
 
+    def answer_after(self, session: Session, reqs: list[Any]) -> list[P.Reply]:
+        """Fences, pings, waits and stats, once what came before them is done: the counters
+        are read once for all of them, and at most `STATS_PER_FRAME` Stats are answered."""
+        stats: Any = None
+        n_stats = 0
+        out = []
+        for req in reqs:
+            if type(req) is not P.Stats:
+                out.append(self.execute(session, req))
+                continue
+            n_stats += 1
+            if n_stats > STATS_PER_FRAME:
+                out.append(P.Reply(req.id, error=E.QuotaExceeded(f"at most {STATS_PER_FRAME} Stats requests per frame")))
+                continue
+            if stats is None:
+                stats = self.stats(session)
+            out.append(P.Reply(req.id, stats))
+        return out
+
     def _execute(self, session: Session, req: Any) -> Any:
         res = self.resources
         t = type(req)

@@ -19,7 +19,7 @@ import trio
 from .. import errors as E
 from .. import protocol as P
 from ._accounting import Accounting
-from ._control import STATS_PER_FRAME
+from ._control import Control
 from ._config import DaemonConfig
 from ._ops import SOCKET
 from ._pass import Pass
@@ -35,7 +35,7 @@ log = logging.getLogger("transfer.server")
 class Front:
     def __init__(
         self, config: DaemonConfig, pass_: Pass, rings: Rings, resources: Resources, accounting: Accounting,
-        hello_info: Callable[[Session], dict[str, Any]], stats: Callable[[Session], dict[str, Any]],
+        hello_info: Callable[[Session], dict[str, Any]], control: Control,
     ) -> None:
         self.config = config
         self.pass_ = pass_
@@ -43,7 +43,7 @@ class Front:
         self.resources = resources
         self.accounting = accounting
         self._hello_info = hello_info
-        self._stats = stats
+        self._control = control
         self.sessions: dict[bytes, Session] = {}
         self.accepting = True
         #: Sessions served at once (the daemon sizes it from the fd limit at startup).
@@ -101,7 +101,11 @@ class Front:
             acc.received(session, len(reqs))
         # Pings and stats are answered at once; they must not wait behind a long copy.
         if all(type(r) is P.Ping or type(r) is P.Stats for r in reqs):
-            self.send(identity, P.encode_replies(self._immediate(session, reqs)))
+            replies = self._control.answer_after(session, reqs)
+            refused = [r.error.code for r in replies if r.error is not None]
+            if refused:
+                self.accounting.failed(session, refused[0], len(refused))
+            self.send(identity, P.encode_replies(replies))
             return
         if not session.accepting:
             self._refuse(identity, session, reqs, E.SessionClosed("the session is closing"))
@@ -115,27 +119,6 @@ class Front:
         session.queue.extend([(r, SOCKET) for r in reqs])
         session.inflight += len(reqs)
         self.pass_.kick(session)
-
-    def _immediate(self, session: Session, reqs: list[Any]) -> list[P.Reply]:
-        """Pings and stats: the counters are read once per frame, and a frame gets at most
-        `STATS_PER_FRAME` of them (a Stats reply is ~1 KiB: many would amplify a small frame)."""
-        stats: dict[str, Any] | None = None
-        out = []
-        n = 0
-        for r in reqs:
-            if type(r) is P.Ping:
-                out.append(P.Reply(r.id, None))
-                continue
-            n += 1
-            if n > STATS_PER_FRAME:
-                out.append(P.Reply(r.id, error=E.QuotaExceeded(f"at most {STATS_PER_FRAME} Stats requests per frame")))
-                continue
-            if stats is None:
-                stats = self._stats(session)
-            out.append(P.Reply(r.id, stats))
-        if n > STATS_PER_FRAME:
-            self.accounting.failed(session, E.QuotaExceeded.code, n - STATS_PER_FRAME)
-        return out
 
     def reply_overflow(self, identity: bytes) -> None:
         """The client stopped reading its replies and its backlog passed the cap: end it."""

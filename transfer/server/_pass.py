@@ -32,7 +32,7 @@ from .. import protocol as P
 from .._ring import COMPLETION_DTYPE
 from ._accounting import Accounting
 from ._config import DaemonConfig
-from ._control import AFTER_PASS, BARRIERS, STATS_PER_FRAME, Control
+from ._control import AFTER_PASS, BARRIERS, Control
 from ._deferred import resolve
 from ._ops import RING, Op
 from ._planner import CopyRun, Planner, plan_batch
@@ -255,21 +255,10 @@ class Pass:
                 replies.extend(P.Reply(int(r), None, err) for r in ids)
                 if err is not None:
                     codes.extend([err.code] * op.count())
-        stats: Any = None
-        n_stats = 0
-        for req, route in b.after:
-            if type(req) is P.Stats:  # read once per pass, and a bounded number of times
-                n_stats += 1
-                if n_stats > STATS_PER_FRAME:
-                    err = E.QuotaExceeded(f"at most {STATS_PER_FRAME} Stats requests per frame")
-                    codes.append(err.code)
-                    replies.append(P.Reply(req.id, error=err))
-                    continue
-                if stats is None:
-                    stats = self.control.execute(session, req).result
-                replies.append(P.Reply(req.id, stats))
-                continue
-            reply = self.control.execute(session, req)
+        after = self.control.answer_after(session, [req for req, _ in b.after])
+        for (req, route), reply in zip(b.after, after):
+            if reply.error is not None:
+                codes.append(reply.error.code)
             if route == RING:
                 comps.append((req.id, 0, 0, 0, 0))
             else:

@@ -68,7 +68,7 @@ class Server:
         self.rings = Rings(config, lambda: self.instance, self.accounting, self.fds)
         self.control = Control(self.resources, self.rings, self.stats)
         self.pass_ = Pass(config, self.planner, self.limiters, self.control, self.rings, self.accounting, self._send)
-        self.front = Front(config, self.pass_, self.rings, self.resources, self.accounting, self._hello_info, self.stats)
+        self.front = Front(config, self.pass_, self.rings, self.resources, self.accounting, self._hello_info, self.control)
         self.rings.kick = self.pass_.kick
         self.rings.on_broken = self.front.end_soon
         self.pass_.on_peer_lost = lambda s: self.front.end_soon(s, "NIXL peer disconnected")
