@@ -104,6 +104,7 @@ __all__ = [
     "encode_replies",
     "decode_replies",
     "frame_error",
+    "check_ints",
     "REQUEST_TYPES",
 ]
 
@@ -681,3 +682,38 @@ def decode_replies(data: bytes, limits: Limits = DEFAULT_LIMITS) -> list[Reply]:
         else:
             raise E.MalformedFrame("malformed reply status")
     return out
+
+
+# --- submission-side checks -----------------------------------------------------
+_INT_BOUNDS: dict[type, tuple[tuple[str, int, int], ...]] = {}
+
+
+def _int_bounds(cls: type) -> tuple[tuple[str, int, int], ...]:
+    """(field, lo, hi) for a request's integer fields after the id, from its own annotations."""
+    bounds = _INT_BOUNDS.get(cls)
+    if bounds is None:
+        bounds = tuple(
+            (f.name, f.type.ge if f.type.ge is not None else -(1 << 63), f.type.le if f.type.le is not None else U64_MAX)
+            for f in msgspec.inspect.type_info(cls).fields[1:]
+            if isinstance(f.type, msgspec.inspect.IntType)
+        )
+        _INT_BOUNDS[cls] = bounds
+    return bounds
+
+
+def check_ints(cls: type, args: tuple[Any, ...]) -> None:
+    """Refuse what no transport can carry before it is sent, in the decoder's words, so a
+    request fails the same way whichever path (socket or ring) it would have taken.
+
+    `args` are the request's fields after the id, in order; only integer fields are checked.
+    """
+    for (name, lo, hi), v in zip(_int_bounds(cls), args):
+        if type(v) is not int:
+            if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+                v = int(v)
+            else:
+                raise E.InvalidField(f"{cls.__name__}.{name}: expected `int`, got `{type(v).__name__}`")
+        if v < lo:
+            raise E.InvalidField(f"{cls.__name__}.{name}: expected `int` >= {lo}, got {v}")
+        if v > hi:
+            raise E.InvalidField(f"{cls.__name__}.{name}: expected `int` <= {hi}, got {v}")

@@ -89,9 +89,8 @@ class ClientCore:
         """The frame's worth of requests for one call: deferred definitions it needs first,
         the request, and a Wait marker when the caller will block on it."""
         self.check_usable()
-        fields = _INT_FIELDS.get(cls)
-        if fields is not None:
-            _check_ints(cls, fields, args)
+        if cls in _CHECKED:
+            P.check_ints(cls, args)
         defs = self._definitions(cls, args, objects)
         req, pending = self.new(cls, *args)
         reqs = [*defs, req]
@@ -258,28 +257,8 @@ class ClientCore:
             self.remote = None
 
 
-_U64, _U32, _U8 = (1 << 64) - 1, (1 << 32) - 1, 255
-#: The integer fields of the requests that may take the ring, with their bounds, in argument order.
-_INT_FIELDS: dict[type, tuple[tuple[str, int], ...]] = {
-    P.Copy: (("dst", _U64), ("src", _U64), ("nbytes", _U64), ("stream", _U32)),
-    P.Fill: (("dst", _U64), ("nbytes", _U64), ("value", _U8), ("stream", _U32)),
-    P.Checksum: (("src", _U64), ("nbytes", _U64), ("stream", _U32)),
-}
-
-
-def _check_ints(cls: type, fields: tuple[tuple[str, int], ...], args: tuple[Any, ...]) -> None:
-    """Refuse at submission what no transport can carry, with the daemon decoder's words:
-    one error, whichever path the request would have taken."""
-    for (name, hi), v in zip(fields, args):
-        if type(v) is not int:
-            if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
-                v = int(v)
-            else:
-                raise E.InvalidField(f"{cls.__name__}.{name}: expected `int`, got `{type(v).__name__}`")
-        if v < 0:
-            raise E.InvalidField(f"{cls.__name__}.{name}: expected `int` >= 0, got {v}")
-        if v > hi:
-            raise E.InvalidField(f"{cls.__name__}.{name}: expected `int` <= {hi}, got {v}")
+#: Requests that may take the ring: their integer fields are checked at submission.
+_CHECKED = frozenset((P.Copy, P.Fill, P.Checksum))
 
 
 def _touched(cls: type[P.Request], args: tuple[Any, ...]) -> list[int]:

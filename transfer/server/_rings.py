@@ -47,7 +47,6 @@ log = logging.getLogger("transfer.server")
 
 #: Completion flag: the error's message follows on the control socket, as a reply with this id.
 COMPLETION_DETAIL = 1
-_U8_MAX = 255
 # Plain ints: IntEnum attribute lookups cost ~1 µs each in a hot loop.
 _NOP, _COPY, _FILL, _CHECKSUM, _FENCE = (int(o) for o in (RingOp.NOP, RingOp.COPY, RingOp.FILL, RingOp.CHECKSUM, RingOp.FENCE))
 _SERVED = frozenset((_NOP, _COPY, _FILL, _CHECKSUM, _FENCE))
@@ -64,8 +63,7 @@ def _request(row: tuple[int, ...]) -> Any:
         if op == _COPY:
             return P.Copy(rid, dst, src, nbytes, stream)
         if op == _FILL:
-            if arg0 > _U8_MAX:
-                raise E.InvalidField(f"Fill.value: expected `int` <= {_U8_MAX}, got {arg0}")  # the decoder's words
+            P.check_ints(P.Fill, (dst, nbytes, arg0, stream))  # a value that is not a byte, in the decoder's words
             return P.Fill(rid, dst, nbytes, arg0, stream)
         if op == _CHECKSUM:
             return P.Checksum(rid, src, nbytes, stream)
