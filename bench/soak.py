@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import transfer  # noqa: E402
-from transfer.testing import start_daemon  # noqa: E402
+from transfer.testing import memfds, start_daemon  # noqa: E402
 
 SLOT = 4  # per-process counters: transfers, bytes, failures, clean exit
 MiB = 1 << 20
@@ -134,19 +134,6 @@ class Summary:
         ]
         w = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
-
-
-def _memfds(proc: Any) -> list[str]:
-    """The transfer memfds a process holds open (an fd, or a mapping's fd)."""
-    out = []
-    for fd in os.listdir(f"/proc/{proc.pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{proc.pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("/memfd:transfer."):
-            out.append(target)
-    return sorted(out)
 
 
 def _rss(proc: psutil.Process) -> int:
@@ -256,7 +243,7 @@ def run(
         # While it lives the daemon keeps its lock and fd socket there; segments are memfds,
         # so a leak would show as a memfd the daemon still holds with no segment left.
         summary.leaked_files = sorted(n for n in os.listdir(shm_dir) if not n.endswith(".lock") and ".fds." not in n)
-        summary.leaked_files += [f"memfd held by the daemon: {m}" for m in _memfds(dproc)]
+        summary.leaked_files += [f"memfd held by the daemon: {m}" for m in memfds(dproc.pid, maps=False)]
         time.sleep(0.3)
         summary.rss_final = min(_rss(dproc) for _ in range(3) if time.sleep(0.1) is None)
         stop_sampling.set()

@@ -17,6 +17,7 @@ import _workers
 import transfer
 from conftest import segment_files
 from transfer import protocol as P
+from transfer.testing import memfds
 
 
 def wait_until(cond, timeout: float = 10.0, what: str = "condition") -> None:
@@ -80,21 +81,6 @@ def test_silent_daemon_times_out_without_pid_watch(daemon_factory) -> None:
             assert time.monotonic() - t0 < 4
         finally:
             os.kill(d.pid, signal.SIGCONT)
-
-
-def memfds(pid: int | str = "self") -> list[str]:
-    """The transfer memfds a process holds open or maps."""
-    out = []
-    for name in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{name}")
-        except OSError:
-            continue
-        if target.startswith("/memfd:transfer."):
-            out.append(target)
-    with open(f"/proc/{pid}/maps") as f:
-        out += [ln.split(None, 5)[5].strip() for ln in f if "/memfd:transfer." in ln]
-    return out
 
 
 def test_daemon_kill_and_restart_leaves_nothing(daemon, shm_dir: Path) -> None:

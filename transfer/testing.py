@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-__all__ = ["DaemonProcess", "run_daemon", "start_daemon"]
+__all__ = ["DaemonProcess", "memfds", "run_daemon", "start_daemon"]
 
 
 @dataclass
@@ -109,3 +109,19 @@ def run_daemon(args: Sequence[str] = (), **kwargs: object) -> Iterator[DaemonPro
         d.stop()
         if owns_dir:
             shutil.rmtree(d.workdir, ignore_errors=True)
+
+
+def memfds(pid: int | str = "self", *, maps: bool = True) -> list[str]:
+    """The transfer memfds a process holds: open fds, and (`maps`) its mappings of them."""
+    out = []
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("/memfd:transfer."):
+            out.append(target)
+    if maps:
+        with open(f"/proc/{pid}/maps") as f:
+            out += [ln.split(None, 5)[5].strip() for ln in f if "/memfd:transfer." in ln]
+    return sorted(out)
