@@ -68,6 +68,14 @@ class Batch:
         self.socket_n = 0
         self.ring_n = 0
 
+    def count(self, req: Any, route: int) -> None:
+        """One queue entry taken: it holds a credit (socket) or completion slots (ring) until answered."""
+        n = len(req.ids) if type(req) is CopyRun else 1
+        if route == RING:
+            self.ring_n += n
+        else:
+            self.socket_n += n
+
 
 class Pass:
     def __init__(
@@ -130,19 +138,11 @@ class Pass:
         q = session.queue
         while q:
             req, route = q.popleft()
+            b.count(req, route)
             if type(req) is CopyRun:
-                ids = req.ids.tolist()
-                if route == RING:
-                    b.ring_n += len(ids)
-                else:
-                    b.socket_n += len(ids)
-                b.refused.extend((int(i), route, err) for i in ids)
-                continue
-            if route == RING:
-                b.ring_n += 1
+                b.refused.extend((int(i), route, err) for i in req.ids.tolist())
             else:
-                b.socket_n += 1
-            b.refused.append((req.id, route, err))
+                b.refused.append((req.id, route, err))
         if b.refused:
             self.complete(b)
 
@@ -163,22 +163,19 @@ class Pass:
                 if t is P.RegisterRemote:
                     if not taken:
                         q.popleft()
-                        b.socket_n += 1
+                        b.count(req, route)
                         b.remote = req
                         b.inline = False
                     break
                 q.popleft()
                 taken += 1
-                b.socket_n += 1
+                b.count(req, route)
                 b.replies.append((req.id, route, self.control.execute(session, req)))
                 running = session.running  # a Close stops the take here
                 continue
             q.popleft()
             taken += 1
-            if route == RING:
-                b.ring_n += len(req.ids) if t is CopyRun else 1
-            else:
-                b.socket_n += 1
+            b.count(req, route)
             if t is P.BadRequest:
                 b.refused.append((req.id, route, req.error))
             elif t in _AFTER:
@@ -195,10 +192,8 @@ class Pass:
             err = E.SessionClosed("the session closed before this request ran")
             while q:
                 req, route = q.popleft()
-                if route == RING:
-                    b.ring_n += len(req.ids) if type(req) is CopyRun else 1
-                else:
-                    b.socket_n += 1
+                b.count(req, route)
+                if route != RING:  # ring requests: the ring closes with the session, failing them client-side
                     b.refused.append((req.id, route, err))
         if b.data:
             b.ops, refused = plan_batch(self.planner, session.id, b.data)
