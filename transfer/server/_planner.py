@@ -38,10 +38,6 @@ class CopyRun:
     def __init__(self, ids: np.ndarray, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray) -> None:
         self.ids, self.dst, self.src, self.nbytes = ids, dst, src, nbytes
 
-    @property
-    def id(self) -> int:
-        return int(self.ids[0])
-
     def singles(self) -> list[P.Copy]:
         return [P.Copy(int(i), int(d), int(s), int(n)) for i, d, s, n in zip(self.ids.tolist(), self.dst.tolist(), self.src.tolist(), self.nbytes.tolist())]
 

@@ -107,10 +107,6 @@ class Server:
     def sessions(self) -> dict[bytes, Session]:
         return self.front.sessions
 
-    @property
-    def counters(self) -> dict[str, int]:
-        return self.accounting.counters
-
     # --- lifecycle ---------------------------------------------------------------------------
     def open(self) -> list[str]:
         """Take the instance lock and sweep what dead daemons left; return swept names."""
