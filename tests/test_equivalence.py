@@ -9,6 +9,8 @@ outputs, unknown operators). The same program runs through every path:
 
 * client: the blocking client (`transfer.connect`) and the trio client
   (`transfer.open_client`);
+* streams: requests go out on streams 0, 1 and 2 in turn (the daemon's
+  per-session lanes; the stream simulation flags two lanes racing);
 * transport: the control socket, and the shared-memory request ring
   (`ring=True`), for both clients;
 * submission: one request at a time (each one waited for before the next:
@@ -293,6 +295,8 @@ class Path_:
     host: dict[str, Any]  # h0, h1, stage -> HostSegment
     names: dict[int, str] = field(default_factory=dict)  # segment id -> region
     host_runner: Any = None
+    #: Requests go out on streams 0, 1, 2 in turn: the result must not depend on streams (lanes).
+    submitted: int = 0
 
     def __repr__(self) -> str:
         return f"<path {self.name}>"
@@ -325,17 +329,19 @@ class Path_:
 
     def submit(self, c: Any, op: tuple) -> Any:
         kind = op[0]
+        self.submitted += 1
+        stream = self.submitted % 3
         if kind == "copy":
-            return c.copy(self.va(op[1]), self.va(op[2]), op[3])
+            return c.copy(self.va(op[1]), self.va(op[2]), op[3], stream=stream)
         if kind == "copy_many":
-            return c.copy_many([self.va(d) for d, _, _ in op[1]], [self.va(s) for _, s, _ in op[1]], [n for _, _, n in op[1]])
+            return c.copy_many([self.va(d) for d, _, _ in op[1]], [self.va(s) for _, s, _ in op[1]], [n for _, _, n in op[1]], stream=stream)
         if kind == "fill":
-            return c.fill(self.va(op[1]), op[2], op[3])
+            return c.fill(self.va(op[1]), op[2], op[3], stream=stream)
         if kind == "checksum":
-            return c.checksum(self.va(op[1]), op[2])
+            return c.checksum(self.va(op[1]), op[2], stream=stream)
         if kind == "compute":
             _, name, ins, outs, params = op
-            return c.compute(name, [self.tensor(t) for t in ins], [self.tensor(t) for t in outs], dict(params))
+            return c.compute(name, [self.tensor(t) for t in ins], [self.tensor(t) for t in outs], dict(params), stream=stream)
         raise AssertionError(op)
 
 

@@ -87,6 +87,26 @@ def test_undefined_and_faulting_cuda_use_raises() -> None:
     sim.violations.clear()
 
 
+def test_lanes_are_streams_of_their_own() -> None:
+    """Each (device, lane) is one queue: synchronizing a lane runs only its work, and two lanes
+    of one session racing on the same bytes is flagged (nothing orders two streams)."""
+    sim = StreamSimBackend(1, seed=3)
+    a, b = sim.alloc(64, 0), sim.alloc(64, 0)
+    host = type("H", (), {"array": np.arange(64, dtype=np.uint8)})()
+    with sim.lane((1, 0)):
+        sim.copy(Span(SegmentKind.DEVICE, a, 0, 64), Span(SegmentKind.HOST, host, 0, 64))
+    with sim.lane((2, 0)):  # another session: its own stream
+        sim.copy(Span(SegmentKind.DEVICE, b, 0, 64), Span(SegmentKind.HOST, host, 0, 64))
+    with sim.lane((1, 1)), pytest.raises(StreamSimViolation, match="nothing orders two streams"):
+        sim.fill(Span(SegmentKind.DEVICE, a, 0, 8), 1)  # races the copy still queued on lane (1, 0)
+    sim.synchronize_lane(0, (2, 0))
+    assert sim.pending() == 1 and (sim.read(b) == np.arange(64)).all()  # lane (1, 0) still queued
+    sim.forget_lanes(1)  # a session ends: its lanes finish and go
+    assert sim.pending() == 0 and (sim.read(a) == np.arange(64)).all()
+    assert {k for k in sim._keys if isinstance(k[1], tuple)} == {(0, (2, 0))}
+    sim.violations.clear()
+
+
 def test_the_daemon_can_run_it() -> None:
     assert make_backend("streamsim").name == "streamsim"
 
@@ -215,6 +235,29 @@ def test_device_round_trips_through_the_daemon(simd, ring: bool) -> None:
         c.fence()
 
 
+def test_streams_of_a_session_and_of_two_sessions(simd) -> None:
+    """The `stream` field picks a lane; work on streams 0..5 of two sessions, interleaved,
+    gives what one-at-a-time execution gives (the simulation flags lanes racing)."""
+    data = np.random.default_rng(5).integers(0, 256, 1 << 14, dtype=np.uint8)
+    with transfer.connect(simd.endpoint) as c1, transfer.connect(simd.endpoint, ring=True) as c2:
+        work = []
+        for c in (c1, c2):
+            seg, buf = c.segment(1 << 15), c.alloc(1 << 14)
+            seg.buffer[: 1 << 14] = data
+            work.append((c, seg, buf))
+        for c, seg, buf in work:
+            with c.batch():
+                for k in range(16):  # 16 pieces on 6 streams: in, then back out past the input
+                    c.copy(buf.va + k * 1024, seg.at(k * 1024), 1024, stream=k % 6)
+                for k in range(16):
+                    c.copy(seg.at((1 << 14) + k * 1024), buf.va + ((k + 5) % 16) * 1024, 1024, stream=(k + 1) % 6)
+        for c, seg, buf in work:
+            c.fence()
+            out = np.asarray(seg.buffer[1 << 14 :]).reshape(16, 1024)
+            assert (out == np.roll(data.reshape(16, 1024), -5, axis=0)).all()
+            assert c.checksum(buf.va, 1 << 14, stream=3).result(10) == checksum64(data)
+
+
 def test_deferred_resources_on_the_simulated_gpu(simd) -> None:
     with transfer.connect(simd.endpoint) as c:
         seg = c.segment(8192)
@@ -244,3 +287,51 @@ def test_dlpack_views_of_simulated_gpu_memory(tmp_path) -> None:
             c.copy(buf.va, seg.at(0), 64).result(10)
         c.copy(buf.va, seg.at(1024), 64).result(10)  # the daemon serves on
         assert sim.violations == []
+
+
+def test_segments_are_pinned_on_a_worker_under_the_cap(daemon_factory) -> None:
+    """Pinning waits for a copy on a worker thread (never the event loop), and stops at
+    --max-pinned-bytes; an unpinned segment's copies are still right."""
+    d = daemon_factory("--backend", "streamsim", "--inline-bytes", "64K", "--max-pinned-bytes", "3M")
+    with transfer.connect(d.endpoint) as c:
+        data = np.random.default_rng(9).integers(0, 256, 1 << 20, dtype=np.uint8)
+        a, b = c.segment(2 << 20), c.segment(2 << 20)
+        buf = c.alloc(1 << 20)
+        a.buffer[: 1 << 20] = data
+        b.buffer[: 1 << 20] = data
+        c.copy(buf.va, a.va, 4096).result(10)  # inline: on the loop, so not pinned
+        assert c.stats()["daemon"]["pinned_bytes"] == 0
+        c.copy(buf.va, a.va, 1 << 20).result(10)  # a worker's copy pins the whole segment
+        assert c.stats()["daemon"]["pinned_bytes"] == 2 << 20
+        c.copy(buf.va, b.va, 1 << 20).result(10)  # past the cap: not pinned, still copied
+        assert c.stats()["daemon"]["pinned_bytes"] == 2 << 20
+        assert c.checksum(buf.va, 1 << 20).result(10) == checksum64(data)
+        c.free(a)
+        assert c.stats()["daemon"]["pinned_bytes"] == 0
+
+
+@pytest.mark.parametrize("ring", [False, True])
+def test_gpu_passes_are_pipelined_and_answered_in_order(daemon_factory, ring: bool) -> None:
+    """A stream of copies into device slots: passes are queued behind one another on the lane
+    and each is answered only once its work is done (the simulation runs work at the fence)."""
+    d = daemon_factory("--backend", "streamsim", "--inline-bytes", "64K")
+    size, slots = 256 << 10, 8
+    rng = np.random.default_rng(11)
+    with transfer.connect(d.endpoint, ring=ring) as c:
+        seg, dev, back = c.segment(size * slots), c.alloc(size * slots), c.segment(size * slots)
+        pending: list = [None] * slots
+        want: list = [None] * slots
+        for seq in range(64):
+            k = seq % slots
+            if pending[k] is not None:
+                pending[k].result(10)
+                assert checksum64(back.buffer[k * size : (k + 1) * size]) == want[k]  # visible when answered
+            data = rng.integers(0, 256, size, dtype=np.uint8)
+            seg.buffer[k * size : (k + 1) * size] = data
+            want[k] = checksum64(data)
+            c.copy(dev.va + k * size, seg.va + k * size, size)
+            pending[k] = c.copy(back.va + k * size, dev.va + k * size, size)  # and back: a D2H
+        c.fence()
+        for k in range(slots):
+            assert checksum64(back.buffer[k * size : (k + 1) * size]) == want[k]
+        assert c.stats()["daemon"]["pipelined_passes"] > 0

@@ -224,6 +224,7 @@ def _defaults() -> tuple[Setting, ...]:
         ("max_segments_per_session", _int, "segments (host + device) one session may hold; 0 = unlimited", "--max-segments-per-session", {"minimum": 0}),
         ("max_host_bytes_per_session", parse_size, "shared-memory bytes one session may hold; 0 = unlimited", "--max-host-bytes-per-session", {"minimum": 0, "metavar": "BYTES"}),
         ("max_host_bytes", parse_size, "the whole daemon's shared-memory budget (memfds: RAM and swap); 0 = what the machine has", "--max-host-bytes", {"minimum": 0, "metavar": "BYTES"}),
+        ("max_pinned_bytes", parse_size, "host bytes a GPU backend may page-lock for DMA; 0 = half the machine's memory", "--max-pinned-bytes", {"minimum": 0, "metavar": "BYTES"}),
         ("max_device_bytes_per_session", parse_size, "device bytes one session may hold; 0 = unlimited", "--max-device-bytes-per-session", {"minimum": 0, "metavar": "BYTES"}),
         ("max_device_bytes", parse_size, "the whole daemon's device budget (numpy backend: host RAM)", "--max-device-bytes", {"minimum": 0, "metavar": "BYTES"}),
         ("max_inflight", _int, "requests one session may have queued or running (credits announced in hello)", "--max-inflight", {"minimum": 1}),

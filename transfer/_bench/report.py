@@ -218,9 +218,11 @@ def markdown_table(results: list[dict], limits: dict[int, dict[str, dict]]) -> s
 
 
 def write_json(path: str, machine: dict, config: dict, results: list[dict],
-               limits: dict[int, dict[str, dict]], notes: list[str]) -> None:
+               limits: dict[int, dict[str, dict]], notes: list[str], gpu: dict | None = None) -> None:
     doc = {"machine": machine, "config": config, "notes": notes,
            "results": [_clean(r) for r in results] + limit_rows(limits)}
+    if gpu is not None:  # the gpu mode's own rows (_bench.gpu): its methods are not the cells'
+        doc["gpu"] = gpu
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     with open(path, "w") as f:

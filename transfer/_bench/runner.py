@@ -41,14 +41,9 @@ def mode_available(mode: str) -> tuple[bool, str]:
     if mode in ("local", "compute"):
         return True, ""
     if mode == "gpu":
-        try:
-            import cupy  # noqa: F401
+        from .gpu import available
 
-            cupy.cuda.runtime.getDeviceCount()
-            cupy.empty(1)
-        except Exception as e:  # noqa: BLE001
-            return False, f"gpu: no usable CUDA device ({type(e).__name__})"
-        return False, "gpu: device-side producer path not implemented in transfer-bench yet"
+        return available()
     if mode == "remote":
         # The producer's own memory read over NIXL (UCX: cma/tcp on one host, RDMA
         # across hosts); the daemon stays the embedded ipc one, the data plane is NIXL's.

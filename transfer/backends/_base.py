@@ -8,7 +8,8 @@ backend never sees a VA, a session or a wire message.
 from __future__ import annotations
 
 import abc
-from typing import Any, NamedTuple
+import contextlib
+from typing import Any, ContextManager, Hashable, NamedTuple
 
 from ..addressing import SegmentKind
 
@@ -41,7 +42,7 @@ class Backend(abc.ABC):
     def free(self, mem: Any) -> None: ...
 
     def register_host(self, shm: Any) -> None:
-        """Make a host segment DMA-able (pinned) for this backend; no-op where meaningless."""
+        """A new host segment: this backend may make it DMA-able (pinned); no-op where meaningless."""
 
     def unregister_host(self, shm: Any) -> None:
         """Undo register_host before the segment is unmapped."""
@@ -61,7 +62,29 @@ class Backend(abc.ABC):
         """Wait until all submitted work is done (no-op for synchronous backends)."""
 
     def synchronize_device(self, device: int) -> None:
-        """Wait for one device's submitted work: the scheduler calls it once per wave."""
+        """Wait for one device's submitted work (every lane of it)."""
+
+    #: Host bytes page-locked for DMA right now.
+    pinned_bytes = 0
+
+    def all_pinned(self) -> bool:
+        """Whether device copies of any host segment queue without blocking (stream backends)."""
+        return False
+
+    def off_loop(self) -> ContextManager[None]:
+        """Mark the calling thread a worker: it may block on slow driver calls (pinning)."""
+        return contextlib.nullcontext()
+
+    def lane(self, lane: Hashable) -> ContextManager[None]:
+        """Queue the calling thread's device work on `lane` (a stream of its own); see _stream."""
+        return contextlib.nullcontext()
+
+    def synchronize_lane(self, device: int, lane: Hashable) -> None:
+        """Wait for the work queued on one lane of a device: the scheduler calls it as a wave ends."""
+        self.synchronize_device(device)
+
+    def forget_lanes(self, owner: Any) -> None:
+        """The lanes `(owner, n)` will not be used again (a session ended)."""
 
     @abc.abstractmethod
     def compute(self, kernel: Any, inputs: list[tuple[Any, Span]], outputs: list[tuple[Any, Span]], params: Any, device: int) -> Any:

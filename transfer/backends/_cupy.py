@@ -2,9 +2,11 @@
 
 Host segments are page-locked in place with `cudaHostRegister`, so a
 host-to-device copy is the GPU's DMA engine reading the producer's pages:
-no staging copy. Each device has one non-blocking CUDA stream; the
-scheduler submits a whole wave of copies and kernels to it and synchronizes
-once (on a worker thread, so the event loop never blocks on the GPU).
+no staging copy. Each lane (a session's stream on a device, see `_stream`)
+is one non-blocking CUDA stream; the scheduler submits a wave's copies and
+kernels to the session's lanes and synchronizes those lanes once (on a
+worker thread, so the event loop never blocks on the GPU), so sessions
+overlap on one GPU.
 
 Everything that follows from queued execution (host work ordered after the
 device work touching it, no overlapping `cudaMemcpyAsync`, aligned kernel
@@ -26,7 +28,7 @@ import numpy as np
 from .._checksum import checksum64_xp
 from ..addressing import SegmentKind
 from ._base import Span
-from ._stream import StreamBackend
+from ._stream import Key, StreamBackend
 
 __all__ = ["CupyBackend"]
 
@@ -42,9 +44,11 @@ class CupyBackend(StreamBackend):
         super().__init__()
         self.cp = cupy
         self._count = cupy.cuda.runtime.getDeviceCount()
-        self._streams: dict[int, Any] = {}
-        self._registered: dict[int, int] = {}  # host address -> nbytes
+        self._streams: dict[Key, Any] = {}
         self._lock = threading.Lock()
+        for dev in range(self._count):  # compile the checksum's reduction now, not on a request
+            with cupy.cuda.Device(dev):
+                checksum64_xp(cupy.zeros(16, cupy.uint8), cupy)
 
     @staticmethod
     def probe() -> tuple[bool, str]:
@@ -75,35 +79,38 @@ class CupyBackend(StreamBackend):
         return {"backend": self.name, "devices": self._count, "gpus": names}
 
     def stream(self, device: int) -> Any:
-        s = self._streams.get(device)
+        """The CUDA stream of the calling thread's lane on `device`."""
+        key = self._key(device)
+        s = self._streams.get(key)
         if s is None:
             with self._lock, self.cp.cuda.Device(device):
-                s = self._streams.get(device) or self.cp.cuda.Stream(non_blocking=True)
-                self._streams[device] = s
+                s = self._streams.get(key) or self.cp.cuda.Stream(non_blocking=True)
+                self._streams[key] = s
         return s
 
     # --- memory -------------------------------------------------------------------------------
     def alloc(self, nbytes: int, device: int) -> Any:
+        """Zeroed, and synchronized: any lane may use the buffer next."""
         cp = self.cp
         try:
-            with cp.cuda.Device(device), self.stream(device):
-                return cp.zeros(nbytes, dtype=cp.uint8)
+            with cp.cuda.Device(device), self.lane(None):
+                stream = self.stream(device)
+                with stream:
+                    mem = cp.zeros(nbytes, dtype=cp.uint8)
+                stream.synchronize()
+                return mem
         except cp.cuda.memory.OutOfMemoryError as exc:
             raise MemoryError(str(exc)) from None
 
     def free(self, mem: Any) -> None:
         pass  # returned to CuPy's pool when the last reference goes (the pool is stream-ordered)
 
-    def register_host(self, shm: Any) -> None:
+    def _pin(self, shm: Any) -> None:
         """Page-lock the segment so copies from it are DMA (portable: every device may use it)."""
-        rt = self.cp.cuda.runtime
-        rt.hostRegister(shm.address, shm.nbytes, 1)  # cudaHostRegisterPortable
-        self._registered[shm.address] = shm.nbytes
+        self.cp.cuda.runtime.hostRegister(shm.address, shm.nbytes, 1)  # cudaHostRegisterPortable
 
-    def unregister_host(self, shm: Any) -> None:
-        if self._registered.pop(shm.address, None) is not None:
-            self.synchronize()
-            self.cp.cuda.runtime.hostUnregister(shm.address)
+    def _unpin(self, shm: Any) -> None:
+        self.cp.cuda.runtime.hostUnregister(shm.address)
 
     # --- primitives -----------------------------------------------------------------------------
     def _ptr(self, span: Span) -> int:
@@ -147,9 +154,17 @@ class CupyBackend(StreamBackend):
             outs = [cp.ndarray(t.shape, dtype=t.np_dtype, memptr=mem.data + off, strides=t.strides) for t, mem, off in outputs]
             return kernel.fn(ins, outs, params, cp)
 
-    def _sync(self, device: int) -> None:
-        self.stream(device).synchronize()
+    def _sync(self, key: Key) -> None:
+        s = self._streams.get(key)
+        if s is not None:
+            s.synchronize()
 
-    def synchronize(self) -> None:
-        for dev in list(self._streams):  # devices never used have nothing queued (and no context)
-            self.synchronize_device(dev)
+    def _record(self, key: Key) -> Any:
+        with self.cp.cuda.Device(key[0]), self.lane(key[1]):
+            event = self.cp.cuda.Event(block=False, disable_timing=True)
+            event.record(self.stream(key[0]))
+        return event
+
+    def _drop(self, key: Key) -> None:
+        with self._lock:
+            self._streams.pop(key, None)

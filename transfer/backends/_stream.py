@@ -29,6 +29,20 @@ simulation's tests exercise the real backend's logic:
   output); a stride that is not a multiple of the element size cannot be
   made aligned and is refused (`InvalidField`).
 * Scratch buffers stay referenced until the stream is synchronized.
+* **Pinning happens off the event loop, under a cap.** `register_host` only
+  notes that a segment may be page-locked. The first device copy from or to
+  it on a worker thread (`off_loop()`) pins the whole segment, as long as
+  `max_pinned_bytes` allows (0: no cap); pinning a large segment takes
+  milliseconds, and pinned memory is memory the kernel can no longer page
+  out. Until pinned (on the loop, or past the cap) copies still work, through
+  the driver's staging.
+* **Lanes.** Work is queued per *lane*: a (device, lane) key names one CUDA
+  stream. The daemon runs each session's requests on the session's own
+  lanes (`lane()` sets the calling thread's lane, the way `with stream:` does
+  in CuPy), so two tenants' work overlaps on one GPU and a request's `stream`
+  field picks among its session's lanes. Device allocation and zeroing run
+  on the device's default lane and are synchronized before the buffer is
+  handed out, so no other lane can see it unzeroed.
 
 Subclasses provide the primitives: `_memcpy`, `_memset`, `_scratch`,
 `_device_ptr`, `_device_checksum`, `_launch`, `_upload`, `_download`,
@@ -39,9 +53,12 @@ Subclasses provide the primitives: `_memcpy`, `_memset`, `_scratch`,
 from __future__ import annotations
 
 import abc
+import contextlib
+import itertools
+import logging
 import threading
 from collections import defaultdict
-from typing import Any
+from typing import Any, Hashable, Iterator
 
 import numpy as np
 
@@ -50,7 +67,12 @@ from .._checksum import checksum64
 from ..addressing import SegmentKind
 from ._base import Backend, Span
 
-__all__ = ["StreamBackend", "kernel_alignment"]
+__all__ = ["StreamBackend", "Fence", "kernel_alignment", "Key"]
+
+#: What work is queued on: (device, lane). Lane None is the device's default lane.
+Key = tuple[int, Hashable]
+
+log = logging.getLogger("transfer.backends")
 
 #: An overlapping device copy is done in at most this many non-overlapping chunks, else via scratch.
 MAX_OVERLAP_CHUNKS = 8
@@ -62,14 +84,99 @@ def kernel_alignment(op: str, itemsize: int) -> int:
 
 
 class StreamBackend(Backend):
-    """A backend whose device work is queued per device (one stream each) until synchronized."""
+    """A backend whose device work is queued per lane (one stream each) until synchronized."""
 
     def __init__(self) -> None:
         self._pending_lock = threading.Lock()
-        #: Per device: host ranges queued, unsynchronized work touches: (id(host mem), start, end, writes).
-        self._host_pending: dict[int, list[tuple[int, int, int, bool]]] = defaultdict(list)
-        #: Per device: scratch buffers queued work may still use.
-        self._live_scratch: dict[int, list[Any]] = defaultdict(list)
+        self._tls = threading.local()
+        #: Every (device, lane) that has had work queued and not been forgotten.
+        self._keys: set[Key] = set()
+        #: Per key: host ranges queued, unfinished work touches: (seq, id(host mem), start, end, writes).
+        self._host_pending: dict[Key, list[tuple[int, int, int, int, bool]]] = defaultdict(list)
+        #: Per key: scratch buffers queued work may still use: (seq, memory).
+        self._live_scratch: dict[Key, list[tuple[int, Any]]] = defaultdict(list)
+        #: Orders the entries above against fences: a fence retires what came before it.
+        self._seq = itertools.count()
+        #: Host segments that may be pinned (id -> segment), and those pinned (id -> bytes).
+        self._pinnable: dict[int, Any] = {}
+        self._pinned: dict[int, int] = {}
+        self.pinned_bytes = 0
+        #: Page-locked bytes at most (the daemon's --max-pinned-bytes); 0: no cap.
+        self.max_pinned_bytes = 0
+
+    # --- lanes ------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def lane(self, lane: Hashable) -> Iterator[None]:
+        """Queue this thread's device work on `lane` (of whichever device it runs on)."""
+        prev = getattr(self._tls, "lane", None)
+        self._tls.lane = lane
+        try:
+            yield
+        finally:
+            self._tls.lane = prev
+
+    @contextlib.contextmanager
+    def off_loop(self) -> Iterator[None]:
+        """This thread may block on slow driver calls (pinning): a worker, not the event loop."""
+        prev = getattr(self._tls, "worker", False)
+        self._tls.worker = True
+        try:
+            yield
+        finally:
+            self._tls.worker = prev
+
+    # --- pinning ----------------------------------------------------------------------------------
+    def _pin(self, shm: Any) -> None:
+        """Page-lock a host segment for DMA (subclasses)."""
+
+    def _unpin(self, shm: Any) -> None:
+        """Undo `_pin`."""
+
+    def register_host(self, shm: Any) -> None:
+        self._pinnable[id(shm)] = shm
+
+    def unregister_host(self, shm: Any) -> None:
+        self._pinnable.pop(id(shm), None)
+        with self._pending_lock:
+            nbytes = self._pinned.pop(id(shm), None)
+        if nbytes is not None:
+            self.synchronize()  # nothing queued may still read the pages
+            self._unpin(shm)
+            with self._pending_lock:
+                self.pinned_bytes -= nbytes
+
+    def all_pinned(self) -> bool:
+        """Every host segment is page-locked: a device copy queues without blocking the caller
+        (an unpinned one is staged by the driver, or pinned first, on the calling thread)."""
+        return len(self._pinned) == len(self._pinnable)
+
+    def _maybe_pin(self, span: Span) -> None:
+        """A device copy touches this host segment: pin it, if on a worker and under the cap."""
+        key = id(span.mem)
+        if key in self._pinned or key not in self._pinnable or not getattr(self._tls, "worker", False):
+            return
+        shm = self._pinnable[key]
+        with self._pending_lock:
+            if key in self._pinned or (self.max_pinned_bytes and self.pinned_bytes + shm.nbytes > self.max_pinned_bytes):
+                return
+            self._pinned[key] = shm.nbytes  # claimed: another thread does not pin it too
+            self.pinned_bytes += shm.nbytes
+        try:
+            self._pin(shm)
+        except Exception as exc:  # pinning is an optimization: copies work unpinned
+            log.warning("could not pin a %d-byte segment (%s): its copies go through staging", shm.nbytes, exc)
+            self._pinnable.pop(key, None)
+            with self._pending_lock:
+                del self._pinned[key]
+                self.pinned_bytes -= shm.nbytes
+
+    def _key(self, device: int) -> Key:
+        """The key the calling thread's work on `device` is queued on."""
+        key = (device, getattr(self._tls, "lane", None))
+        if key not in self._keys:
+            with self._pending_lock:
+                self._keys.add(key)
+        return key
 
     # --- primitives (subclasses) ----------------------------------------------------------------
     @abc.abstractmethod
@@ -104,8 +211,11 @@ class StreamBackend(Backend):
         """Device memory holding a contiguous host array's bytes as of now (the host array may then change)."""
 
     @abc.abstractmethod
-    def _sync(self, device: int) -> None:
-        """Wait for everything queued on the device's stream."""
+    def _sync(self, key: Key) -> None:
+        """Wait for everything queued on the key's stream."""
+
+    def _drop(self, key: Key) -> None:
+        """The key's lane will not be used again (its stream may go)."""
 
     def _host_copy(self, dst: np.ndarray, src: np.ndarray) -> None:
         np.copyto(dst, src)
@@ -122,9 +232,10 @@ class StreamBackend(Backend):
         return span.mem.array[span.offset : span.offset + span.nbytes]
 
     def _queued_host(self, device: int, span: Span, writes: bool) -> None:
-        """Queued work on `device` reads (or writes) this host range until the next synchronize."""
+        """Queued work on this thread's lane of `device` reads (or writes) this host range until synchronized."""
+        key = self._key(device)
         with self._pending_lock:
-            self._host_pending[device].append((id(span.mem), span.offset, span.offset + span.nbytes, writes))
+            self._host_pending[key].append((next(self._seq), id(span.mem), span.offset, span.offset + span.nbytes, writes))
 
     def _before_host(self, span: Span, writes: bool) -> None:
         """Host work on `span` is about to run: first finish queued device work that touches it."""
@@ -132,36 +243,73 @@ class StreamBackend(Backend):
             return
         key, a, b = id(span.mem), span.offset, span.offset + span.nbytes
         with self._pending_lock:
-            devices = [
-                dev for dev, ranges in self._host_pending.items()
-                if any(k == key and s < b and a < e and (writes or w) for k, s, e, w in ranges)
+            keys = [
+                q for q, ranges in self._host_pending.items()
+                if any(k == key and s < b and a < e and (writes or w) for _, k, s, e, w in ranges)
             ]
-        for dev in devices:
-            self.synchronize_device(dev)
+        for q in keys:
+            self._synchronize_key(q)
+
+    def _synchronize_key(self, key: Key) -> None:
+        mark = next(self._seq)
+        try:
+            self._sync(key)
+        finally:
+            self._retire(key, mark)
+
+    def _retire(self, key: Key, mark: int) -> None:
+        """What was queued on `key` before `mark` is done (or failed): forget its ranges and scratch."""
+        with self._pending_lock:
+            for table in (self._host_pending, self._live_scratch):
+                entries = table.get(key)
+                if entries:
+                    entries[:] = [e for e in entries if e[0] > mark]
+                    if not entries:
+                        del table[key]
+
+    def fence(self, device: int, lane: Hashable) -> "Fence":
+        """Mark everything queued on the lane so far; `Fence.wait()` returns once it is done.
+
+        What lets the daemon queue the next pass while this one's work runs (pipelining)."""
+        key = (device, lane)
+        mark = next(self._seq)
+        return Fence(self, key, mark, self._record(key))
+
+    @abc.abstractmethod
+    def _record(self, key: Key) -> Any:
+        """Record an event on the key's stream: an object whose `synchronize()` waits for it."""
+
+    def synchronize_lane(self, device: int, lane: Hashable) -> None:
+        if (device, lane) in self._keys:
+            self._synchronize_key((device, lane))
 
     def synchronize_device(self, device: int) -> None:
         with self._pending_lock:
-            n_host = len(self._host_pending.get(device, ()))
-            n_scratch = len(self._live_scratch.get(device, ()))
-        try:
-            self._sync(device)
-        finally:
-            with self._pending_lock:  # what was queued before this synchronize is done (or failed)
-                if device in self._host_pending:
-                    del self._host_pending[device][:n_host]
-                    if not self._host_pending[device]:
-                        del self._host_pending[device]
-                if device in self._live_scratch:
-                    del self._live_scratch[device][:n_scratch]
+            keys = [k for k in self._keys if k[0] == device]
+        for key in keys:
+            self._synchronize_key(key)
 
     def synchronize(self) -> None:
         for dev in range(self.device_count):
             self.synchronize_device(dev)
 
+    def forget_lanes(self, owner: Any) -> None:
+        """Lanes `(owner, n)` are done with (their session ended): finish their work, drop them."""
+        with self._pending_lock:
+            keys = [k for k in self._keys if isinstance(k[1], tuple) and k[1][0] == owner]
+        for key in keys:
+            try:
+                self._synchronize_key(key)
+            finally:
+                with self._pending_lock:
+                    self._keys.discard(key)
+                self._drop(key)
+
     def _scratch_span(self, nbytes: int, device: int) -> Span:
         mem = self._scratch(max(nbytes, 1), device)
+        key = self._key(device)
         with self._pending_lock:
-            self._live_scratch[device].append(mem)
+            self._live_scratch[key].append((next(self._seq), mem))
         return Span(SegmentKind.DEVICE, mem, 0, nbytes)
 
     def _device_of(self, *spans: Span) -> int:
@@ -184,8 +332,10 @@ class StreamBackend(Backend):
             self._copy_overlapping(dst, src, dev)
             return
         if src.kind == SegmentKind.HOST:
+            self._maybe_pin(src)
             self._queued_host(dev, src, writes=False)
         if dst.kind == SegmentKind.HOST:
+            self._maybe_pin(dst)
             self._queued_host(dev, dst, writes=True)
         self._memcpy(dst, src, dev)
 
@@ -244,7 +394,7 @@ class StreamBackend(Backend):
             else:  # scattered host output: land it in a contiguous array, wait, scatter on the host
                 stage = np.empty(t.shape, dtype=t.np_dtype)
                 self._memcpy(Span(SegmentKind.HOST, _Array(stage), 0, stage.nbytes), Span(SegmentKind.DEVICE, mem, 0, stage.nbytes), device)
-                self.synchronize_device(device)
+                self._synchronize_key(self._key(device))
                 self._before_host(span, writes=True)
                 self._host_copy(host, stage)
         return result
@@ -263,8 +413,9 @@ class StreamBackend(Backend):
                 return dense, tmp.mem, 0, host
             self._before_host(span, writes=False)
             mem = self._upload(np.ascontiguousarray(host), device)
+            key = self._key(device)
             with self._pending_lock:
-                self._live_scratch[device].append(mem)
+                self._live_scratch[key].append((next(self._seq), mem))
             return dense, mem, 0, None
         if t.strides is not None and any(s % item for s in t.strides):
             raise E.InvalidField(f"a {t.dtype} tensor in GPU memory needs strides that are multiples of {item} bytes, got {t.strides}")
@@ -273,6 +424,21 @@ class StreamBackend(Backend):
         tmp = self._scratch_span(span.nbytes, device)  # misaligned: work on an aligned copy
         self._memcpy(tmp, span, device)  # outputs too: strided outputs keep the bytes between elements
         return t, tmp.mem, 0, (True if output else None)
+
+
+class Fence:
+    """A point on one lane: `wait()` blocks until the work queued there before it is done."""
+
+    __slots__ = ("backend", "key", "mark", "event")
+
+    def __init__(self, backend: StreamBackend, key: Key, mark: int, event: Any) -> None:
+        self.backend, self.key, self.mark, self.event = backend, key, mark, event
+
+    def wait(self) -> None:
+        try:
+            self.event.synchronize()
+        finally:
+            self.backend._retire(self.key, self.mark)
 
 
 class _Array:

@@ -35,7 +35,10 @@ only the primitives differ. The model:
 
 The daemon picks it with `--backend streamsim` (tests only: it is slower than
 NumPy and proves nothing about speed). Its devices are GPUs to the daemon
-(kind "gpu", with the GPU kernels), each a separate stream.
+(kind "gpu", with the GPU kernels). Each lane (see `_stream`) is a queue
+of its own, synchronized on its own; work queued on one of a session's
+lanes that conflicts with work still queued on another of its lanes is a
+violation (two streams race: nothing orders them).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ import numpy as np
 
 from ..addressing import SegmentKind
 from ._base import Span
-from ._stream import StreamBackend, kernel_alignment
+from ._stream import Key, StreamBackend, kernel_alignment
 
 __all__ = ["StreamSimBackend", "StreamSimViolation", "SimMemory", "SimArray", "POISON"]
 
@@ -172,7 +175,7 @@ class StreamSimBackend(StreamBackend):
             seed = int(env) if env else random.SystemRandom().randrange(1 << 32)
         self.seed = seed
         self._rng = random.Random(seed)
-        self._queues: dict[int, list[_Work]] = {d: [] for d in range(devices)}
+        self._queues: dict[Key, list[_Work]] = {}
         self._lock = threading.RLock()
         #: Device -> the sticky error that broke its context.
         self.broken: dict[int, str] = {}
@@ -237,9 +240,17 @@ class StreamSimBackend(StreamBackend):
         return base[span.offset : span.offset + span.nbytes]
 
     def _enqueue(self, device: int, work: _Work) -> None:
+        key = self._key(device)
         with self._lock:
             self._alive(device)
-            self._queues[device].append(work)
+            owner = key[1][0] if isinstance(key[1], tuple) else None
+            for other, queue in self._queues.items():
+                if other == key or owner is None or not isinstance(other[1], tuple) or other[1][0] != owner:
+                    continue
+                for w in queue:
+                    if _conflict(w, work) or _conflict(work, w):
+                        self._violation(f"{work.what} on lane {key} races {w.what} still queued on lane {other}: nothing orders two streams")
+            self._queues.setdefault(key, []).append(work)
 
     # --- memory ---------------------------------------------------------------------------------
     def alloc(self, nbytes: int, device: int) -> SimMemory:
@@ -249,13 +260,11 @@ class StreamSimBackend(StreamBackend):
     def free(self, mem: Any) -> None:
         pass  # queued work keeps its memory alive (CuPy's pool is stream-ordered too)
 
-    def register_host(self, shm: Any) -> None:
+    def _pin(self, shm: Any) -> None:
         self.pinned.add(id(shm))
 
-    def unregister_host(self, shm: Any) -> None:
-        if id(shm) in self.pinned:
-            self.pinned.discard(id(shm))
-            self.synchronize()  # as CuPy: nothing queued may still read the pages
+    def _unpin(self, shm: Any) -> None:
+        self.pinned.discard(id(shm))
 
     def read(self, mem: SimMemory, offset: int = 0, nbytes: int | None = None) -> np.ndarray:
         """A checked host copy of device memory (for tests): raises if queued work writes it."""
@@ -268,7 +277,7 @@ class StreamSimBackend(StreamBackend):
 
     def pending(self, device: int | None = None) -> int:
         with self._lock:
-            return sum(len(q) for d, q in self._queues.items() if device is None or d == device)
+            return sum(len(q) for k, q in self._queues.items() if device is None or k[0] == device)
 
     # --- primitives -------------------------------------------------------------------------------
     def _device_ptr(self, mem: Any) -> int:
@@ -319,7 +328,7 @@ class StreamSimBackend(StreamBackend):
         out: list[int] = []
         v = self._bytes(span)
         self._enqueue(device, _Work(lambda: out.append(checksum64(v)), [r], [], "checksum reduction", fault))
-        self._sync(device)  # int(result): the host waits for the stream
+        self._sync(self._key(device))  # int(result): the host waits for the stream
         return out[0]
 
     def _launch(self, kernel: Any, inputs: list[tuple[Any, Any, int]], outputs: list[tuple[Any, Any, int]], params: Any, device: int) -> Any:
@@ -347,14 +356,29 @@ class StreamSimBackend(StreamBackend):
         self._enqueue(device, _Work(run, reads, writes, f"kernel {kernel.op}", fault))
         op = OPERATORS.get(kernel.op)
         if op is not None and op.n_outputs == 0:  # a host value (CuPy's int()): waits for the stream
-            self._sync(device)
+            self._sync(self._key(device))
             return out[0]
         return None
 
-    def _sync(self, device: int) -> None:
+    def _record(self, key: Key) -> Any:
+        backend = self
+
+        class _Event:  # the simulation runs the whole lane at the wait: work may finish early
+            def synchronize(self) -> None:
+                backend._sync(key)
+
+        return _Event()
+
+    def _drop(self, key: Key) -> None:
+        with self._lock:
+            if not self._queues.get(key, True):
+                del self._queues[key]
+
+    def _sync(self, key: Key) -> None:
+        device = key[0]
         with self._lock:
             self._alive(device)
-            queue = self._queues[device]
+            queue = self._queues.get(key, [])
             pending, queue[:] = list(queue), []
             injected = self._injected.pop(device, None)
             if injected is not None:

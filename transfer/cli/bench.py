@@ -4,8 +4,10 @@
                                    processes, 4 KiB (requests/s), 64 KiB, 1 MiB, 64 MiB,
                                    transfer vs pyzmq copy/zero-copy and the physical limits
     transfer-bench full            the sweep: 4 KiB..256 MiB, producers 1..N, depth,
-                                   modes local/compute/remote (remote: NIXL; gpu: hook;
-                                   skipped when unavailable), every baseline
+                                   modes local/compute/remote/gpu (remote: NIXL; gpu:
+                                   CuPy; skipped when unavailable), every baseline
+    transfer-bench --modes gpu     host-to-device from a registered segment vs CuPy
+                                   pinned and pageable copies, then 2 producers + compute
     transfer-bench --json r.json --plot r.png
 
 Every method does the same work: producers (separate processes) write fresh
@@ -127,12 +129,14 @@ def _main(args) -> int:
     if cks is common.fallback_checksum64:
         notes.append("checksum: transfer.checksum64 unavailable, baselines used a fallback sum")
 
+    gpu_sizes = [s for s in sizes if s >= 64 << 10] if args.sizes else common.parse_sizes("64K..256M")
+    cell_modes = [m for m in run_modes if m != "gpu"]  # the gpu mode has its own methods (_bench.gpu)
     cells = [Cell(method=m, mode=mode, size=s, producers=p, depth=d,
                   batch=args.batch or common.default_batch_items(s), verify_every=verify_every,
                   corrupt_group=args.inject_corruption)
-             for s in sizes for mode in run_modes for p in producers for d in depths for m in methods
+             for s in sizes for mode in cell_modes for p in producers for d in depths for m in methods
              if common.method_runs_in(m, mode)]
-    for mode in run_modes:
+    for mode in cell_modes:
         left_out = [m for m in methods if not common.method_runs_in(m, mode)]
         if left_out and args.methods:
             notes.append(f"mode {mode}: not run for {', '.join(left_out)} "
@@ -148,7 +152,7 @@ def _main(args) -> int:
     from transfer._bench.limits import measure_limits
 
     with progress:
-        for s in sizes:
+        for s in sizes if cells else []:
             progress.start_limit(s)
             limits[s] = measure_limits(s, cks, budget_s=0.3 if not full else 0.5)
             lm = limits[s]
@@ -157,14 +161,22 @@ def _main(args) -> int:
                           advance_limit=True)
         try:
             daemon_args = {"shm_dir": args.daemon_shm_dir} if args.daemon_shm_dir else {}
-            with runner.Runner(need_daemon="transfer" in methods, reps=reps, rep_s=rep_s, warmup_s=warm_s,
-                               daemon_args=daemon_args) as rn:
+            with runner.Runner(need_daemon="transfer" in methods and bool(cells), reps=reps, rep_s=rep_s,
+                               warmup_s=warm_s, daemon_args=daemon_args) as rn:
                 for cell in cells:
                     progress.start_cell(cell)
                     r = rn.run_cell(cell, on_rep=progress.rep)
                     results.append(r)
                     progress.line(f"{cell.describe()}: {r['gbps']:7.3f} GB/s  {r['rps']:11,.0f} req/s  "
                                   f"p50 {r['p50_us']:9,.0f} µs  p99 {r['p99_us']:9,.0f} µs", advance_cell=True)
+            gpu_result = None
+            if "gpu" in run_modes:
+                from transfer._bench import gpu
+
+                # Verifying a group means waiting for it and checksumming it on both sides: every
+                # 16th (unless asked) keeps the pipeline full, as the baselines' is.
+                gpu_result = gpu.run(gpu_sizes, depth=depths[0] if args.depth else 4, reps=reps, rep_s=rep_s,
+                                     verify_every=args.verify_every or 16, line=progress.line, daemon_args=daemon_args)
         except BenchFailure as e:
             progress.stop()
             print(f"\ntransfer-bench: FAILED: {e}", file=sys.stderr)
@@ -180,7 +192,12 @@ def _main(args) -> int:
 
     # Never squeeze the numbers: a narrow terminal wraps lines instead of eliding digits.
     con = Console(width=max(shutil.get_terminal_size((160, 24)).columns, 150), highlight=False)
-    con.print(report.render_table(results, limits, title))
+    if results:
+        con.print(report.render_table(results, limits, title))
+    if gpu_result is not None:
+        from transfer._bench import gpu
+
+        con.print(gpu.render(gpu_result))
     for n in notes:
         con.print(f"note: {n}")
     config = {"preset": args.preset, "sizes": sizes, "producers": producers, "depths": depths,
@@ -188,7 +205,7 @@ def _main(args) -> int:
               "rep_seconds": rep_s, "warmup_seconds": warm_s, "checksum": cks_name,
               "wall_seconds": round(time.perf_counter() - t_wall, 2)}
     if args.json:
-        report.write_json(args.json, machine, config, results, limits, notes)
+        report.write_json(args.json, machine, config, results, limits, notes, gpu=gpu_result)
         con.print(f"wrote {args.json}")
     if args.plot:
         report.write_plot(args.plot, results, limits, title)

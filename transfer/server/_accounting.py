@@ -23,6 +23,8 @@ class Accounting:
         self.counters = {
             "frames": 0, "requests": 0, "errors": 0, "bad_frames": 0, "sessions_reaped": 0,
             "passes": 0, "waves": 0, "ops": 0, "bytes_moved": 0,
+            # Passes queued on a GPU lane behind the one still running (answered at its fence).
+            "pipelined_passes": 0,
         }
 
     def frame(self, session: Session | None) -> None:

@@ -37,6 +37,9 @@ class DaemonConfig:
     max_device_bytes_per_session: int = 0
     #: Whole-daemon shared-memory budget (segments are memfds: RAM + swap, not a tmpfs); 0 = what the machine has.
     max_host_bytes: int = 0
+    #: Host bytes a GPU backend may page-lock for DMA (pinned memory cannot be paged out);
+    #: 0 = half the machine's memory. Segments past it are copied through the driver's staging.
+    max_pinned_bytes: int = 0
     #: Whole-daemon device memory budget (NumPy backend: host RAM standing in).
     max_device_bytes: int = 16 << 30
     #: Data requests whose bytes total less than this run on the event loop; more go to a thread.

@@ -151,15 +151,22 @@ class Front:
     # --- per-session task ----------------------------------------------------------------------
     async def _run_session(self, session: Session) -> None:
         try:
-            with session.cancel_scope:
-                while session.running:
-                    if session.current is None and not session.queue:
-                        if session.phase is Phase.DRAINING:
-                            break
-                        await session.wake.wait()
-                        session.wake = trio.Event()
-                        continue
-                    await self.pass_.run(session)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.pass_.answer_pipeline, session)
+                try:
+                    with session.cancel_scope:
+                        while session.running:
+                            if session.current is None and not session.queue:
+                                if session.phase is Phase.DRAINING:
+                                    break
+                                await session.wake.wait()
+                                session.wake = trio.Event()
+                                continue
+                            await self.pass_.run(session)
+                finally:
+                    with trio.CancelScope(shield=True):  # queued device work is answered first
+                        await self.pass_.drain(session)
+                    nursery.cancel_scope.cancel()
         finally:
             session.finished.set()
             self.release(session)
@@ -180,6 +187,7 @@ class Front:
                 self.send(session.identity, P.encode_replies([P.Reply(r.id, error=err) for r in socket_reqs]))
             session.queue.clear()  # ring requests: the ring closes with the session, failing them client-side
         self.rings.close(session)
+        self.pass_.forget(session)
         self.resources.release(session)
 
     async def end_session(self, session: Session, why: str) -> None:

@@ -18,12 +18,21 @@ from ..addressing import SegmentKind
 from ..backends import Span
 from ._placement import VirtualDevice
 
-__all__ = ["Op", "Range", "Staged", "hulls", "SOCKET", "RING"]
+__all__ = ["Op", "Range", "Staged", "hulls", "lane_of", "SOCKET", "RING", "LANES_PER_SESSION"]
 
 Range = tuple[int, int, int]  # (segment id, start offset, end offset)
 
 #: Where an op's answer goes: a reply frame on the control socket, or a completion on the ring.
 SOCKET, RING = 0, 1
+
+#: Device streams a session's requests spread over: the `stream` field picks one, modulo this
+#: (a hostile client cannot make the daemon create streams without bound).
+LANES_PER_SESSION = 4
+
+
+def lane_of(owner: Any, stream: int) -> tuple[Any, int]:
+    """The lane (a device stream of the session's own) a request's `stream` field names."""
+    return (owner, stream % LANES_PER_SESSION)
 
 
 @dataclass(slots=True, eq=False)
@@ -53,6 +62,10 @@ class Op:
     route: int = SOCKET
     #: Bytes of work when it exceeds `nbytes` (a compute's elements; stride 0 repeats memory).
     work: int = 0
+    #: The device stream it is queued on (`lane_of`); None: the device's default lane.
+    lane: Any = None
+    #: Every byte it touches is host memory: on a stream backend it runs on the CPU, at once.
+    host_only: bool = False
 
     @property
     def cost(self) -> int:

@@ -38,20 +38,36 @@ from ._ops import RING, Op
 from ._planner import CopyRun, Planner, plan_batch
 from ._rings import COMPLETION_DETAIL, Rings
 from ._session import Session
-from ._waves import assign_waves, run_inline, run_waves
+from ._waves import assign_waves, issue, issue_off_loop, run_inline, run_waves, wait_visible
 
 __all__ = ["Pass", "Batch"]
 
 _BARRIERS = frozenset(BARRIERS)
 _AFTER = frozenset(AFTER_PASS)
+#: Requests whose device work only queues (no kernel to compile, no result to wait for).
+_QUEUES_AT_ONCE = frozenset(("copy", "copyv", "fill"))
 #: Passes in a row that `kick` runs inline before it hands the rest to the session's task.
 _INLINE_PASSES = 4
+
+
+def _one_gpu_lane(ops: list[Op]) -> tuple[Any, Any] | None:
+    """(device, lane) if every op runs on that one lane of one GPU (a stream backend, which
+    orders host work after the queued device work it touches), else None."""
+    if not ops:
+        return None
+    device, lane = ops[0].device, ops[0].lane
+    if device.kind != "gpu":
+        return None
+    for op in ops:
+        if op.device is not device or op.lane != lane or op.remote is not None:
+            return None
+    return device, lane
 
 
 class Batch:
     """One pass's share of a session's queue, and what became of it."""
 
-    __slots__ = ("session", "remote", "data", "after", "replies", "refused", "ops", "waves", "inline", "socket_n", "ring_n")
+    __slots__ = ("session", "remote", "data", "after", "replies", "refused", "ops", "waves", "inline", "socket_n", "ring_n", "pipe", "fence")
 
     def __init__(self, session: Session) -> None:
         self.session = session
@@ -67,6 +83,10 @@ class Batch:
         self.inline = True
         self.socket_n = 0
         self.ring_n = 0
+        #: (device, lane) when every op runs on that one GPU lane: the pass may be pipelined
+        #: (queued, answered once its fence passes, while the next pass is queued behind it).
+        self.pipe: tuple[Any, Any] | None = None
+        self.fence: Any = None
 
     def count(self, req: Any, route: int) -> None:
         """One queue entry taken: it holds a credit (socket) or completion slots (ring) until answered."""
@@ -93,10 +113,15 @@ class Pass:
         self.on_peer_lost: Callable[[Session], None] = lambda s: None
         #: The daemon is draining (set by the front): what cannot run fails ShuttingDown.
         self.shutting_down = False
+        #: Threads waiting for pipelined passes' fences (apart from the devices' workers).
+        self.waiters = trio.CapacityLimiter(64)
 
     # --- entry points --------------------------------------------------------------------------
     def kick(self, session: Session) -> None:
         """Requests were queued: run small passes right now, hand anything else to the session's task."""
+        if session.pipeline:  # answers stay in order: what follows a pipelined pass waits its turn
+            session.wake.set()
+            return
         for _ in range(_INLINE_PASSES):
             if session.current is not None or not session.queue:
                 break
@@ -110,19 +135,77 @@ class Pass:
 
     async def run(self, session: Session) -> None:
         """The session task's step: the pass `kick` handed over, or a new one."""
+        if session.current is None and session.pipeline and session.queue and type(session.queue[0][0]) in _BARRIERS:
+            await self.drain(session)  # a barrier runs once everything before it is done
         batch = session.current or self.take(session)
         session.current = batch
+        pipelined = False
         try:
-            if batch.remote is not None:
-                batch.replies.append((batch.remote.id, 0, await self.control.execute_async(session, batch.remote)))
-            elif batch.inline:
-                run_inline(batch.waves)
+            if batch.pipe is not None and (session.pipeline or not batch.inline):
+                pipelined = await self._issue(session, batch)
             else:
-                await run_waves(batch.waves, self.limiters, self.config.inline_bytes, lambda: self._stopped(session))
+                await self.drain(session)
+                if batch.remote is not None:
+                    batch.replies.append((batch.remote.id, 0, await self.control.execute_async(session, batch.remote)))
+                elif batch.inline:
+                    run_inline(batch.waves)
+                else:
+                    await run_waves(batch.waves, self.limiters, self.config.inline_bytes, lambda: self._stopped(session))
         finally:
             session.current = None
-        self.complete(batch)
+        if not pipelined:
+            self.complete(batch)
         await trio.lowlevel.checkpoint()  # a queue of inline passes must not hold the loop
+
+    # --- pipelining: GPU passes queued behind one another ------------------------------------------
+    async def _issue(self, session: Session, batch: Batch) -> bool:
+        """Queue a one-lane GPU pass without waiting for it; the session's completer answers it.
+
+        The GPU then runs this pass while the loop takes and queues the next: the engine does
+        not idle for a round trip per pass. Returns False if it ran to completion instead."""
+        assert batch.pipe is not None
+        if session.pipeline and session.pipeline[-1].pipe != batch.pipe:
+            await self.drain(session)  # another lane or device: nothing would order the two
+        device, lane = batch.pipe
+        try:
+            if all(op.kind in _QUEUES_AT_ONCE and (batch.inline or not op.host_only) for op in batch.ops) and device.backend.all_pinned():
+                batch.fence = issue(batch.waves, device, lane)  # cudaMemcpyAsync from pinned pages: returns at once
+            else:  # kernels (may compile), checksums (wait for a result), pinning: off the loop
+                batch.fence = await trio.to_thread.run_sync(issue_off_loop, batch.waves, device, lane, limiter=self.limiters[device.index])
+        except Exception as exc:  # recording the fence failed: the device is in trouble
+            err = E.BackendError(f"queueing on {device}: {type(exc).__name__}: {exc}")
+            for op in batch.ops:
+                op.error = op.error or err
+            return False
+        session.pipeline.append(batch)
+        session.pipeline_wake.set()
+        self.accounting.counters["pipelined_passes"] += 1
+        return True
+
+    async def drain(self, session: Session) -> None:
+        """Wait until every pipelined pass of the session has been answered."""
+        while session.pipeline:
+            await session.pipeline_moved.wait()
+
+    async def answer_pipeline(self, session: Session) -> None:
+        """The session's completer: answers pipelined passes in order, each once its fence passes."""
+        while True:
+            if not session.pipeline:
+                await session.pipeline_wake.wait()
+                session.pipeline_wake = trio.Event()
+                continue
+            batch = session.pipeline[0]
+            with trio.CancelScope(shield=True):  # issued work finishes: its memory is in use until then
+                await trio.to_thread.run_sync(wait_visible, batch.fence, batch.ops, limiter=self.waiters)
+            session.pipeline.popleft()
+            self.complete(batch)
+            moved, session.pipeline_moved = session.pipeline_moved, trio.Event()
+            moved.set()
+
+    def forget(self, session: Session) -> None:
+        """The session ended: its device lanes (streams) go (each wave left them synchronized)."""
+        for backend in {id(d.backend): d.backend for d in self.planner.devices}.values():
+            backend.forget_lanes(session.id)
 
     def _stopped(self, session: Session) -> E.TransferError | None:
         """Between waves: the error for what has not started, once the session stopped running."""
@@ -203,10 +286,11 @@ class Pass:
             nbytes = 0
             for op in b.ops:
                 nbytes += op.cost
-                if op.remote is not None:
-                    b.inline = False
+                if op.remote is not None or (op.kind == "compute" and op.device.kind == "gpu"):
+                    b.inline = False  # remote posts wait; GPU kernels may compile (never on the loop)
             if nbytes >= self.config.inline_bytes:
                 b.inline = False
+            b.pipe = _one_gpu_lane(b.ops)
         return b
 
     # --- complete and account ------------------------------------------------------------------

@@ -17,7 +17,7 @@ from .. import protocol as P
 from ..addressing import MappingTable, Segment, SegmentKind
 from ..backends import Span
 from ..kernels import OPERATORS, REGISTRY, TensorRef, tensor_extent, tensor_nbytes
-from ._ops import SOCKET, Op, hulls
+from ._ops import SOCKET, Op, hulls, lane_of
 from ._placement import Placement, VirtualDevice
 from ._remote import names_remote, plan_remote_copies, plan_remote_copy, pull_input
 
@@ -33,13 +33,14 @@ Refusal = tuple[int, int, E.TransferError]
 class CopyRun:
     """Copy descriptors that arrived together on a ring, as arrays: one vector op if all are valid."""
 
-    __slots__ = ("ids", "dst", "src", "nbytes")
+    __slots__ = ("ids", "dst", "src", "nbytes", "stream")
 
-    def __init__(self, ids: np.ndarray, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray) -> None:
-        self.ids, self.dst, self.src, self.nbytes = ids, dst, src, nbytes
+    def __init__(self, ids: np.ndarray, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, stream: int = 0) -> None:
+        self.ids, self.dst, self.src, self.nbytes, self.stream = ids, dst, src, nbytes, stream
 
     def singles(self) -> list[P.Copy]:
-        return [P.Copy(int(i), int(d), int(s), int(n)) for i, d, s, n in zip(self.ids.tolist(), self.dst.tolist(), self.src.tolist(), self.nbytes.tolist())]
+        s = self.stream
+        return [P.Copy(int(i), int(d), int(s_), int(n), s) for i, d, s_, n in zip(self.ids.tolist(), self.dst.tolist(), self.src.tolist(), self.nbytes.tolist())]
 
 
 class Planner:
@@ -109,7 +110,8 @@ class Planner:
             dev = self._device_of((dseg, sseg), n)
             dst, src = self._span(dseg, doff, n), self._span(sseg, soff, n)
             backend = self._copy_backend(dseg, sseg, dev)
-            op = Op(req.id, [(sseg.id, soff, soff + n)], [(dseg.id, doff, doff + n)], dev, n, lambda: backend.copy(dst, src))
+            op = Op(req.id, [(sseg.id, soff, soff + n)], [(dseg.id, doff, doff + n)], dev, n, lambda: backend.copy(dst, src),
+                    host_only=dseg.kind == sseg.kind == SegmentKind.HOST)
             # Only same-backend copies merge (a merged copy runs on the op's device backend).
             if backend is dev.backend:
                 op.copy = (dseg.id, sseg.id, dst, src)
@@ -118,7 +120,8 @@ class Planner:
             seg, off = self._translate(owner, req.dst, req.nbytes)
             dev = self._device_of((seg,), req.nbytes)
             span, value, backend = self._span(seg, off, req.nbytes), req.value, dev.backend
-            return Op(req.id, [], [(seg.id, off, off + req.nbytes)], dev, req.nbytes, lambda: backend.fill(span, value))
+            return Op(req.id, [], [(seg.id, off, off + req.nbytes)], dev, req.nbytes, lambda: backend.fill(span, value),
+                      host_only=seg.kind == SegmentKind.HOST)
         if isinstance(req, P.Checksum):
             seg, off = self._translate(owner, req.src, req.nbytes)
             dev = self._device_of((seg,), req.nbytes)
@@ -182,7 +185,7 @@ class Planner:
             for d, s, backend in pairs:
                 backend.copy(d, s)
 
-        return Op(rid, reads, writes, dev, total, run)
+        return Op(rid, reads, writes, dev, total, run, host_only=all(seg.kind == SegmentKind.HOST for seg in segs.values()))
 
 
     def _plan_compute(self, owner: Any, req: P.Compute) -> Op:
@@ -272,17 +275,19 @@ def plan_batch(planner: Planner, owner: Any, items: Sequence[tuple[Any, int]]) -
         except Exception as exc:  # a bug: fail this request, keep serving
             refused.append((req.id, route, E.InternalError(f"{type(exc).__name__}: {exc}")))
             return
+        lane = lane_of(owner, req.stream)  # type: ignore[attr-defined]  # every data request has one
         for op in planned if isinstance(planned, list) else (planned,):
             if op.rid:
                 op.route = route
+            op.lane = lane
             ops.append(op)
 
-    def vector(ids: Any, dst: np.ndarray, src: np.ndarray, size: np.ndarray, route: int) -> bool:
+    def vector(ids: Any, dst: np.ndarray, src: np.ndarray, size: np.ndarray, route: int, stream: int) -> bool:
         try:
             op = planner.plan_copies(owner, int(ids[0]), dst, src, size)
         except E.TransferError:
             return False  # one of them is bad: the caller plans them one by one
-        op.kind, op.ids, op.route = "copy", ids, route
+        op.kind, op.ids, op.route, op.lane = "copy", ids, route, lane_of(owner, stream)
         ops.append(op)
         return True
 
@@ -297,6 +302,7 @@ def plan_batch(planner: Planner, owner: Any, items: Sequence[tuple[Any, int]]) -
             np.fromiter((r.src for r in run), np.uint64, n),
             np.fromiter((r.nbytes for r in run), np.uint64, n),
             run_route,
+            run[0].stream,
         ):
             run.clear()
             return
@@ -306,7 +312,7 @@ def plan_batch(planner: Planner, owner: Any, items: Sequence[tuple[Any, int]]) -
 
     for req, route in items:
         if type(req) is P.Copy:
-            if run and route != run_route:
+            if run and (route != run_route or req.stream != run[0].stream):
                 flush()
             run.append(req)
             run_route = route
@@ -314,7 +320,7 @@ def plan_batch(planner: Planner, owner: Any, items: Sequence[tuple[Any, int]]) -
         if run:
             flush()
         if type(req) is CopyRun:
-            if not vector(req.ids, req.dst, req.src, req.nbytes, route):
+            if not vector(req.ids, req.dst, req.src, req.nbytes, route, req.stream):
                 for r in req.singles():
                     one(r, route)
         else:

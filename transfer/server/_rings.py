@@ -85,8 +85,9 @@ def to_batch(rows: list[tuple[int, ...]] | None, array: np.ndarray | None) -> li
     cuts = (np.flatnonzero(kinds[1:] != kinds[:-1]) + 1).tolist() if n > 1 else []
     for a, b in zip([0, *cuts], [*cuts, n]):  # runs of one opcode
         d = array[a:b]
-        if kinds[a] == _COPY and b - a >= VECTOR_RUN and not (d["flags"].any() or (d["id"] == 0).any()):
-            out.append((CopyRun(d["id"].copy(), d["dst"].copy(), d["src"].copy(), d["nbytes"].copy()), RING))
+        st = d["stream"]
+        if kinds[a] == _COPY and b - a >= VECTOR_RUN and not (d["flags"].any() or (d["id"] == 0).any() or (st != st[0]).any()):
+            out.append((CopyRun(d["id"].copy(), d["dst"].copy(), d["src"].copy(), d["nbytes"].copy(), int(st[0])), RING))
         else:
             out.extend((_request(r), RING) for r in d.tolist())
     return out

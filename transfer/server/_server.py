@@ -47,8 +47,12 @@ class Server:
         self.backend = backend or make_backend(config.backend, config.devices)
         self.devices = self._build_devices(self.backend, config.devices)
         self.backends = list({id(d.backend): d.backend for d in self.devices}.values())
-        # A GPU executes one stream's waves at a time; a CPU "device" has several cores.
-        self.limiters = {d.index: trio.CapacityLimiter(config.threads if d.kind == "cpu" else 1) for d in self.devices}
+        pin_cap = config.max_pinned_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+        for b in self.backends:
+            b.max_pinned_bytes = pin_cap
+        # Worker threads per device: a CPU "device" has several cores; a GPU runs each session
+        # on streams of its own (lanes), so sessions' waves overlap on it.
+        self.limiters = {d.index: trio.CapacityLimiter(config.threads) for d in self.devices}
         self.table: MappingTable[Any] = MappingTable()
         policies = {name: make_policy(name, config.size_threshold) for name in POLICIES}
         self.planner = Planner(self.table, self.devices, make_policy(config.placement, config.size_threshold), policies)
@@ -184,6 +188,7 @@ class Server:
                 "rings": len(self.rings.sessions),
                 "segments": len(self.table),
                 "device_bytes": self.resources.device_bytes,
+                "pinned_bytes": sum(b.pinned_bytes for b in self.backends),
                 "devices": [{"index": d.index, "kind": d.kind, "queued_bytes": d.queued_bytes, "batches": d.completed} for d in self.devices],
                 "uptime_s": round(time.monotonic() - self.started, 3),
                 **self.remote.counters,

@@ -85,6 +85,11 @@ class Session:
     ring_pending: int = 0
     #: A pass taken from the queue and not yet finished (planned, or executing on a worker).
     current: Any = None
+    #: Pipelined passes: queued on a GPU lane, answered in order as their fences pass.
+    pipeline: deque[Any] = field(default_factory=deque)
+    pipeline_wake: trio.Event = field(default_factory=trio.Event)
+    #: Set (and replaced) each time a pipelined pass is answered.
+    pipeline_moved: trio.Event = field(default_factory=trio.Event)
     wake: trio.Event = field(default_factory=trio.Event)
     #: perf_counter() when the oldest queued request arrived (request latency metrics).
     arrived: float = 0.0
@@ -121,4 +126,4 @@ class Session:
 
     @property
     def idle(self) -> bool:
-        return not self.queue and self.current is None
+        return not self.queue and self.current is None and not self.pipeline

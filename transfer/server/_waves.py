@@ -8,8 +8,9 @@ continue one another are merged into one. Waves run one after the other, so
 the bytes end up exactly as one-at-a-time execution in arrival order would
 leave them (tests/test_scheduler.py and tests/test_equivalence.py prove it).
 
-Each device's share of a wave ends with the device synchronized: when a wave
-returns, its work is visible, and only then may the pass answer it.
+Each device's share of a wave ends with the lanes it used synchronized (a
+lane is one of the session's device streams): when a wave returns, its work
+is visible, and only then may the pass answer it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from .. import errors as E
 from ._ops import Op
 from ._placement import VirtualDevice
 
-__all__ = ["assign_waves", "coalesce", "run_inline", "run_waves"]
+__all__ = ["assign_waves", "coalesce", "run_inline", "run_waves", "issue", "issue_off_loop", "wait_visible"]
 
 
 class _Intervals:
@@ -146,12 +147,17 @@ def _merged(run: list[Op]) -> tuple[list[Op], Callable[[], Any] | None]:
     return run, lambda: backend.copy(dst, src)
 
 
-def _run_units(units: Sequence[tuple[list[Op], Callable[[], Any] | None]], device: VirtualDevice) -> None:
+def _run_units(units: Sequence[tuple[list[Op], Callable[[], Any] | None]], device: VirtualDevice, visible: bool = True) -> None:
+    backend = device.backend
+    lanes = set()
     for ops, work in units:
         if work is None:
             continue
+        lane = ops[0].lane
+        lanes.add(lane)
         try:
-            result = work()
+            with backend.lane(lane):
+                result = work()
         except E.TransferError as exc:
             for op in ops:
                 op.error = exc
@@ -163,14 +169,50 @@ def _run_units(units: Sequence[tuple[list[Op], Callable[[], Any] | None]], devic
             continue
         for op in ops:
             op.result = result
+    if not visible:
+        return  # queued only: a fence on the lane says when (`issue`)
     try:
-        # Visible before answered: queued device work is not done work.
-        device.backend.synchronize_device(device.local_id)
+        # Visible before answered: queued device work is not done work. Only these lanes:
+        # other sessions' work on the device runs on.
+        for lane in lanes:
+            backend.synchronize_lane(device.local_id, lane)
     except Exception as exc:  # the device failed under these ops: they fail, the daemon serves on
         err = E.BackendError(f"synchronizing {device}: {type(exc).__name__}: {exc}")
         for ops, _ in units:
             for op in ops:
                 op.error = op.error or err
+
+
+def issue(waves: Sequence[Sequence[Op]], device: VirtualDevice, lane: Any) -> Any:
+    """Queue a pipelined pass (all its ops on one lane of one GPU) without waiting for it.
+
+    Stream order keeps its waves in order on the device; host work among them waits for the
+    device work it touches (`_stream`). Returns the lane's fence: answer once it is passed."""
+    for wave in waves:
+        _run_units(coalesce(wave), device, visible=False)
+    return device.backend.fence(device.local_id, lane)
+
+
+def issue_off_loop(waves: Sequence[Sequence[Op]], device: VirtualDevice, lane: Any) -> Any:
+    """`issue` on a worker thread (it may pin segments, compile kernels, wait for results)."""
+    with device.backend.off_loop():
+        return issue(waves, device, lane)
+
+
+def wait_visible(fence: Any, ops: Sequence[Op]) -> None:
+    """Block until a pipelined pass's work is done (a worker's job); a device error fails its ops."""
+    try:
+        fence.wait()
+    except Exception as exc:  # the device failed under these ops: they fail, the daemon serves on
+        err = E.BackendError(f"synchronizing {ops[0].device if ops else 'a device'}: {type(exc).__name__}: {exc}")
+        for op in ops:
+            op.error = op.error or err
+
+
+def _run_off_loop(units: Sequence[tuple[list[Op], Callable[[], Any] | None]], device: VirtualDevice) -> None:
+    """A worker thread's share: it may block on slow driver calls (pinning a segment)."""
+    with device.backend.off_loop():
+        _run_units(units, device)
 
 
 def _remote_groups(wave: Sequence[Op]) -> tuple[list[Op], list[list[Op]]]:
@@ -322,7 +364,7 @@ async def _on_device(units: Any, device: VirtualDevice | None, nbytes: int, limi
         return
     device.queued_bytes += nbytes
     try:
-        await trio.to_thread.run_sync(_run_units, units, device, limiter=limiter)
+        await trio.to_thread.run_sync(_run_off_loop, units, device, limiter=limiter)
     finally:
         device.queued_bytes -= nbytes
         device.completed += 1

@@ -1,0 +1,300 @@
+"""The `gpu` mode: host-to-device from a registered segment, against CuPy's own copies.
+
+Two parts, each in one run so the ratios compare like with like:
+
+1. **Host to device**, one producer, 64 KiB..256 MiB. Every method sends
+   batches in groups of about 4 MiB (`plan`: one batch per group from
+   4 MiB up), keeps `depth` groups in flight through as many slots, stamps
+   fresh contents into each batch (one word per 4 KiB page) before sending
+   it, and copies it into a device slot:
+
+   * `transfer`: the producer stamps its shared-memory segment and sends a
+     copy request (ring); the daemon (`--backend cupy`) DMAs from the
+     producer's pages, page-locked in place;
+   * `cupy-pinned`: `cudaMemcpyAsync` from page-locked memory the process
+     allocated (`cupy.cuda.alloc_pinned_memory`): what a process that owns
+     the GPU gets at best;
+   * `cupy-pageable`: the same from an ordinary NumPy array.
+
+2. **Two producers and compute** (1 MiB..64 MiB): two processes, each
+   copying uint8 image batches (N, 4, 64, 64) to the device and normalizing
+   them to float32 there with the same kernel (`transfer.kernels`'
+   normalize, on CuPy).
+
+Every `verify_every`-th group of `transfer` is checked: the daemon's
+checksum of a device slot must equal the producer's of its host slot.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from .common import STAMP_STRIDE_WORDS, BenchFailure, fmt_size
+
+METHODS = ("transfer", "cupy-pinned", "cupy-pageable")
+LABELS = {
+    "transfer": "transfer: daemon DMA from the producer's segment",
+    "cupy-pinned": "CuPy memcpyAsync from pinned memory (in process)",
+    "cupy-pageable": "CuPy memcpyAsync from pageable memory (in process)",
+}
+MEAN, STD = [123.7, 116.3, 103.5, 127.5], [58.4, 57.1, 57.4, 64.0]
+#: One image of the compute part: RGBA 64x64, uint8.
+IMAGE = (4, 64, 64)
+IMAGE_BYTES = 4 * 64 * 64
+
+
+def available() -> tuple[bool, str]:
+    try:
+        from ..backends._cupy import CupyBackend
+    except ImportError as e:
+        return False, f"gpu: CuPy not installed (pip install 'transfer[gpu]'): {e}"
+    ok, why = CupyBackend.probe()
+    return (True, "") if ok else (False, f"gpu: no usable CUDA device ({why})")
+
+
+def plan(size: int, depth: int) -> tuple[int, int]:
+    """(slots, group): batches are sent in groups of `group` (about 4 MiB: several small
+    batches share a round trip), `depth` groups in flight, at most 2 GiB of slots."""
+    group = max(1, (4 << 20) // size)
+    groups = max(2, min(depth, (2 << 30) // (size * group)))
+    return groups * group, group
+
+
+def _stamp(slot: np.ndarray, seq: int) -> None:
+    words = slot.view(np.uint64)
+    words[::STAMP_STRIDE_WORDS] = seq
+
+
+# --- one timed loop, whatever the method --------------------------------------------------------
+def _timed(step: Callable[[int], int], drain: Callable[[], None], seconds: float) -> tuple[int, float]:
+    """Run `step(group number)` (returns bytes sent) until `seconds` pass, then `drain`; (bytes, elapsed)."""
+    sent, seq = 0, 0
+    t0 = time.perf_counter()
+    end = t0 + seconds
+    while True:
+        sent += step(seq)
+        seq += 1
+        if time.perf_counter() >= end:
+            break
+    drain()
+    return sent, time.perf_counter() - t0
+
+
+def _cupy_loop(kind: str, size: int, depth: int, compute: bool, seconds: float, reps: int) -> list[float]:
+    import cupy as cp
+
+    from ..kernels import REGISTRY
+
+    slots, group = plan(size, depth)
+    groups = slots // group
+    if kind == "cupy-pinned":
+        mem = cp.cuda.alloc_pinned_memory(size * slots)
+        host = np.frombuffer(mem, np.uint8, size * slots)
+    else:
+        host = np.ones(size * slots, np.uint8)
+    host[:] = 7
+    dev = cp.empty(size * slots, cp.uint8)
+    stream = cp.cuda.Stream(non_blocking=True)
+    events: list[Any] = [None] * groups
+    kernel = REGISTRY.lookup("normalize", "uint8", "gpu") if compute else None
+    n = size // IMAGE_BYTES
+    out = cp.empty((slots, n, *IMAGE), cp.float32) if compute else None
+    params = {"mean": MEAN, "std": STD}
+
+    def step(seq: int) -> int:
+        g = seq % groups
+        if events[g] is not None:
+            events[g].synchronize()
+        for k in range(g * group, (g + 1) * group):
+            _stamp(host[k * size : (k + 1) * size], seq)
+            cp.cuda.runtime.memcpyAsync(dev.data.ptr + k * size, host.ctypes.data + k * size, size, 1, stream.ptr)
+            if kernel is not None:
+                with stream:
+                    kernel.fn([dev[k * size : (k + 1) * size].reshape(n, *IMAGE)], [out[k]], params, cp)
+        ev = cp.cuda.Event(block=False, disable_timing=True)
+        ev.record(stream)
+        events[g] = ev
+        return size * group
+
+    rates = []
+    for r in range(reps + 1):
+        sent, dt = _timed(step, stream.synchronize, seconds)
+        if r:  # the first is warm-up
+            rates.append(sent / dt / 1e9)
+    return rates
+
+
+def _transfer_loop(endpoint: str, size: int, depth: int, compute: bool, seconds: float, reps: int, verify_every: int) -> list[float]:
+    import transfer
+
+    slots, group = plan(size, depth)
+    groups = slots // group
+    with transfer.connect(endpoint, ring=True) as c:
+        seg = c.segment(size * slots)
+        dev = c.alloc(size * slots)
+        host = seg.buffer
+        host[:] = 7
+        n = size // IMAGE_BYTES
+        out = c.alloc(4 * size * slots) if compute else None
+        pending: list[Any] = [None] * groups
+        params = {"mean": MEAN, "std": STD}
+        checked = [0]
+
+        def step(seq: int) -> int:
+            g = seq % groups
+            if pending[g] is not None:
+                pending[g].result(60)  # answers come in order: the group's last answers for it
+            with c.batch():
+                for k in range(g * group, (g + 1) * group):
+                    _stamp(host[k * size : (k + 1) * size], seq)
+                    p = c.copy(dev.va + k * size, seg.va + k * size, size)
+                    if out is not None:
+                        x = transfer.TensorRef(dev.va + k * size, "uint8", (n, *IMAGE))
+                        y = transfer.TensorRef(out.va + 4 * k * size, "float32", (n, *IMAGE))
+                        p = c.compute("normalize", [x], [y], params)
+            if verify_every and seq % verify_every == 0:
+                p.result(60)
+                k = g * group
+                got = c.checksum(dev.va + k * size, size).result(60)
+                if got != transfer.checksum64(host[k * size : (k + 1) * size]):
+                    raise BenchFailure(f"transfer gpu: device slot {k} of group {seq} does not match the producer's bytes")
+                checked[0] += 1
+            pending[g] = p
+            return size * group
+
+        def drain() -> None:
+            for p in pending:
+                if p is not None:
+                    p.result(60)
+            c.fence()
+
+        rates = []
+        for r in range(reps + 1):
+            sent, dt = _timed(step, drain, seconds)
+            if r:
+                rates.append(sent / dt / 1e9)
+        if verify_every and not checked[0]:
+            raise BenchFailure("transfer gpu: no batch was verified")
+        return rates
+
+
+def _child(method: str, endpoint: str, size: int, depth: int, compute: bool, seconds: float, reps: int,
+           verify_every: int, barrier: Any, conn: Any) -> None:
+    try:
+        barrier.wait(120)
+        if method == "transfer":
+            rates = _transfer_loop(endpoint, size, depth, compute, seconds, reps, verify_every)
+        else:
+            rates = _cupy_loop(method, size, depth, compute, seconds, reps)
+        conn.send(("ok", rates))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def _run_processes(n: int, method: str, endpoint: str, size: int, depth: int, compute: bool, seconds: float,
+                   reps: int, verify_every: int) -> list[float]:
+    """`n` producer processes (spawned: CUDA does not survive fork) at once; GB/s summed per rep."""
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(n)
+    pipes, procs = [], []
+    for _ in range(n):
+        recv, send = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_child, args=(method, endpoint, size, depth, compute, seconds, reps, verify_every, barrier, send), daemon=True)
+        p.start()
+        pipes.append(recv)
+        procs.append(p)
+    try:
+        results = []
+        for recv in pipes:
+            if not recv.poll(600):
+                raise BenchFailure(f"gpu {method}: a producer did not report within 600 s")
+            status, value = recv.recv()
+            if status != "ok":
+                raise BenchFailure(f"gpu {method}: a producer failed: {value}")
+            results.append(value)
+        return [sum(r[i] for r in results) for i in range(reps)]
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+def run(sizes: list[int], *, depth: int = 4, reps: int = 3, rep_s: float = 0.4, verify_every: int = 16,
+        compute_sizes: list[int] | None = None, line: Callable[[str], None] = print,
+        daemon_args: dict | None = None) -> dict[str, Any]:
+    """Both parts; returns rows of {part, method, size, producers, gbps, gbps_reps, vs_pinned}."""
+    import cupy as cp
+
+    from ..testing import run_daemon
+
+    rows: list[dict[str, Any]] = []
+    with run_daemon(["--backend", "cupy", "--size-threshold", "0"], **(daemon_args or {})) as d:
+        for size in sizes:
+            got: dict[str, list[float]] = {}
+            for method in METHODS:
+                if method == "transfer":
+                    got[method] = _transfer_loop(d.endpoint, size, depth, False, rep_s, reps, verify_every)
+                else:
+                    got[method] = _cupy_loop(method, size, depth, False, rep_s, reps)
+                cp.get_default_memory_pool().free_all_blocks()
+            rows += _rows("h2d", got, size, 1, depth)
+            line("gpu h2d " + _summary(rows[-len(METHODS):]))
+        for size in compute_sizes if compute_sizes is not None else [s for s in sizes if 1 << 20 <= s <= 64 << 20]:
+            if size % IMAGE_BYTES:
+                continue
+            got = {m: _run_processes(2, m, d.endpoint, size, depth, True, rep_s, reps, verify_every) for m in METHODS}
+            rows += _rows("h2d+normalize", got, size, 2, depth)
+            line("gpu h2d+normalize, 2 producers " + _summary(rows[-len(METHODS):]))
+    return {"rows": rows, "device": describe()}
+
+
+def _rows(part: str, got: dict[str, list[float]], size: int, producers: int, depth: int) -> list[dict[str, Any]]:
+    pinned = statistics.median(got["cupy-pinned"])
+    slots, group = plan(size, depth)
+    return [
+        {"part": part, "method": m, "size": size, "producers": producers, "groups_in_flight": slots // group, "group": group,
+         "gbps": round(statistics.median(r), 3), "gbps_reps": [round(x, 3) for x in r],
+         "vs_pinned": round(statistics.median(r) / pinned, 3) if pinned else None}
+        for m, r in got.items()
+    ]
+
+
+def _summary(rows: list[dict[str, Any]]) -> str:
+    size = fmt_size(rows[0]["size"])
+    return f"{size:>8}: " + ", ".join(f"{r['method']} {r['gbps']:.2f} GB/s ({r['vs_pinned']:.2f}x)" for r in rows)
+
+
+def describe() -> dict[str, Any]:
+    """The device, driver and CUDA versions the numbers belong to."""
+    import cupy as cp
+
+    rt = cp.cuda.runtime
+    props = rt.getDeviceProperties(0)
+    name = props["name"]
+    return {
+        "gpu": name.decode() if isinstance(name, bytes) else str(name),
+        "driver_version": rt.driverGetVersion(),
+        "runtime_version": rt.runtimeGetVersion(),
+        "cupy": cp.__version__,
+        "devices": rt.getDeviceCount(),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def render(result: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    dev = result["device"]
+    t = Table(title=f"gpu mode: {dev['gpu']}, driver {dev['driver_version']}, CUDA runtime {dev['runtime_version']}, CuPy {dev['cupy']}")
+    for col in ("part", "producers", "size", "method", "GB/s", "vs pinned"):
+        t.add_column(col, justify="right" if col in ("producers", "size", "GB/s", "vs pinned") else "left")
+    for r in result["rows"]:
+        t.add_row(r["part"], str(r["producers"]), fmt_size(r["size"]), r["method"], f"{r['gbps']:.2f}", f"{r['vs_pinned']:.2f}x")
+    return t
