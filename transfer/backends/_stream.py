@@ -440,6 +440,17 @@ class Fence:
         finally:
             self.backend._retire(self.key, self.mark)
 
+    def done(self) -> bool:
+        """Whether the work is done, without waiting (a device error raises, as `wait`'s)."""
+        try:
+            if not self.event.done:
+                return False
+        except BaseException:
+            self.backend._retire(self.key, self.mark)
+            raise
+        self.backend._retire(self.key, self.mark)
+        return True
+
 
 class _Array:
     """A bare host array seen as a host segment (for a Span)."""

@@ -367,6 +367,13 @@ class StreamSimBackend(StreamBackend):
             def synchronize(self) -> None:
                 backend._sync(key)
 
+            @property
+            def done(self) -> bool:  # a query: the simulated device finishes now, or on a later look
+                if backend._rng.random() < 0.5:
+                    return False
+                backend._sync(key)
+                return True
+
         return _Event()
 
     def _drop(self, key: Key) -> None:

@@ -175,7 +175,7 @@ def _main(args) -> int:
 
                 # Verifying a group means waiting for it and checksumming it on both sides: every
                 # 16th (unless asked) keeps the pipeline full, as the baselines' is.
-                gpu_result = gpu.run(gpu_sizes, depth=depths[0] if args.depth else 4, reps=reps, rep_s=rep_s,
+                gpu_result = gpu.run(gpu_sizes, depth=depths[0] if args.depth else 8, reps=reps, rep_s=rep_s,
                                      verify_every=args.verify_every or 16, line=progress.line, daemon_args=daemon_args)
         except BenchFailure as e:
             progress.stop()

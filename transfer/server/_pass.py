@@ -22,6 +22,7 @@ the ring). A pass then:
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -46,6 +47,8 @@ _BARRIERS = frozenset(BARRIERS)
 _AFTER = frozenset(AFTER_PASS)
 #: Requests whose device work only queues (no kernel to compile, no result to wait for).
 _QUEUES_AT_ONCE = frozenset(("copy", "copyv", "fill"))
+#: How long a pipelined pass's fence is polled from the loop before a worker waits for it.
+_POLL_S = 500e-6
 #: Passes in a row that `kick` runs inline before it hands the rest to the session's task.
 _INLINE_PASSES = 4
 
@@ -196,7 +199,14 @@ class Pass:
                 continue
             batch = session.pipeline[0]
             with trio.CancelScope(shield=True):  # issued work finishes: its memory is in use until then
-                await trio.to_thread.run_sync(wait_visible, batch.fence, batch.ops, limiter=self.waiters)
+                # Look between the loop's other work for a while (a query is a microsecond, a
+                # thread hop tens), then let a worker wait for long work.
+                give_up = time.perf_counter() + _POLL_S
+                while not wait_visible(batch.fence, batch.ops, block=False):
+                    if time.perf_counter() > give_up:
+                        await trio.to_thread.run_sync(wait_visible, batch.fence, batch.ops, limiter=self.waiters)
+                        break
+                    await trio.lowlevel.checkpoint()
             session.pipeline.popleft()
             self.complete(batch)
             moved, session.pipeline_moved = session.pipeline_moved, trio.Event()

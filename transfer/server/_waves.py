@@ -199,14 +199,18 @@ def issue_off_loop(waves: Sequence[Sequence[Op]], device: VirtualDevice, lane: A
         return issue(waves, device, lane)
 
 
-def wait_visible(fence: Any, ops: Sequence[Op]) -> None:
-    """Block until a pipelined pass's work is done (a worker's job); a device error fails its ops."""
+def wait_visible(fence: Any, ops: Sequence[Op], block: bool = True) -> bool:
+    """Whether a pipelined pass's work is done (`block`: wait for it, a worker's job).
+    A device error fails its ops (and counts as done)."""
     try:
+        if not block:
+            return bool(fence.done())
         fence.wait()
     except Exception as exc:  # the device failed under these ops: they fail, the daemon serves on
         err = E.BackendError(f"synchronizing {ops[0].device if ops else 'a device'}: {type(exc).__name__}: {exc}")
         for op in ops:
             op.error = op.error or err
+    return True
 
 
 def _run_off_loop(units: Sequence[tuple[list[Op], Callable[[], Any] | None]], device: VirtualDevice) -> None:
