@@ -21,9 +21,11 @@ Two parts, each in one run so the ratios compare like with like:
    them to float32 there with the same kernel (`transfer.kernels`'
    normalize, on CuPy).
 
-Every `verify_every`-th group of `transfer` is checked: the daemon's
-checksum of a device slot's first MiB must equal the producer's of its host
-slot (the stamps change every page, so a stale or torn copy shows).
+After every repetition (untimed, so that no check drains the pipeline the
+baselines keep full), up to `verify_every` of `transfer`'s slots, spread over
+all of them, are checked: the daemon's checksum of a device slot's first MiB
+must equal the producer's of its host slot, which holds the stamp of the last
+group sent through it (stamps change every page: a stale or torn copy shows).
 """
 
 from __future__ import annotations
@@ -147,7 +149,6 @@ def _transfer_loop(endpoint: str, size: int, depth: int, compute: bool, seconds:
         out = c.alloc(4 * size * slots) if compute else None
         pending: list[Any] = [None] * groups
         params = {"mean": MEAN, "std": STD}
-        checked = [0]
 
         def step(seq: int) -> int:
             g = seq % groups
@@ -161,13 +162,6 @@ def _transfer_loop(endpoint: str, size: int, depth: int, compute: bool, seconds:
                         x = transfer.TensorRef(dev.va + k * size, "uint8", (n, *IMAGE))
                         y = transfer.TensorRef(out.va + 4 * k * size, "float32", (n, *IMAGE))
                         p = c.compute("normalize", [x], [y], params)
-            if verify_every and seq % verify_every == 0:
-                p.result(60)
-                k, w = g * group, min(size, VERIFY_BYTES)  # stamps change every page: a window proves it
-                got = c.checksum(dev.va + k * size, w).result(60)
-                if got != transfer.checksum64(host[k * size : k * size + w]):
-                    raise BenchFailure(f"transfer gpu: device slot {k} of group {seq} does not match the producer's bytes")
-                checked[0] += 1
             pending[g] = p
             return size * group
 
@@ -177,13 +171,20 @@ def _transfer_loop(endpoint: str, size: int, depth: int, compute: bool, seconds:
                     p.result(60)
             c.fence()
 
+        def verify() -> None:
+            """Every slot holds what its producer last stamped (checked between reps, untimed)."""
+            w = min(size, VERIFY_BYTES)  # stamps change every page: a window shows a stale or torn copy
+            for k in range(0, slots, max(1, slots // verify_every) if verify_every else slots):
+                got = c.checksum(dev.va + k * size, w).result(60)
+                if got != transfer.checksum64(host[k * size : k * size + w]):
+                    raise BenchFailure(f"transfer gpu: device slot {k} does not match the producer's bytes")
+
         rates = []
         for r in range(reps + 1):
             sent, dt = _timed(step, drain, seconds)
+            verify()
             if r:
                 rates.append(sent / dt / 1e9)
-        if verify_every and not checked[0]:
-            raise BenchFailure("transfer gpu: no batch was verified")
         return rates
 
 
