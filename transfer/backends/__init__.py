@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 from ._base import Backend, Span
 from ._numpy import NumpyBackend
 
-__all__ = ["Backend", "Span", "NumpyBackend", "make_backend"]
+__all__ = ["Backend", "Span", "NumpyBackend", "make_backend", "STREAMSIM_DEVICES_ENV"]
+
+#: Test-only: how many simulated GPUs `--backend streamsim` has (default 1).
+STREAMSIM_DEVICES_ENV = "TRANSFER_STREAMSIM_DEVICES"
 
 
 def make_backend(name: str = "auto", devices: int = 1) -> Backend:
@@ -19,7 +24,7 @@ def make_backend(name: str = "auto", devices: int = 1) -> Backend:
     if name == "streamsim":
         from ._streamsim import StreamSimBackend
 
-        return StreamSimBackend()
+        return StreamSimBackend(_streamsim_devices())
     if name in ("cupy", "auto"):
         try:
             from ._cupy import CupyBackend  # lazy: importing CuPy is slow and may lack a driver
@@ -34,3 +39,14 @@ def make_backend(name: str = "auto", devices: int = 1) -> Backend:
             raise RuntimeError(f"--backend cupy: no usable CUDA device ({why})")
         return NumpyBackend(devices)
     raise ValueError(f"unknown backend {name!r} (choose auto, cupy, numpy or streamsim)")
+
+
+def _streamsim_devices() -> int:
+    raw = os.environ.get(STREAMSIM_DEVICES_ENV, "1")
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 64:
+        raise ValueError(f"{STREAMSIM_DEVICES_ENV}={raw!r}: expected a whole number of simulated GPUs in 1..64")
+    return n

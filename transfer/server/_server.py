@@ -156,11 +156,7 @@ class Server:
         )
 
     def _hello_info(self, session: Session) -> dict[str, Any]:
-        try:
-            arenas = self.resources.grant_arenas(session)
-        except BaseException:
-            self.resources.release_arenas(session)
-            raise
+        granted = self.resources.admit(session)  # home device and arenas; may refuse
         return {
             "session": session.id,
             "server_pid": os.getpid(),
@@ -173,7 +169,7 @@ class Server:
             "session_timeout_s": self.config.session_timeout_s,
             "shm_dir": str(self.config.shm_dir),
             "fd_socket": str(self.fds.path),
-            "arenas": arenas,
+            **granted,
         }
 
     def stats(self, session: Session | None = None) -> dict[str, Any]:
@@ -191,7 +187,7 @@ class Server:
             }
         }
         if session is not None:
-            out["session"] = {"id": session.id, **session.stats.to_wire(), "segments": len(session.segments), "ring": session.ring is not None}
+            out["session"] = {"id": session.id, "home_device": session.home_device, **session.stats.to_wire(), "segments": len(session.segments), "ring": session.ring is not None}
         return out
 
 
