@@ -20,7 +20,7 @@ import trio
 
 from .. import protocol as P
 from ..addressing import MappingTable
-from ..backends import Backend, NumpyBackend, make_backend
+from ..backends import Backend, NumpyBackend, select_backend
 from ..memory import DaemonLock, sweep_stale
 from ._accounting import Accounting
 from ._config import DaemonConfig
@@ -44,7 +44,8 @@ class Server:
 
     def __init__(self, config: DaemonConfig, backend: Backend | None = None) -> None:
         self.config = config
-        self.backend = backend or make_backend(config.backend, config.devices)
+        #: Why this backend (`--backend auto` may have fallen back): logged, and in transferd's ready line.
+        self.backend, self.backend_reason = (backend, "given by the caller") if backend else select_backend(config.backend, config.devices)
         self.devices = self._build_devices(self.backend, config.devices)
         self.backends = list({id(d.backend): d.backend for d in self.devices}.values())
         # A GPU executes one stream's waves at a time; a CPU "device" has several cores.
