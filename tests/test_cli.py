@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 import transfer
+from transfer import backends
 from transfer.testing import start_daemon
 
 
@@ -47,3 +53,32 @@ def test_loopback_tcp_endpoint_serves(shm_dir: Path, tmp_path: Path) -> None:
 def test_help_lists_the_flags() -> None:
     r = transferd("--help")
     assert r.returncode == 0 and "--backend" in r.stdout and "--shm-dir" in r.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy is installed here: auto may pick it")
+def test_auto_backend_says_why_it_chose_numpy(daemon_factory: Any, capfd: pytest.CaptureFixture[str]) -> None:
+    d = daemon_factory("--backend", "auto", "--log-level", "INFO")
+    assert d.ready["backend"] == "numpy"
+    assert d.ready["backend_reason"] == "auto: CuPy is not installed (pip install 'transfer[gpu]')"
+    with transfer.connect(d.endpoint) as c:
+        c.fence()
+    assert d.stop() == 0
+    err = capfd.readouterr().err  # the daemon's log (it inherits our stderr)
+    assert "backend numpy: auto: CuPy is not installed" in err
+    assert "(backend numpy: auto: CuPy is not installed" in err  # the serving line says it too
+
+
+def test_auto_warns_when_cupy_is_installed_but_unusable(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # Importing the module imports no CuPy: that is probe()'s job.
+    from transfer.backends._cupy import CupyBackend
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "cupy" else real(name, *a))
+    monkeypatch.setattr(CupyBackend, "probe", staticmethod(lambda: (False, "CUDARuntimeError: cudaErrorInsufficientDriver")))
+    with caplog.at_level(logging.INFO, logger="transfer.backends"):
+        backend, why = backends.select_backend("auto")
+        with pytest.raises(RuntimeError, match="no usable CUDA device .*InsufficientDriver"):
+            backends.select_backend("cupy")
+    assert backend.name == "numpy" and why == "auto: CuPy is installed but unusable (CUDARuntimeError: cudaErrorInsufficientDriver)"
+    (rec,) = [r for r in caplog.records if r.name == "transfer.backends"]
+    assert rec.levelno == logging.WARNING and why in rec.getMessage()

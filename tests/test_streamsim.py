@@ -335,3 +335,24 @@ def test_gpu_passes_are_pipelined_and_answered_in_order(daemon_factory, ring: bo
         for k in range(slots):
             assert checksum64(back.buffer[k * size : (k + 1) * size]) == want[k]
         assert c.stats()["daemon"]["pipelined_passes"] > 0
+
+
+def test_dlpack_export_waits_for_the_device_work_queued_on_that_memory(tmp_path) -> None:
+    """GPU issue: an export must be ordered after queued work that writes the memory
+    (device memory: its device's queue; host memory: any device's queued D2H copy)."""
+    with transfer.serve_in_process(backend="streamsim", shm_dir=tmp_path) as d, transfer.connect(d.endpoint, deferred=False) as c:
+        sim, table = d.server.backend, d.server.table
+        buf, seg = c.alloc(4096), c.segment(4096)
+        dev_mem, host_mem = table.get(buf.va >> 40).handle, table.get(seg.va >> 40).handle
+        src = type("H", (), {"array": np.arange(4096, dtype=np.uint8)})()
+        # Queued as a wave would queue them, with no synchronize (no fence) after.
+        sim.copy(Span(SegmentKind.DEVICE, dev_mem, 0, 4096), Span(SegmentKind.HOST, src, 0, 4096))
+        sim.copy(Span(SegmentKind.HOST, host_mem, 0, 4096), Span(SegmentKind.DEVICE, dev_mem, 0, 4096))
+        assert sim.pending() == 2
+        arr = np.from_dlpack(d.device_array(buf, 4096))  # without the wait: StreamSimViolation
+        assert sim.pending() == 0 and (arr == src.array).all()
+        sim.copy(Span(SegmentKind.HOST, host_mem, 0, 4096), Span(SegmentKind.DEVICE, dev_mem, 0, 4096))
+        assert (seg.buffer == POISON).all()  # the queued D2H copy has not landed
+        view = d.device_array(seg, 4096)
+        assert (np.from_dlpack(view) == src.array).all() and (np.asarray(view) == src.array).all()
+        assert sim.violations == []

@@ -17,7 +17,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 __all__ = ["DaemonProcess", "memfds", "run_daemon", "start_daemon"]
 
@@ -29,6 +29,8 @@ class DaemonProcess:
     workdir: Path
     shm_dir: Path
     args: list[str] = field(default_factory=list)
+    #: The daemon's `--ready` line (backend, why that backend, instance, ...).
+    ready: dict[str, Any] = field(default_factory=dict)
 
     @property
     def pid(self) -> int:
@@ -57,7 +59,7 @@ class DaemonProcess:
         """A new daemon on the same endpoint and shm directory (after a crash, say)."""
         self.kill()
         new = _spawn(self.endpoint, self.workdir, self.shm_dir, self.args, timeout)
-        self.proc = new.proc
+        self.proc, self.ready = new.proc, new.ready
         return self
 
 
@@ -81,7 +83,7 @@ def _spawn(endpoint: str, workdir: Path, shm_dir: Path, args: Sequence[str], tim
     except (ValueError, AssertionError):
         proc.wait(5)
         raise RuntimeError(f"transferd failed to start (exit {proc.returncode}): {line!r}") from None
-    return DaemonProcess(endpoint, proc, workdir, shm_dir, list(args))
+    return DaemonProcess(endpoint, proc, workdir, shm_dir, list(args), ready)
 
 
 def start_daemon(

@@ -70,7 +70,10 @@ def main(argv: list[str] | None = None) -> int:
             server = await nursery.start(serve, config)
             metrics_port = _start_metrics(server, config) if config.metrics_port else 0
             if args.ready:
-                ready: dict[str, Any] = {"event": "ready", "endpoints": list(config.endpoints), "backend": server.backend.name, "instance": server.instance}
+                ready: dict[str, Any] = {
+                    "event": "ready", "endpoints": list(config.endpoints), "backend": server.backend.name,
+                    "backend_reason": server.backend_reason, "instance": server.instance,
+                }
                 if metrics_port:
                     ready["metrics"] = f"http://{config.metrics_addr}:{metrics_port}/metrics"
                 print(json.dumps(ready), flush=True)

@@ -51,6 +51,8 @@ class ClientCore:
         self.session_id = 0
         self.server_pid = 0
         self.backend: dict[str, Any] = {}
+        #: The daemon's choice for allocations that name no device (hello's `home_device`).
+        self.home_device = -1
         self.shm_dir = Path("/dev/shm")
         #: The daemon's fd socket: where the memfds behind segments and rings are collected.
         self.fd_socket: Path | None = None
@@ -72,7 +74,8 @@ class ClientCore:
         self.max_inflight = max(1, min(self.max_inflight, int(info.get("max_inflight", self.max_inflight))))
         # Deferred creation: allocations, descriptors and plans are answered here and
         # travel with their first use. deferred=False sends each at once (for debugging).
-        self.deferred = DeferredState(info["arenas"]) if deferred and info.get("arenas") else None
+        self.home_device = int(info["home_device"])
+        self.deferred = DeferredState(info["arenas"], self.home_device) if deferred and info.get("arenas") else None
 
     def collect(self, token: Any) -> int:
         """The memfd a RegisterHost/OpenRing reply's token stands for (ours to close)."""

@@ -135,8 +135,10 @@ class Plan:
 class DeferredState:
     """Arenas, pending definitions and frees: what the next frame must carry first."""
 
-    def __init__(self, arenas: Iterable[dict[str, int]]) -> None:
+    def __init__(self, arenas: Iterable[dict[str, int]], home_device: int = -1) -> None:
         self.arenas = {a["device"]: Arena(a["device"], a["first_id"], a["count"], a["quota"]) for a in arenas}
+        #: The session's home device (hello): device -1 means its arena, as eager alloc means it.
+        self.home_device = home_device
         self.buffers: dict[int, DeferredBuffer] = {}  # segment id -> buffer not yet defined
         self.frees: list[int] = []
 
@@ -144,7 +146,7 @@ class DeferredState:
         if not self.arenas:
             raise E.SessionError("the daemon granted no arena (deferred allocation unavailable)")
         if device == -1:
-            device = min(self.arenas)
+            device = self.home_device
         arena = self.arenas.get(device)
         if arena is None:
             raise E.InvalidField(f"alloc at {site}: device {device} does not exist (arenas: {sorted(self.arenas)})")

@@ -94,6 +94,11 @@ class Session:
         return self._core.backend
 
     @property
+    def home_device(self) -> int:
+        """The daemon device this session's `alloc()` uses when no device is named (chosen at hello)."""
+        return self._core.home_device
+
+    @property
     def ring(self) -> bool:
         """Whether data requests take the shared-memory ring."""
         return self._core.ring is not None

@@ -143,7 +143,10 @@ async def serve(
                 nursery.start_soon(server.reap_silent)
                 nursery.start_soon(_guard_connections, sock, max_connections)
                 nursery.start_soon(server.fds.serve)  # clients collect their memfds here (server._fds)
-                log.info("transferd %d serving %s (backend %s)", os.getpid(), ", ".join(config.endpoints), server.backend.name)
+                log.info(
+                    "transferd %d serving %s (backend %s: %s)", os.getpid(), ", ".join(config.endpoints),
+                    server.backend.name, server.backend_reason,
+                )
                 task_status.started(server)
                 if signals is None:
                     assert stop is not None

@@ -39,11 +39,11 @@ def define(resources: Resources, session: Session, req: P.Define) -> Any:
         sid = va >> OFFSET_BITS
         if va & ((1 << OFFSET_BITS) - 1) or not any(first <= sid < first + n for first, n in session.arenas.values()):
             raise E.InvalidAddress(f"alloc{where}: VA {va:#x} is not a segment of this session's arenas")
-        home = next(dev for dev, (first, n) in session.arenas.items() if first <= sid < first + n)
-        if device not in (-1, home):
-            raise E.InvalidField(f"alloc{where}: VA {va:#x} belongs to the arena of device {home}, not {device}")
+        arena_dev = next(dev for dev, (first, n) in session.arenas.items() if first <= sid < first + n)
+        if device not in (-1, arena_dev):
+            raise E.InvalidField(f"alloc{where}: VA {va:#x} belongs to the arena of device {arena_dev}, not {device}")
         try:
-            return resources.alloc_at(session, sid, nbytes, home)
+            return resources.alloc_at(session, sid, nbytes, arena_dev)
         except E.TransferError as exc:
             raise type(exc)(f"alloc of {_human(nbytes)}{where}: {exc.message}") from None
     if req.kind == P.DEF_FREE:

@@ -13,7 +13,7 @@ import shutil
 import threading
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import trio
@@ -22,17 +22,28 @@ from .. import errors as E
 from ..addressing import OFFSET_MASK, SegmentKind
 from ._config import DaemonConfig
 from ._daemon import serve
+from ._placement import VirtualDevice
 from ._server import Server
 
 __all__ = ["EmbeddedDaemon", "serve_in_process", "DeviceView"]
 
 
 class DeviceView:
-    """A zero-copy view of daemon memory, for frameworks that speak DLPack."""
+    """A zero-copy view of daemon memory, for frameworks that speak DLPack.
 
-    def __init__(self, array: Any, keepalive: Any) -> None:
+    The daemon's device work is queued on streams, so every export
+    (`__dlpack__`, `__dlpack_device__`, `__cuda_array_interface__`,
+    `__array__`) first waits for the work queued on the devices that can write
+    this memory: the consumer never sees bytes a queued copy has yet to land.
+    The other direction is the consumer's to order: a write the daemon does
+    later is not fenced against the consumer's reads. Read (or finish the
+    kernels that read) the view, then submit the next write into that memory.
+    """
+
+    def __init__(self, array: Any, keepalive: Any, ready: Callable[[], None] = lambda: None) -> None:
         self.array = array  # numpy.ndarray (CPU devices) or cupy.ndarray (GPUs)
         self._keepalive = keepalive
+        self._ready = ready  # waits for the queued device work that writes this memory
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -43,19 +54,26 @@ class DeviceView:
         return self.array.dtype
 
     def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        # `stream` (and max_version, dl_device, copy) go to the array: the consumer's stream is
+        # then ordered after the array's; the daemon's own streams were waited for just now.
+        self._ready()
         return self.array.__dlpack__(*args, **kwargs)
 
     def __dlpack_device__(self) -> Any:
+        self._ready()
         return self.array.__dlpack_device__()
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         if not isinstance(self.array, np.ndarray):
             raise TypeError("GPU memory: use DLPack or __cuda_array_interface__, not __array__")
+        self._ready()
         return self.array if dtype is None else self.array.astype(dtype)
 
     def __getattr__(self, name: str) -> Any:
         if name == "__cuda_array_interface__":
-            return self.array.__cuda_array_interface__  # AttributeError for host memory, as it should be
+            cai = self.array.__cuda_array_interface__  # AttributeError for host memory, as it should be
+            self._ready()
+            return cai
         raise AttributeError(name)
 
     def __repr__(self) -> str:
@@ -120,7 +138,10 @@ class EmbeddedDaemon:
             raise E.InvalidField(f"a {dt} view must start at a multiple of {dt.itemsize} bytes, not at offset {start}")
         base = seg.handle.array if seg.kind == SegmentKind.HOST else seg.handle
         arr = base[start : start + n].view(dt).reshape(shape_t)
-        return DeviceView(arr, keepalive=seg.handle)
+        # Device memory is written by work queued on its own device; host memory by any
+        # device's queued device-to-host copies.
+        owners = self.server.devices if seg.kind == SegmentKind.HOST else [self.server.devices[seg.device]]
+        return DeviceView(arr, keepalive=seg.handle, ready=lambda: _synchronize(owners))
 
     def close(self) -> None:
         """Drain (finish in-flight requests), release everything, stop the thread."""
@@ -138,6 +159,15 @@ class EmbeddedDaemon:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _synchronize(devices: Sequence[VirtualDevice]) -> None:
+    """Wait for the work queued on `devices` (a no-op on NumPy devices)."""
+    for dev in devices:
+        try:
+            dev.backend.synchronize_device(dev.local_id)
+        except Exception as exc:  # a failed device: its memory has no defined contents to export
+            raise E.BackendError(f"exporting a view: waiting for {dev}'s queued work failed: {type(exc).__name__}: {exc}") from exc
 
 
 def serve_in_process(

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-__all__ = ["VirtualDevice", "Placement", "SizePlacement", "LeastLoaded", "RoundRobin", "POLICIES", "make_policy"]
+__all__ = [
+    "VirtualDevice", "Placement", "SizePlacement", "LeastLoaded", "RoundRobin", "POLICIES", "make_policy", "choose_home",
+]
 
 
 @dataclass(eq=False)
@@ -27,6 +29,22 @@ class VirtualDevice:
 
     def __repr__(self) -> str:
         return f"<VirtualDevice {self.index} {self.kind}:{self.local_id} via {self.backend.name}>"
+
+
+def choose_home(devices: Sequence[VirtualDevice], homed: Mapping[int, int]) -> VirtualDevice:
+    """A new session's home device: where its buffers go unless it names a device.
+
+    Chosen once per session, so eager and deferred allocations agree and a
+    workload's buffers share one device (compute across devices is refused).
+    The fastest kind present (GPUs before CPUs), the fewest allocated bytes,
+    then the fewest sessions homed there (`homed`: device index -> count), then
+    the lowest index.
+    """
+    kind = "gpu" if any(d.kind == "gpu" for d in devices) else "cpu"
+    return min(
+        (d for d in devices if d.kind == kind),
+        key=lambda d: (d.info.get("bytes", 0), homed.get(d.index, 0), d.index),
+    )
 
 
 class Placement:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections import Counter
 from typing import Any, Callable, Sequence
 
 import trio
@@ -21,7 +22,7 @@ from ..memory import ShmFile
 from ..memory._shm import PREFIX
 from ._config import DaemonConfig
 from ._fds import FdChannel
-from ._placement import VirtualDevice
+from ._placement import VirtualDevice, choose_home
 from ._remote import RemotePlane
 from ._session import Session
 
@@ -50,6 +51,8 @@ class Resources:
         self.device_bytes = 0
         #: Shared-memory bytes of every session (the whole daemon's `max_host_bytes` budget).
         self.host_bytes = 0
+        #: Device index -> sessions homed there (a tie-break of `choose_home`).
+        self.homed: Counter[int] = Counter()
         self._remote_start = trio.Lock()
 
     # --- quotas ------------------------------------------------------------------------------
@@ -79,7 +82,28 @@ class Resources:
         if limit and used + nbytes > limit:
             raise E.QuotaExceeded(f"{what} bytes quota: {used} used + {nbytes} asked > {limit}")
 
-    # --- arenas (deferred allocation) ----------------------------------------------------------
+    # --- admission: the home device and the arenas ------------------------------------------------
+    def admit(self, session: Session) -> dict[str, Any]:
+        """What hello grants: the session's home device (chosen once, here) and its arenas."""
+        home = choose_home(self.devices, self.homed)
+        session.home_device = home.index
+        self.homed[home.index] += 1
+        try:
+            arenas = self.grant_arenas(session)
+        except BaseException:
+            self.unadmit(session)
+            raise
+        return {"home_device": home.index, "arenas": arenas}
+
+    def unadmit(self, session: Session) -> None:
+        """Undo `admit` (idempotent)."""
+        self.release_arenas(session)
+        if session.home_device >= 0:
+            self.homed[session.home_device] -= 1
+            if not self.homed[session.home_device]:
+                del self.homed[session.home_device]
+            session.home_device = -1
+
     def grant_arenas(self, session: Session) -> list[dict[str, int]]:
         """One block of segment ids per device, and the session's byte quota on it."""
         cfg = self.config
@@ -117,13 +141,14 @@ class Resources:
         return {"va": seg.va, "nbytes": nbytes, "token": token}
 
     def alloc_at(self, session: Session, segment_id: int | None, nbytes: int, device: int) -> dict[str, Any]:
-        """Allocate a device buffer; under a given (arena) segment id for deferred allocations."""
+        """Allocate a device buffer; under a given (arena) segment id for deferred allocations.
+        Device -1 is the session's home device (`admit`), for eager and deferred alike."""
         self.check_quota(session, nbytes, SegmentKind.DEVICE)
         ndev = len(self.devices)
         if device == -1:
-            # Default: the least-used device of the fastest kind present (GPUs before CPUs).
-            kind = self.devices[0].kind
-            device = min((d for d in self.devices if d.kind == kind), key=lambda d: (d.info.get("bytes", 0), d.index)).index
+            if session.home_device < 0:
+                raise E.SessionError(f"session {session.id} has no home device (no hello?): name a device")
+            device = session.home_device
         if not 0 <= device < ndev:
             raise E.InvalidField(f"device {device} does not exist (this daemon has {ndev})")
         if segment_id is not None and self.table.get(segment_id) is not None:
@@ -229,8 +254,8 @@ class Resources:
             vdev.backend.free(seg.handle)
 
     def release(self, session: Session) -> None:
-        """Everything the session holds goes: arenas, attachments, segments, remote peers."""
-        self.release_arenas(session)
+        """Everything the session holds goes: home, arenas, attachments, segments, remote peers."""
+        self.unadmit(session)
         for sid in session.attached:
             seg = self.table.get(sid)
             if seg is not None:

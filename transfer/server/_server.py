@@ -20,7 +20,7 @@ import trio
 
 from .. import protocol as P
 from ..addressing import MappingTable
-from ..backends import Backend, NumpyBackend, make_backend
+from ..backends import Backend, NumpyBackend, select_backend
 from ..memory import DaemonLock, sweep_stale
 from ._accounting import Accounting
 from ._config import DaemonConfig
@@ -44,7 +44,8 @@ class Server:
 
     def __init__(self, config: DaemonConfig, backend: Backend | None = None) -> None:
         self.config = config
-        self.backend = backend or make_backend(config.backend, config.devices)
+        #: Why this backend (`--backend auto` may have fallen back): logged, and in transferd's ready line.
+        self.backend, self.backend_reason = (backend, "given by the caller") if backend else select_backend(config.backend, config.devices)
         self.devices = self._build_devices(self.backend, config.devices)
         self.backends = list({id(d.backend): d.backend for d in self.devices}.values())
         pin_cap = config.max_pinned_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
@@ -160,11 +161,7 @@ class Server:
         )
 
     def _hello_info(self, session: Session) -> dict[str, Any]:
-        try:
-            arenas = self.resources.grant_arenas(session)
-        except BaseException:
-            self.resources.release_arenas(session)
-            raise
+        granted = self.resources.admit(session)  # home device and arenas; may refuse
         return {
             "session": session.id,
             "server_pid": os.getpid(),
@@ -177,7 +174,7 @@ class Server:
             "session_timeout_s": self.config.session_timeout_s,
             "shm_dir": str(self.config.shm_dir),
             "fd_socket": str(self.fds.path),
-            "arenas": arenas,
+            **granted,
         }
 
     def stats(self, session: Session | None = None) -> dict[str, Any]:
@@ -196,7 +193,7 @@ class Server:
             }
         }
         if session is not None:
-            out["session"] = {"id": session.id, **session.stats.to_wire(), "segments": len(session.segments), "ring": session.ring is not None}
+            out["session"] = {"id": session.id, "home_device": session.home_device, **session.stats.to_wire(), "segments": len(session.segments), "ring": session.ring is not None}
         return out
 
 

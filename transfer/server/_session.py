@@ -70,6 +70,8 @@ class Session:
     host_bytes: int = 0
     device_bytes: int = 0
     segments: set[int] = field(default_factory=set)
+    #: Where `alloc(device=-1)` puts buffers, eager or deferred; chosen once at hello (-1: none yet).
+    home_device: int = -1
     #: Deferred-allocation arenas: device -> (first segment id, count).
     arenas: dict[int, tuple[int, int]] = field(default_factory=dict)
     #: Cached definitions: (kind, client id) -> (version, value, creation site).
