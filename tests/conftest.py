@@ -102,15 +102,15 @@ BACKENDS = ["numpy", "streamsim", pytest.param("cupy", marks=pytest.mark.gpu)]
 def backend_daemon(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     """A daemon per backend, shared by a module's tests: the operator suite runs against each.
 
-    The simulated GPU gets all compute (`--size-threshold 0`), so host operands are staged
-    through its device memory the way a real GPU's are."""
+    A GPU (simulated or real) gets all compute (`--size-threshold 0`, not size placement's
+    CPU device for small work), so host operands are staged through its device memory."""
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     shm = base / f"transfer-test-{uuid.uuid4().hex[:8]}"
     shm.mkdir(mode=0o700)
     wd = tmp_path_factory.mktemp("run")
     wd.chmod(0o700)
     args = [a for a in FAST if a not in ("--backend", "numpy")]
-    extra = ["--size-threshold", "0"] if request.param == "streamsim" else []
+    extra = ["--size-threshold", "0"] if request.param != "numpy" else []  # a GPU gets all the work
     d = start_daemon([*args, "--backend", request.param, *extra], workdir=wd, shm_dir=shm)
     try:
         yield d

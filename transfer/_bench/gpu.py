@@ -22,7 +22,7 @@ Two parts, each in one run so the ratios compare like with like:
    normalize, on CuPy).
 
 After every repetition (untimed, so that no check drains the pipeline the
-baselines keep full), up to `verify_every` of `transfer`'s slots, spread over
+baselines keep full), up to `verify_slots` of `transfer`'s slots, spread over
 all of them, are checked: the daemon's checksum of a device slot's first MiB
 must equal the producer's of its host slot, which holds the stamp of the last
 group sent through it (stamps change every page: a stale or torn copy shows).
@@ -135,7 +135,7 @@ def _cupy_loop(kind: str, size: int, depth: int, compute: bool, seconds: float, 
     return rates
 
 
-def _transfer_loop(endpoint: str, size: int, depth: int, compute: bool, seconds: float, reps: int, verify_every: int) -> list[float]:
+def _transfer_loop(endpoint: str, size: int, depth: int, compute: bool, seconds: float, reps: int, verify_slots: int) -> list[float]:
     import transfer
 
     slots, group = plan(size, depth)
@@ -174,7 +174,7 @@ def _transfer_loop(endpoint: str, size: int, depth: int, compute: bool, seconds:
         def verify() -> None:
             """Every slot holds what its producer last stamped (checked between reps, untimed)."""
             w = min(size, VERIFY_BYTES)  # stamps change every page: a window shows a stale or torn copy
-            for k in range(0, slots, max(1, slots // verify_every) if verify_every else slots):
+            for k in range(0, slots, max(1, slots // verify_slots) if verify_slots else slots):
                 got = c.checksum(dev.va + k * size, w).result(60)
                 if got != transfer.checksum64(host[k * size : k * size + w]):
                     raise BenchFailure(f"transfer gpu: device slot {k} does not match the producer's bytes")
@@ -189,11 +189,11 @@ def _transfer_loop(endpoint: str, size: int, depth: int, compute: bool, seconds:
 
 
 def _child(method: str, endpoint: str, size: int, depth: int, compute: bool, seconds: float, reps: int,
-           verify_every: int, barrier: Any, conn: Any) -> None:
+           verify_slots: int, barrier: Any, conn: Any) -> None:
     try:
         barrier.wait(120)
         if method == "transfer":
-            rates = _transfer_loop(endpoint, size, depth, compute, seconds, reps, verify_every)
+            rates = _transfer_loop(endpoint, size, depth, compute, seconds, reps, verify_slots)
         else:
             rates = _cupy_loop(method, size, depth, compute, seconds, reps)
         conn.send(("ok", rates))
@@ -202,14 +202,14 @@ def _child(method: str, endpoint: str, size: int, depth: int, compute: bool, sec
 
 
 def _run_processes(n: int, method: str, endpoint: str, size: int, depth: int, compute: bool, seconds: float,
-                   reps: int, verify_every: int) -> list[float]:
+                   reps: int, verify_slots: int) -> list[float]:
     """`n` producer processes (spawned: CUDA does not survive fork) at once; GB/s summed per rep."""
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(n)
     pipes, procs = [], []
     for _ in range(n):
         recv, send = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_child, args=(method, endpoint, size, depth, compute, seconds, reps, verify_every, barrier, send), daemon=True)
+        p = ctx.Process(target=_child, args=(method, endpoint, size, depth, compute, seconds, reps, verify_slots, barrier, send), daemon=True)
         p.start()
         pipes.append(recv)
         procs.append(p)
@@ -230,7 +230,7 @@ def _run_processes(n: int, method: str, endpoint: str, size: int, depth: int, co
                 p.kill()
 
 
-def run(sizes: list[int], *, depth: int = 8, reps: int = 3, rep_s: float = 0.4, verify_every: int = 16,
+def run(sizes: list[int], *, depth: int = 8, reps: int = 3, rep_s: float = 0.4, verify_slots: int = 16,
         compute_sizes: list[int] | None = None, line: Callable[[str], None] = print,
         daemon_args: dict | None = None) -> dict[str, Any]:
     """Both parts; returns rows of {part, method, size, producers, gbps, gbps_reps, vs_pinned}."""
@@ -244,7 +244,7 @@ def run(sizes: list[int], *, depth: int = 8, reps: int = 3, rep_s: float = 0.4, 
             got: dict[str, list[float]] = {}
             for method in METHODS:
                 if method == "transfer":
-                    got[method] = _transfer_loop(d.endpoint, size, depth, False, rep_s, reps, verify_every)
+                    got[method] = _transfer_loop(d.endpoint, size, depth, False, rep_s, reps, verify_slots)
                 else:
                     got[method] = _cupy_loop(method, size, depth, False, rep_s, reps)
                 cp.get_default_memory_pool().free_all_blocks()
@@ -253,10 +253,12 @@ def run(sizes: list[int], *, depth: int = 8, reps: int = 3, rep_s: float = 0.4, 
         for size in compute_sizes if compute_sizes is not None else [s for s in sizes if 1 << 20 <= s <= 64 << 20]:
             if size % IMAGE_BYTES:
                 continue
-            got = {m: _run_processes(2, m, d.endpoint, size, depth, True, rep_s, reps, verify_every) for m in METHODS}
+            got = {m: _run_processes(2, m, d.endpoint, size, depth, True, rep_s, reps, verify_slots) for m in METHODS}
             rows += _rows("h2d+normalize", got, size, 2, depth)
             line("gpu h2d+normalize, 2 producers " + _summary(rows[-len(METHODS):]))
-    return {"rows": rows, "device": describe()}
+    config = {"depth": depth, "reps": reps, "rep_seconds": rep_s, "verify_slots": verify_slots,
+              "groups": {fmt_size(s): dict(zip(("slots", "group"), plan(s, depth))) for s in sizes}}
+    return {"rows": rows, "device": describe(), "config": config}
 
 
 def _rows(part: str, got: dict[str, list[float]], size: int, producers: int, depth: int) -> list[dict[str, Any]]:
@@ -284,12 +286,29 @@ def describe() -> dict[str, Any]:
     name = props["name"]
     return {
         "gpu": name.decode() if isinstance(name, bytes) else str(name),
+        "nvidia_smi": _gpu_driver(),
         "driver_version": rt.driverGetVersion(),
         "runtime_version": rt.runtimeGetVersion(),
         "cupy": cp.__version__,
         "devices": rt.getDeviceCount(),
         "cpu_count": os.cpu_count(),
     }
+
+
+def _gpu_driver() -> str | None:
+    """The driver's own version string (the runtime reports only the CUDA version it supports)."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return None
+    try:
+        out = subprocess.run([exe, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def render(result: dict[str, Any]) -> Any:

@@ -173,10 +173,10 @@ def _main(args) -> int:
             if "gpu" in run_modes:
                 from transfer._bench import gpu
 
-                # Verifying a group means waiting for it and checksumming it on both sides: every
-                # 16th (unless asked) keeps the pipeline full, as the baselines' is.
+                # gpu mode: --verify-every N checks N slots after each repetition (default 16),
+                # untimed, so that no check drains the pipeline the baselines keep full.
                 gpu_result = gpu.run(gpu_sizes, depth=depths[0] if args.depth else 8, reps=reps, rep_s=rep_s,
-                                     verify_every=args.verify_every or 16, line=progress.line, daemon_args=daemon_args)
+                                     verify_slots=args.verify_every or 16, line=progress.line, daemon_args=daemon_args)
         except BenchFailure as e:
             progress.stop()
             print(f"\ntransfer-bench: FAILED: {e}", file=sys.stderr)

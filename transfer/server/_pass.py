@@ -180,6 +180,7 @@ class Pass:
             for op in batch.ops:
                 op.error = op.error or err
             return False
+        device.completed += 1
         session.pipeline.append(batch)
         session.pipeline_wake.set()
         self.accounting.counters["pipelined_passes"] += 1
