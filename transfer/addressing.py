@@ -274,7 +274,9 @@ class MappingTable(Generic[H]):
         sids = vas >> np.uint64(OFFSET_BITS)
         offs = vas & np.uint64(OFFSET_MASK)
         segs: dict[int, Segment[H]] = {}
-        for sid in np.unique(sids).tolist():
+        # A set of Python ints, not np.unique: a vector names few segments, and np.unique's
+        # fixed cost (~10 us) dominated the planning of short vectors.
+        for sid in sorted(set(sids.tolist())):
             segs[sid] = self.lookup(sid << OFFSET_BITS, owner)
         if len(segs) == 1:
             (only,) = segs.values()

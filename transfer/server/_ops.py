@@ -97,9 +97,12 @@ _staging_ids = itertools.count(1)
 
 def hulls(sids: np.ndarray, offs: np.ndarray, sizes: np.ndarray) -> list[Range]:
     """Per segment, the hull of the ranges touched (conservative hazard ranges)."""
-    out: list[Range] = []
     ends = offs + sizes
-    for sid in np.unique(sids).tolist():
+    uniq = sorted(set(sids.tolist()))
+    if len(uniq) == 1:  # the common case: one segment
+        return [(uniq[0], int(offs.min()), int(ends.max()))]
+    out: list[Range] = []
+    for sid in uniq:
         m = sids == sid
-        out.append((int(sid), int(offs[m].min()), int(ends[m].max())))
+        out.append((sid, int(offs[m].min()), int(ends[m].max())))
     return out
