@@ -147,7 +147,7 @@ class Monitor(threading.Thread):
     def stats(self, timeout: float = 3.0) -> dict[str, Any] | None:
         try:
             if self.client is None:
-                self.client = transfer.connect(self.daemon_.endpoint, name="monitor", connect_timeout=timeout, liveness_timeout=timeout)
+                self.client = transfer.connect(self.daemon_.endpoint, name="monitor", ring=False, connect_timeout=timeout, liveness_timeout=timeout)
             st = self.client._run(self.client._op_stats(), timeout)["daemon"]
             self.last_answer = time.monotonic()
             return st  # type: ignore[no-any-return]

@@ -38,7 +38,7 @@ def _methods(with_transfer: bool) -> str:
     """Every method of the local/compute modes (nixl-raw is the remote mode's baseline)."""
     from transfer._bench.common import METHODS_ALL
 
-    return ",".join(m for m in METHODS_ALL if (with_transfer or m != "transfer") and m != "nixl-raw")
+    return ",".join(m for m in METHODS_ALL if (with_transfer or not m.startswith("transfer")) and m != "nixl-raw")
 
 
 def _run(args: list[str], tmp: Path, timeout: float = 90,
@@ -114,6 +114,20 @@ def test_full_preset_tiny_all_methods(tmp_path: Path) -> None:
     assert any("remote" in n for n in doc["notes"])  # skipped with a note, not an error
     assert png.stat().st_size > 10_000
     assert "GB/s" in proc.stdout
+
+
+def test_latency_mode(tmp_path: Path) -> None:
+    """One 64-byte request in flight: a round trip per method, the ring the default client's."""
+    out = tmp_path / "lat.json"
+    proc, tag, _ = _run(["--modes", "latency", "--methods", "transfer,transfer-socket,shm-pipe,zmq-copy",
+                         "--json", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _assert_nothing_left(tag)
+    lat = json.loads(out.read_text())["latency"]
+    assert set(lat["rows"]) == {"transfer", "transfer-socket", "transfer-trio", "shm-pipe", "zmq-copy"}
+    for r in lat["rows"].values():
+        assert r["rounds"] > 0 and r["p99_us"] >= r["p50_us"] > 0
+    assert "latency" in proc.stdout and "x shm-pipe" in proc.stdout
 
 
 def test_remote_mode_tiny(tmp_path: Path) -> None:

@@ -223,12 +223,16 @@ class Attach(Request, tag=17):
 class OpenRing(Request, tag=18):
     """Open this session's shared-memory request ring (same host only; docs/ring.md).
 
-    Reply {path, bell, cbell, capacity, completion_capacity}: the client maps the ring
-    file and unlinks it, and writes a byte to the daemon's doorbell FIFO `bell`
-    when the daemon sleeps. `capacity` is rounded up to a power of two.
+    Reply {token, bell, cbell, capacity, completion_capacity}: the client collects the
+    ring's memfd with `token` on the daemon's fd socket, and writes a byte to the daemon's
+    doorbell FIFO `bell` when the daemon sleeps. With `completion_bell`, `cbell` is a
+    second token: the read end of a pipe the daemon writes to when it pushes completions
+    to a client asleep on it (a waiter that polls fds, as trio does; others sleep on the
+    ring's futex). `capacity` is rounded up to a power of two.
     """
 
     capacity: U32 = 1024
+    completion_bell: bool = False
 
 
 class Copy(Request, tag=20):

@@ -51,10 +51,11 @@ def make_plumbing(cell: Cell, ctx, run_dir: str, run_id: str, endpoint: str | No
     """(consumer_spec or None, [producer_spec, ...]) for ``cell``; all picklable."""
     P = cell.producers
     m = cell.method
-    if m == "transfer":
+    if m in ("transfer", "transfer-socket"):
         if endpoint is None:
             raise RuntimeError("transfer method needs a daemon endpoint")
-        return None, [{"endpoint": endpoint} for _ in range(P)]
+        ring = None if m == "transfer" else False  # the default (a ring, same host), or the socket
+        return None, [{"endpoint": endpoint, "ring": ring} for _ in range(P)]
     if m in ("zmq-copy", "zmq-zerocopy"):
         data = f"ipc://{run_dir}/zd"
         acks = [f"ipc://{run_dir}/za{i}" for i in range(P)]
@@ -255,7 +256,7 @@ class TransferProducer:
         import transfer
 
         self.cell = cell
-        self.client = transfer.connect(spec["endpoint"])
+        self.client = transfer.connect(spec["endpoint"], ring=spec.get("ring"))
         self.remote = cell.mode == "remote"
         if self.remote:
             host = np.zeros(cell.buffer_bytes, np.uint8)
@@ -369,6 +370,7 @@ class NixlRawProducer(_AckMixin):
 
 PRODUCERS = {
     "transfer": TransferProducer,
+    "transfer-socket": TransferProducer,
     "zmq-copy": ZmqProducer,
     "zmq-zerocopy": ZmqProducer,
     "mp-queue": QueueProducer,

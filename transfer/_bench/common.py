@@ -20,12 +20,13 @@ now = time.perf_counter
 #: one word per 4 KiB page, so every page of every batch changes.
 STAMP_STRIDE_WORDS = 512
 
-METHODS_ALL = ("transfer", "zmq-copy", "zmq-zerocopy", "mp-queue", "mp-pipe", "shm-pipe", "nixl-raw")
-METHODS_QUICK = ("transfer", "zmq-copy", "zmq-zerocopy")
-MODES_ALL = ("local", "compute", "remote", "gpu")
+METHODS_ALL = ("transfer", "transfer-socket", "shm-pipe", "zmq-copy", "zmq-zerocopy", "mp-queue", "mp-pipe", "nixl-raw")
+#: shm-pipe is the floor: what a user writes in an afternoon.
+METHODS_QUICK = ("transfer", "shm-pipe", "zmq-copy", "zmq-zerocopy")
+MODES_ALL = ("local", "compute", "remote", "gpu", "latency")
 
 #: Methods that run in every mode but ``remote``; ``remote`` has its own baseline.
-METHODS_REMOTE = ("transfer", "nixl-raw")
+METHODS_REMOTE = ("transfer", "transfer-socket", "nixl-raw")
 
 
 def method_runs_in(method: str, mode: str) -> bool:
@@ -40,7 +41,8 @@ def method_runs_in(method: str, mode: str) -> bool:
     return method != "nixl-raw"
 
 METHOD_LABELS = {
-    "transfer": "transfer (shm + VA requests)",
+    "transfer": "transfer (shm + VA requests; the ring, by default on the same host)",
+    "transfer-socket": "transfer with ring=False (every request over the control socket)",
     "zmq-copy": "pyzmq PUSH/PULL ipc copy=True",
     "zmq-zerocopy": "pyzmq PUSH/PULL ipc copy=False",
     "mp-queue": "multiprocessing.Queue",

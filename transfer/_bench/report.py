@@ -14,7 +14,7 @@ from .common import METHOD_LABELS, fmt_size
 
 #: remote: the READ lands bytes in a buffer, as a memcpy does (cma: process_vm_readv).
 LIMIT_FOR_MODE = {"local": "limit:memcpy", "compute": "limit:read", "remote": "limit:memcpy"}
-BASELINE_COLS = (("zmq-copy", "x zmq-copy"), ("zmq-zerocopy", "x zmq-0copy"), ("nixl-raw", "x nixl-raw"))
+BASELINE_COLS = (("shm-pipe", "x shm-pipe"), ("zmq-copy", "x zmq-copy"), ("zmq-zerocopy", "x zmq-0copy"), ("nixl-raw", "x nixl-raw"))
 
 
 def _has_remote(results: list[dict]) -> bool:
@@ -145,7 +145,7 @@ def render_table(results: list[dict], limits: dict[int, dict[str, dict]], title:
     nixl = _has_remote(results)
     cols = [("method", "left"), ("mode", "left"), ("size", "right"), ("P", "right"),
             ("D", "right"), ("GB/s", "right"), ("min-max", "right"), ("req/s", "right"),
-            ("p50 µs", "right"), ("p99 µs", "right"), ("x zmq-copy", "right"),
+            ("p50 µs", "right"), ("p99 µs", "right"), ("x shm-pipe", "right"), ("x zmq-copy", "right"),
             ("x zmq-0copy", "right")]
     if nixl:
         cols.append(("x nixl-raw", "right"))
@@ -160,7 +160,7 @@ def render_table(results: list[dict], limits: dict[int, dict[str, dict]], title:
         for name, v in limits.get(size, {}).items():
             t.add_row(f"[dim]{name}[/]", "-", fmt_size(size), "1", "-", f"[dim]{v['gbps']:.2f}[/]",
                       f"[dim]{v['min_gbps']:.1f}-{v['max_gbps']:.1f}[/]", _rps(v["rps"]),
-                      "-", "-", "-", "-", *extra, "-")
+                      "-", "-", "-", "-", "-", *extra, "-")
         rows = sorted((r for r in results if r["size"] == size),
                       key=lambda r: (r["mode"], r["producers"], r.get("depth") or 0,
                                      _METHOD_ORDER.get(r["method"], 99)))
@@ -171,33 +171,33 @@ def render_table(results: list[dict], limits: dict[int, dict[str, dict]], title:
             b = f" x{r['batch']}" if r.get("batch", 1) > 1 else ""
             t.add_row(name, r["mode"], fmt_size(size) + b, str(r["producers"]), str(r.get("depth", "")),
                       f"{r['gbps']:.2f}", f"{r['min_gbps']:.1f}-{r['max_gbps']:.1f}", _rps(r["rps"]),
-                      _us(r["p50_us"]), _us(r["p99_us"]),
+                      _us(r["p50_us"]), _us(r["p99_us"]), _f(r.get("vs_shm-pipe"), ".2f"),
                       _f(r.get("vs_zmq-copy"), ".2f"), _f(r.get("vs_zmq-zerocopy"), ".2f"),
                       *((_f(r.get("vs_nixl-raw"), ".2f"),) if nixl else ()),
                       _f(r.get("vs_limit"), ".2f"))
     return t
 
 
-_COLORS = {"transfer": "tab:red", "zmq-copy": "tab:blue", "zmq-zerocopy": "tab:orange",
+_COLORS = {"transfer": "tab:red", "transfer-socket": "tab:pink", "zmq-copy": "tab:blue", "zmq-zerocopy": "tab:orange",
            "mp-queue": "tab:green", "mp-pipe": "tab:purple", "shm-pipe": "tab:brown",
            "nixl-raw": "tab:gray"}
 
 _METHOD_ORDER = {m: i for i, m in enumerate(
-    ("transfer", "zmq-copy", "zmq-zerocopy", "mp-queue", "mp-pipe", "shm-pipe", "nixl-raw"))}
+    ("transfer", "transfer-socket", "shm-pipe", "zmq-copy", "zmq-zerocopy", "mp-queue", "mp-pipe", "nixl-raw"))}
 
 
 def markdown_table(results: list[dict], limits: dict[int, dict[str, dict]]) -> str:
     """The same table as Markdown (for docs/benchmarks.md)."""
     nixl = _has_remote(results)
     head = ("| method | mode | size | P | D | GB/s | min–max | req/s | p50 µs | p99 µs "
-            "| × zmq copy | × zmq 0-copy |" + (" × nixl-raw |" if nixl else "") + " × limit |")
-    lines = [head, "|" + "---|" * (14 if nixl else 13)]
+            "| × shm-pipe | × zmq copy | × zmq 0-copy |" + (" × nixl-raw |" if nixl else "") + " × limit |")
+    lines = [head, "|" + "---|" * (15 if nixl else 14)]
     extra = " – |" if nixl else ""
     sizes = sorted({r["size"] for r in results} | set(limits))
     for size in sizes:
         for name, v in limits.get(size, {}).items():
             lines.append(f"| *{name}* | – | {fmt_size(size)} | 1 | – | {v['gbps']:.2f} | "
-                         f"{v['min_gbps']:.1f}–{v['max_gbps']:.1f} | {_rps(v['rps'])} | – | – | – | – |{extra} – |")
+                         f"{v['min_gbps']:.1f}–{v['max_gbps']:.1f} | {_rps(v['rps'])} | – | – | – | – | – |{extra} – |")
         rows = sorted((r for r in results if r["size"] == size),
                       key=lambda r: (r["mode"], r["producers"], r.get("depth") or 0,
                                      _METHOD_ORDER.get(r["method"], 99)))
@@ -207,7 +207,7 @@ def markdown_table(results: list[dict], limits: dict[int, dict[str, dict]]) -> s
             lines.append(
                 f"| {name} | {r['mode']} | {fmt_size(size)}{b} | {r['producers']} | {r.get('depth')} | "
                 f"{r['gbps']:.2f} | {r['min_gbps']:.1f}–{r['max_gbps']:.1f} | {_rps(r['rps'])} | "
-                f"{_us(r['p50_us'])} | {_us(r['p99_us'])} | {_f(r.get('vs_zmq-copy'), '.2f')} | "
+                f"{_us(r['p50_us'])} | {_us(r['p99_us'])} | {_f(r.get('vs_shm-pipe'), '.2f')} | {_f(r.get('vs_zmq-copy'), '.2f')} | "
                 f"{_f(r.get('vs_zmq-zerocopy'), '.2f')} |"
                 + (f" {_f(r.get('vs_nixl-raw'), '.2f')} |" if nixl else "")
                 + f" {_f(r.get('vs_limit'), '.2f')} |")
@@ -218,11 +218,14 @@ def markdown_table(results: list[dict], limits: dict[int, dict[str, dict]]) -> s
 
 
 def write_json(path: str, machine: dict, config: dict, results: list[dict],
-               limits: dict[int, dict[str, dict]], notes: list[str], gpu: dict | None = None) -> None:
+               limits: dict[int, dict[str, dict]], notes: list[str], gpu: dict | None = None,
+               latency: dict | None = None) -> None:
     doc = {"machine": machine, "config": config, "notes": notes,
            "results": [_clean(r) for r in results] + limit_rows(limits)}
     if gpu is not None:  # the gpu mode's own rows (_bench.gpu): its methods are not the cells'
         doc["gpu"] = gpu
+    if latency is not None:  # the latency mode's round trips (_bench.latency)
+        doc["latency"] = latency
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     with open(path, "w") as f:

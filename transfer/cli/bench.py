@@ -40,8 +40,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--producers", help="N (sweep 1..N in full, exactly N in quick) or a list like 1,2,4")
     p.add_argument("--depth", help="groups in flight per producer, or a list (default 4)")
     p.add_argument("--batch", type=int, help="requests per group (default: 64 for 4 KiB, 256 KiB/size, >= 1)")
-    p.add_argument("--modes", help="local,compute,remote,gpu (quick: local; full: all, unavailable skipped)")
-    p.add_argument("--methods", help="transfer,zmq-copy,zmq-zerocopy,mp-queue,mp-pipe,shm-pipe,nixl-raw "
+    p.add_argument("--modes", help="local,compute,remote,gpu,latency (quick: local,latency; full: all, unavailable skipped)")
+    p.add_argument("--methods", help="transfer,transfer-socket,shm-pipe,zmq-copy,zmq-zerocopy,mp-queue,mp-pipe,nixl-raw "
                                      "(remote mode: transfer and nixl-raw only; nixl-raw: remote only)")
     p.add_argument("--verify-every", type=int, help="verify every Nth group (quick: 1 = all; full: 8)")
     p.add_argument("--reps", type=int, help="measured repetitions per cell (quick: 5, full: 3)")
@@ -86,7 +86,7 @@ def _main(args) -> int:
         cores = os.cpu_count() or 2
         producers = _int_list(args.producers or (str(min(4, max(2, cores))) if full else "2"), sweep=full)
         depths = _int_list(args.depth or "4", sweep=False)
-        modes = [m.strip() for m in (args.modes or ("local,compute,remote,gpu" if full else "local")).split(",")]
+        modes = [m.strip() for m in (args.modes or ("local,compute,remote,gpu,latency" if full else "local,latency")).split(",")]
         default_methods = list(common.METHODS_ALL if full else common.METHODS_QUICK)
         if "remote" in modes and "nixl-raw" not in default_methods:
             default_methods.append("nixl-raw")  # the remote mode's baseline
@@ -119,7 +119,8 @@ def _main(args) -> int:
             run_modes.append(m)
         else:
             notes.append(f"skipped mode {why}")
-    if "transfer" in methods:
+    uses_daemon = any(m.startswith("transfer") for m in methods)
+    if uses_daemon:
         ok, why = runner.transfer_available()
         if not ok:
             print(f"transfer-bench: cannot benchmark transfer: {why}\n"
@@ -130,7 +131,7 @@ def _main(args) -> int:
         notes.append("checksum: transfer.checksum64 unavailable, baselines used a fallback sum")
 
     gpu_sizes = [s for s in sizes if s >= 64 << 10] if args.sizes else common.parse_sizes("64K..256M")
-    cell_modes = [m for m in run_modes if m != "gpu"]  # the gpu mode has its own methods (_bench.gpu)
+    cell_modes = [m for m in run_modes if m not in ("gpu", "latency")]  # their own methods: _bench.gpu, _bench.latency
     cells = [Cell(method=m, mode=mode, size=s, producers=p, depth=d,
                   batch=args.batch or common.default_batch_items(s), verify_every=verify_every,
                   corrupt_group=args.inject_corruption)
@@ -161,7 +162,7 @@ def _main(args) -> int:
                           advance_limit=True)
         try:
             daemon_args = {"shm_dir": args.daemon_shm_dir} if args.daemon_shm_dir else {}
-            with runner.Runner(need_daemon="transfer" in methods and bool(cells), reps=reps, rep_s=rep_s,
+            with runner.Runner(need_daemon=uses_daemon and bool(cells), reps=reps, rep_s=rep_s,
                                warmup_s=warm_s, daemon_args=daemon_args) as rn:
                 for cell in cells:
                     progress.start_cell(cell)
@@ -169,7 +170,18 @@ def _main(args) -> int:
                     results.append(r)
                     progress.line(f"{cell.describe()}: {r['gbps']:7.3f} GB/s  {r['rps']:11,.0f} req/s  "
                                   f"p50 {r['p50_us']:9,.0f} µs  p99 {r['p99_us']:9,.0f} µs", advance_cell=True)
-            gpu_result = None
+            gpu_result = lat_result = None
+            if "latency" in run_modes:
+                from transfer._bench import latency
+
+                from transfer.testing import run_daemon
+
+                # With --methods, the latency mode runs those it has (and the trio client with transfer).
+                wanted = set(methods) | ({"transfer-trio"} if "transfer" in methods else set())
+                lat_methods = [m for m in latency.METHODS if not args.methods or m in wanted]
+                with run_daemon(**daemon_args) as d:
+                    lat_result = latency.run(lat_methods, d.endpoint, line=progress.line)
+                notes.extend(lat_result["skipped"])
             if "gpu" in run_modes:
                 from transfer._bench import gpu
 
@@ -198,6 +210,10 @@ def _main(args) -> int:
         from transfer._bench import gpu
 
         con.print(gpu.render(gpu_result))
+    if lat_result is not None:
+        from transfer._bench import latency
+
+        con.print(latency.render(lat_result))
     for n in notes:
         con.print(f"note: {n}")
     config = {"preset": args.preset, "sizes": sizes, "producers": producers, "depths": depths,
@@ -205,7 +221,7 @@ def _main(args) -> int:
               "rep_seconds": rep_s, "warmup_seconds": warm_s, "checksum": cks_name,
               "wall_seconds": round(time.perf_counter() - t_wall, 2)}
     if args.json:
-        report.write_json(args.json, machine, config, results, limits, notes, gpu=gpu_result)
+        report.write_json(args.json, machine, config, results, limits, notes, gpu=gpu_result, latency=lat_result)
         con.print(f"wrote {args.json}")
     if args.plot:
         report.write_plot(args.plot, results, limits, title)

@@ -57,12 +57,10 @@ class RingLink:
         `completion_bell`: also open the session's completion doorbell (for a waiter
         that polls an fd instead of sleeping on the futex: the trio client)."""
         bell = Path(info["bell"])
-        cbell = Path(info["cbell"]) if completion_bell and info.get("cbell") else None
-        if completion_bell and cbell is None:
+        if completion_bell and not info.get("cbell"):
             raise E.RingUnavailable("this daemon's rings have no completion doorbell (the trio client needs one)")
-        for p in (bell, cbell):
-            if p is not None and p.parent != shm_dir:
-                raise E.ProtocolError(f"the daemon named a ring file outside its shm dir: {p}")
+        if bell.parent != shm_dir:
+            raise E.ProtocolError(f"the daemon named a ring file outside its shm dir: {bell}")
         fd = collect(info.get("token"))
         try:
             check_sealed(fd)  # a ring whose size could change could SIGBUS us
@@ -72,11 +70,11 @@ class RingLink:
         self.bell_fd = self.cbell_fd = -1
         try:
             self.bell_fd = os.open(bell, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-            if cbell is not None:
-                # Read-only: the daemon is the FIFO's only writer, so when its end closes (the
-                # session ended, or the daemon died) the fd turns readable with EOF.
-                self.cbell_fd = os.open(cbell, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-                os.unlink(cbell)  # open on both sides now, as the ring: a crash leaves nothing
+            if completion_bell:
+                # A pipe's read end: the daemon holds the only write end, so when it closes
+                # (the session ended, or the daemon died) the fd turns readable with EOF.
+                self.cbell_fd = collect(info["cbell"])
+                os.set_blocking(self.cbell_fd, False)
         except BaseException:
             self.close()
             raise

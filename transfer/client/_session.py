@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 from typing import Any, Callable, ContextManager, Generator, Iterator, Sequence, TypeVar
 
@@ -33,6 +34,11 @@ from ._pool import SlotPool
 from ._remote import RemoteAgent, RemoteSegment, register as register_remote
 from ._resources import Addressable, DeviceBuffer, HostSegment, SharedSegment, resolve_va
 from ._ringlink import RingLink
+
+log = logging.getLogger("transfer.client")
+
+#: Descriptors in a session's ring (default, or `ring=True`).
+RING_CAPACITY = 1024
 
 __all__ = ["Session", "Op", "operation", "open_socket"]
 
@@ -71,6 +77,10 @@ class Session:
     def _send(self, reqs: Sequence[P.Request]) -> None:
         """Hand requests to the ring or the socket (never waits in trio; may in the blocking client)."""
         raise NotImplementedError
+
+    #: Whether this client waits for ring completions on a doorbell fd (trio) rather than
+    #: the ring's futex (the blocking client): the daemon makes one only when asked.
+    _completion_bell = False
 
     def _link(self, info: dict[str, Any]) -> RingLink:
         """Map the ring the daemon made, with what this client needs to wait on it."""
@@ -117,10 +127,28 @@ class Session:
         self._core.on_hello(info, deferred)
 
     def _op_open_ring(self, capacity: int) -> Op[None]:
-        info = yield from self._op_call(P.OpenRing, capacity)
+        info = yield from self._op_call(P.OpenRing, capacity, self._completion_bell)
         self._core.ring = self._link(info)
 
     _open_ring = operation(_op_open_ring)
+
+    def _op_start_ring(self, ring: bool | int | None) -> Op[None]:
+        """The ring, unless opted out (`ring=False`): by default every same-host (ipc) session
+        gets one; where the daemon cannot give one (no shared memory left, a ring quota) the
+        session stays on the socket, which carries everything too. An explicit `ring` raises."""
+        if ring is False or (ring is not None and ring is not True and int(ring) <= 0):
+            return
+        if ring is None:
+            if ipc_path(self.endpoint) is None:
+                return  # tcp: another host, no shared memory
+            try:
+                yield from self._op_open_ring(RING_CAPACITY)
+            except (E.RingUnavailable, E.ResourceError) as exc:
+                log.info("no ring for this session (%s): requests go over the socket", exc)
+            return
+        yield from self._op_open_ring(RING_CAPACITY if ring is True else int(ring))
+
+    _start_ring = operation(_op_start_ring)
 
     def _op_close(self) -> Op[None]:
         """Tell the daemon (it releases everything the session holds), unless it is gone."""

@@ -44,12 +44,13 @@ class Client(Session):
         server_key: Any = None,
         client_keys: Any = None,
         deferred: bool = True,
-        ring: bool | int = False,
+        ring: bool | int | None = None,
     ) -> None:
         """`server_key` pins the daemon's CURVE public key (z85 or a key file) for tcp://;
         `client_keys` is this client's pair (a ``NAME.key_secret`` file or (public, secret)).
-        `ring` (same host only) opens a shared-memory request ring (an int: its capacity,
-        default 1024): copies, fills, checksums and fences then skip the socket (docs/ring.md)."""
+        `ring`: the shared-memory request ring copies, fills, checksums and fences take
+        instead of the socket (docs/ring.md). Default: on for a same-host (ipc) daemon, off
+        for tcp; False opts out; an int is its capacity (default 1024)."""
         super().__init__(endpoint or os.environ.get("TRANSFER_ENDPOINT") or default_endpoint(), Pending, self._wait_for)
         self._lock = threading.RLock()
         self._liveness_timeout = liveness_timeout
@@ -72,9 +73,9 @@ class Client(Session):
             with contextlib.suppress(OSError):
                 self._daemon_pidfd = os.pidfd_open(self.server_pid)
                 self._poller.register(self._daemon_pidfd, zmq.POLLIN)
-        if ring:
+        if ring is not False:
             try:
-                self._open_ring(1024 if ring is True else int(ring))
+                self._start_ring(ring)
             except BaseException:
                 self.close()
                 raise

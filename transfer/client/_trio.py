@@ -182,6 +182,8 @@ class TrioClient(Session):
             self._core.on_frame(part)
         self._release_held()
 
+    _completion_bell = True
+
     def _link(self, info: dict[str, Any]) -> RingLink:
         link = RingLink(info, self._core.shm_dir, self._core.collect, completion_bell=True)
         assert self._bg_nursery is not None
@@ -260,7 +262,7 @@ async def open_client(
     server_key: Any = None,
     client_keys: Any = None,
     deferred: bool = True,
-    ring: bool | int = False,
+    ring: bool | int | None = None,
 ) -> AsyncIterator[TrioClient]:
     """A trio session with the daemon (the arguments are `transfer.connect`'s); everything
     it holds is released on exit. A failing request raises its own exception out of the
@@ -289,8 +291,8 @@ async def open_client(
                 if ipc_path(endpoint) is not None and watch_daemon_pid:
                     with contextlib.suppress(OSError):
                         bg.start_soon(client._watch_daemon, os.pidfd_open(client.server_pid))
-                if ring:
-                    await client._open_ring(1024 if ring is True else int(ring))
+                if ring is not False:
+                    await client._start_ring(ring)
                 yield client
             finally:
                 await client.close()

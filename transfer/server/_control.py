@@ -110,7 +110,7 @@ class Control:
             return res.attach(session, req.token)
         if t is P.OpenRing:
             assert self.nursery is not None
-            return self.rings.open(session, req.capacity, self.nursery)
+            return self.rings.open(session, req.capacity, req.completion_bell, self.nursery)
         if t is P.Close:
             session.to(Phase.CLOSING)
             return None

@@ -140,9 +140,6 @@ class Rings:
         self._loop_started = False
 
     # --- setup ---------------------------------------------------------------------------------
-    def _path(self, session: Session, what: str) -> Path:
-        return self.config.shm_dir / f"{PREFIX}{self._instance()}.{what}-{session.id}.{os.urandom(6).hex()}"
-
     def _create(self, session: Session, cap: int) -> tuple[Ring, int]:
         """A ring in a sealed memfd (its size can never change under us: no SIGBUS), and the fd."""
         fd = new_memfd(f"{PREFIX}{self._instance()}.ring-{session.id}")
@@ -158,7 +155,7 @@ class Rings:
             raise
         return ring, fd
 
-    def open(self, session: Session, capacity: int, nursery: trio.Nursery) -> dict[str, Any]:
+    def open(self, session: Session, capacity: int, completion_bell: bool, nursery: trio.Nursery) -> dict[str, Any]:
         cfg = self.config
         if not cfg.rings:
             raise E.RingUnavailable("request rings are disabled on this daemon (--no-rings)")
@@ -177,14 +174,31 @@ class Rings:
         except OSError as exc:
             raise E.OutOfSharedMemory(f"cannot create the rings' doorbell in {cfg.shm_dir}: {exc}") from None
         ring, ring_fd = self._create(session, cap)
+        token = cbell = None
+        wr = -1
         try:
-            cbell = Doorbell(self._path(session, "cbell"))
-        except OSError as exc:
+            token = self.fds.offer(session, ring_fd)  # ours to close from here: the channel's
+            if completion_bell:
+                # A pipe, not a FIFO: nothing in the shm dir; its read end goes to the client by
+                # token, and when our write end closes (session over, daemon dead) it reads EOF.
+                try:
+                    rd, wr = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+                except OSError as exc:
+                    raise E.OutOfSharedMemory(f"cannot create the ring's completion doorbell: {exc}") from None
+                cbell = self.fds.offer(session, rd)
+        except BaseException:
             ring.close()
-            os.close(ring_fd)
-            raise E.OutOfSharedMemory(f"cannot create the ring's doorbell in {cfg.shm_dir}: {exc}") from None
-        ring.set_doorbell(cbell.fd)  # our completion pushes ring it when the client sleeps armed
-        session.ring, session.ring_bell = ring, cbell
+            if token is None:
+                os.close(ring_fd)
+            else:
+                self.fds.revoke(token)
+            if wr >= 0:
+                os.close(wr)
+            raise
+        if wr >= 0:
+            ring.set_doorbell(wr)  # our completion pushes ring it when the client sleeps armed
+            session.ring_bell = wr
+        session.ring = ring
         self.sessions[session.id] = session
         ring.arm()  # if the ring loop sleeps now, the client's first push must ring the bell
         if not self._loop_started:
@@ -192,9 +206,9 @@ class Rings:
             nursery.start_soon(self._loop)
         log.info("session %d opened a %d-descriptor ring", session.id, ring.request_capacity, extra={"session": session.id})
         return {
-            "token": self.fds.offer(session, ring_fd),
+            "token": token,
             "bell": str(self.bell.path),
-            "cbell": str(cbell.path),
+            "cbell": cbell,
             "capacity": ring.request_capacity,
             "completion_capacity": ring.completion_capacity,
         }
@@ -208,7 +222,7 @@ class Rings:
             ring.close()  # its memfd goes with the client's mapping (an uncollected one with its token)
         bell, session.ring_bell = session.ring_bell, None
         if bell is not None:
-            bell.close()
+            os.close(bell)
 
     def shutdown(self) -> None:
         if self.bell is not None:

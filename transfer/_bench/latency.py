@@ -1,0 +1,249 @@
+"""The `latency` mode: one small request, one in flight, its round trip, per method.
+
+A producer (this process) hands 64 bytes over and waits until the consumer has
+made its one copy of them, `rounds` times; the p50/p99 of those round trips is
+what a request costs when nothing else is in flight. Methods:
+
+* `transfer`: `copy(dev, seg, 64).result()` with the default blocking client
+  (the shared-memory ring on the same host); `transfer-socket`: the same with
+  `ring=False`; `transfer-trio`: `await copy(...)` with the trio client (ring).
+  The consumer is the daemon, which copies in place.
+* `shm-pipe`: the bytes in a shared-memory file, one byte over a pipe each way;
+  the consumer process copies them into its buffer before it answers.
+* `zmq-copy`: a PAIR socket over `ipc://` each way (`copy=True`).
+* `torch-mp` (when PyTorch is installed): `torch.multiprocessing` queues; the
+  consumer copies from the producer's shared tensor and answers on a queue.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import tempfile
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+NBYTES = 64
+METHODS = ("transfer", "transfer-socket", "transfer-trio", "shm-pipe", "zmq-copy", "torch-mp")
+
+
+def available(method: str) -> tuple[bool, str]:
+    if method == "torch-mp":
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            return False, "torch-mp: PyTorch is not installed (pip install torch)"
+    return True, ""
+
+
+def _stats(samples: list[float]) -> dict[str, float]:
+    us = sorted(s * 1e6 for s in samples)
+    return {"p50_us": round(us[len(us) // 2], 2), "p99_us": round(us[min(len(us) - 1, int(len(us) * 0.99))], 2),
+            "mean_us": round(statistics.fmean(us), 2), "rounds": len(us)}
+
+
+def _timed(one: Callable[[], None], rounds: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        one()
+    out = []
+    clock = time.perf_counter
+    for _ in range(rounds):
+        t = clock()
+        one()
+        out.append(clock() - t)
+    return out
+
+
+# --- transfer -------------------------------------------------------------------------------------
+def _transfer(endpoint: str, ring: bool | None, rounds: int, warmup: int) -> list[float]:
+    import transfer
+
+    with transfer.connect(endpoint, ring=ring) as c:
+        seg, dev = c.segment(4096), c.alloc(4096)
+        seg.buffer[:NBYTES] = 7
+        src, dst = seg.va, dev.va
+        samples = _timed(lambda: c.copy(dst, src, NBYTES).result(), rounds, warmup)
+        if c.checksum(dst, NBYTES).result() != transfer.checksum64(seg.buffer[:NBYTES]):
+            raise RuntimeError("latency transfer: the device buffer does not hold the bytes")
+        return samples
+
+
+def _transfer_trio(endpoint: str, rounds: int, warmup: int) -> list[float]:
+    import trio
+
+    import transfer
+
+    async def main() -> list[float]:
+        async with transfer.open_client(endpoint) as c:
+            seg, dev = await c.segment(4096), await c.alloc(4096)
+            seg.buffer[:NBYTES] = 7
+            clock = time.perf_counter
+            out = []
+            for k in range(warmup + rounds):
+                t = clock()
+                await c.copy(dev.va, seg.va, NBYTES)
+                if k >= warmup:
+                    out.append(clock() - t)
+            return out
+
+    return trio.run(main)
+
+
+# --- hand-rolled baselines: the consumer is a child process -----------------------------------------
+def _shm_consumer(path: str, rd: int, wr: int) -> None:
+    import mmap
+
+    with open(path, "r+b") as f:
+        m = mmap.mmap(f.fileno(), 4096)
+    src = np.frombuffer(m, np.uint8, NBYTES)
+    dst = np.empty(NBYTES, np.uint8)
+    while os.read(rd, 1) == b"g":
+        np.copyto(dst, src)
+        os.write(wr, b"k")
+
+
+def _shm_pipe(rounds: int, warmup: int) -> list[float]:
+    import mmap
+
+    ctx = mp.get_context("fork")  # the child inherits the pipes' fds; it runs nothing but this loop
+    fd, path = tempfile.mkstemp(prefix="transfer-bench-lat-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    os.ftruncate(fd, 4096)
+    m = mmap.mmap(fd, 4096)
+    buf = np.frombuffer(m, np.uint8, NBYTES)
+    r1, w1 = os.pipe()
+    r2, w2 = os.pipe()
+    p = ctx.Process(target=_shm_consumer, args=(path, r1, w2), daemon=True)
+    p.start()
+    try:
+        def one() -> None:
+            buf[0] ^= 1  # fresh contents each round
+            os.write(w1, b"g")
+            os.read(r2, 1)
+
+        return _timed(one, rounds, warmup)
+    finally:
+        os.write(w1, b"q")
+        p.join(10)
+        del buf
+        m.close()
+        for x in (fd, r1, w1, r2, w2):
+            os.close(x)
+        os.unlink(path)
+
+
+def _zmq_consumer(addr: str) -> None:
+    import zmq
+
+    s = zmq.Context.instance().socket(zmq.PAIR)
+    s.connect(addr)
+    dst = np.empty(NBYTES, np.uint8)
+    while True:
+        msg = s.recv(copy=True)
+        if msg == b"q":
+            break
+        np.copyto(dst, np.frombuffer(msg, np.uint8))
+        s.send(b"k")
+    s.close(0)
+
+
+def _zmq_copy(rounds: int, warmup: int) -> list[float]:
+    import zmq
+
+    d = tempfile.mkdtemp(prefix="transfer-bench-lat-")
+    addr = f"ipc://{d}/pair"
+    s = zmq.Context.instance().socket(zmq.PAIR)
+    s.bind(addr)
+    p = mp.get_context("spawn").Process(target=_zmq_consumer, args=(addr,), daemon=True)
+    p.start()
+    payload = bytes(NBYTES)
+    try:
+        def one() -> None:
+            s.send(payload, copy=True)
+            s.recv()
+
+        return _timed(one, rounds, warmup)
+    finally:
+        s.send(b"q")
+        p.join(10)
+        s.close(0)
+        os.rmdir(d) if not os.listdir(d) else None
+
+
+def _torch_consumer(q_in: Any, q_out: Any) -> None:
+    import torch
+
+    dst = torch.empty(NBYTES, dtype=torch.uint8)
+    src = q_in.get()  # the producer's shared tensor, once (its storage is shared memory)
+    q_out.put(True)
+    while q_in.get() is not None:
+        dst.copy_(src)
+        q_out.put(True)
+
+
+def _torch_mp(rounds: int, warmup: int) -> list[float]:
+    import torch
+    import torch.multiprocessing as tmp
+
+    ctx = tmp.get_context("spawn")
+    q_in, q_out = ctx.SimpleQueue(), ctx.SimpleQueue()
+    src = torch.zeros(NBYTES, dtype=torch.uint8).share_memory_()
+    p = ctx.Process(target=_torch_consumer, args=(q_in, q_out), daemon=True)
+    p.start()
+    q_in.put(src)
+    q_out.get()
+    try:
+        def one() -> None:
+            src[0] ^= 1
+            q_in.put(1)
+            q_out.get()
+
+        return _timed(one, rounds, warmup)
+    finally:
+        q_in.put(None)
+        p.join(10)
+
+
+def run(methods: list[str], endpoint: str, *, rounds: int = 2000, warmup: int = 200,
+        line: Callable[[str], None] = print) -> dict[str, Any]:
+    """Round trips per method: {method: {p50_us, p99_us, mean_us, rounds}}, plus skips."""
+    rows: dict[str, Any] = {}
+    skipped: list[str] = []
+    for m in methods:
+        ok, why = available(m)
+        if not ok:
+            skipped.append(why)
+            continue
+        if m == "transfer":
+            samples = _transfer(endpoint, None, rounds, warmup)
+        elif m == "transfer-socket":
+            samples = _transfer(endpoint, False, rounds, warmup)
+        elif m == "transfer-trio":
+            samples = _transfer_trio(endpoint, rounds, warmup)
+        elif m == "shm-pipe":
+            samples = _shm_pipe(rounds, warmup)
+        elif m == "zmq-copy":
+            samples = _zmq_copy(rounds, warmup)
+        elif m == "torch-mp":
+            samples = _torch_mp(rounds, warmup)
+        else:
+            raise ValueError(f"latency mode: no method {m!r} (choose from {', '.join(METHODS)})")
+        rows[m] = _stats(samples)
+        r = rows[m]
+        line(f"latency {m:>16}: p50 {r['p50_us']:8.1f} µs  p99 {r['p99_us']:8.1f} µs  mean {r['mean_us']:8.1f} µs")
+    return {"bytes": NBYTES, "rows": rows, "skipped": skipped}
+
+
+def render(result: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    t = Table(title=f"latency: one {result['bytes']}-byte request in flight, round trip")
+    for col in ("method", "p50 µs", "p99 µs", "mean µs", "x shm-pipe (p50)"):
+        t.add_column(col, justify="left" if col == "method" else "right")
+    base = result["rows"].get("shm-pipe", {}).get("p50_us")
+    for m, r in result["rows"].items():
+        t.add_row(m, f"{r['p50_us']:.1f}", f"{r['p99_us']:.1f}", f"{r['mean_us']:.1f}",
+                  f"{base / r['p50_us']:.2f}" if base else "-")
+    return t
