@@ -137,6 +137,54 @@ def test_hostile_descriptors_get_error_completions(ringd) -> None:
         assert c.checksum(seg.at(0), 8).result(5) == transfer.checksum64(bytes(8))
 
 
+def test_copy_many_takes_the_ring_as_one_chained_request(impl: str, daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """A CopyV travels as COPY descriptors chained under its id, is joined back into one request
+    (also when the daemon takes the chain over several polls: --max-pass 7), and is answered
+    once, all or nothing, as on the socket."""
+    d = daemon_factory("--max-pass", "7")
+    with transfer.connect(d.endpoint, ring=True) as c:
+        seg = c.segment(1 << 16)
+        seg.buffer[:4096] = np.arange(4096) % 251
+        k = 40
+        p = c.copy_many([seg.at(8192 + 64 * i) for i in range(k)], [seg.at(64 * (k - 1 - i)) for i in range(k)], [64] * k)
+        assert c._ring is not None and p.id in c._ring.outstanding  # it went on the ring
+        p.result(10)
+        got = np.asarray(seg.buffer[8192 : 8192 + 64 * k]).reshape(k, 64)
+        assert (got == np.asarray(seg.buffer[: 64 * k]).reshape(k, 64)[::-1]).all()
+        before = np.asarray(seg.buffer[8192 : 8192 + 64 * k]).copy()
+        bad = c.copy_many([seg.at(0), seg.at(128)], [seg.at(4096), (77 << 40)], [64, 64])  # one bad piece
+        with pytest.raises((E.UnknownSegment, E.InvalidAddress)):
+            bad.result(10)
+        assert (np.asarray(seg.buffer[8192 : 8192 + 64 * k]) == before).all() and c.stats()["session"]["errors"] == 1
+        assert c._ring.in_flight == 0
+
+
+def test_hostile_descriptor_chains_fail_alone(ringd) -> None:
+    """Chains that mix opcodes, ids or streams are refused as one request each; one left open
+    when the session ends goes with it; the daemon keeps serving."""
+    with transfer.connect(ringd.endpoint, ring=True) as c:
+        seg = c.segment(4096)
+        ring = _raw(c)
+        base = 1 << 60
+        chains = [
+            [(Op.COPY, base + 1, seg.at(0), seg.at(64), 8, 0, 1), (Op.FILL, base + 1, seg.at(0), 0, 8, 0, 0, 1)],
+            [(Op.COPY, base + 2, seg.at(0), seg.at(64), 8, 0, 1), (Op.COPY, base + 3, seg.at(0), seg.at(64), 8)],
+            [(Op.COPY, base + 4, seg.at(0), seg.at(64), 8, 0, 1), (Op.COPY, base + 4, seg.at(0), seg.at(64), 8, 5)],
+            [(Op.COPY, base + 5, seg.at(0), seg.at(64), 8, 0, 1), (Op.COPY, base + 5, seg.at(8), seg.at(72), 8)],  # fine
+        ]
+        for chain in chains:
+            for d in chain:
+                assert ring.push(d)
+        comps = _completions(ring, len(chains))
+        status = {int(i): int(s) for i, s in zip(comps["id"], comps["status"])}
+        assert status == {base + 1: E.InvalidField.code, base + 2: E.InvalidField.code, base + 4: E.InvalidField.code, base + 5: 0}
+        assert c.checksum(seg.at(0), 8, stream=0).result(5) == transfer.checksum64(bytes(seg.buffer[:8]))
+        assert ring.push((Op.COPY, base + 9, seg.at(0), seg.at(64), 8, 0, 1))  # a chain left open: goes with the session
+    with transfer.connect(ringd.endpoint) as c2:
+        seg2 = c2.segment(4096)
+        assert c2.checksum(seg2.at(0), 8).result(5) == transfer.checksum64(bytes(8))
+
+
 def test_a_corrupted_ring_ends_only_its_session(ringd, shm_dir: Path) -> None:
     with transfer.connect(ringd.endpoint, ring=True) as good:
         gseg = good.segment(4096)

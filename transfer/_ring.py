@@ -90,6 +90,12 @@ REQUEST_DTYPE = np.dtype(
         "itemsize": 64,
     }
 )
+#: Request flag: the next descriptor belongs to the same request. A CopyV travels as COPY
+#: descriptors sharing its id, this flag on all but the last; the daemon joins them into one
+#: request (validated, executed and answered as the socket's CopyV: one completion).
+FLAG_CHAIN = 1
+#: Descriptors one chain may have (longer vectors take the socket).
+MAX_CHAIN = 4096
 COMPLETION_DTYPE = np.dtype(
     {
         "names": ["id", "status", "result", "flags", "aux"],

@@ -22,7 +22,7 @@ from ..transport._fds import fetch_fd
 from ._deferred import DeferredState
 from ._pending import Pending
 from ._resources import HostSegment
-from ._ringlink import RingLink, ring_able
+from ._ringlink import RingLink
 
 __all__ = ["ClientCore"]
 
@@ -172,7 +172,7 @@ class ClientCore:
         (The daemon takes what is in the ring before each frame it reads, so the other
         direction, ring then socket, is ordered already.)"""
         link = self.ring
-        if link is None or not ring_able(reqs):
+        if link is None or not all(link.takes(r) for r in reqs):
             return False
         return len(self.pending) - len(link.outstanding) - unsent == 0
 

@@ -21,32 +21,43 @@ import numpy as np
 
 from .. import errors as E
 from .. import protocol as P
-from .._ring import REQUEST_DTYPE, Op as RingOp, Ring
+from .._ring import FLAG_CHAIN, MAX_CHAIN, REQUEST_DTYPE, Op as RingOp, Ring
 from ..memory._shm import check_sealed
 from ._pending import Pending
 
-__all__ = ["RingLink", "ring_able"]
+__all__ = ["RingLink", "ring_able", "descriptors_of"]
 
 #: A completion whose error message follows on the control socket (server._rings).
 _DETAIL = 1
-_RING_TYPES = (P.Copy, P.Fill, P.Checksum, P.Fence, P.Wait)
+_RING_TYPES = (P.Copy, P.CopyV, P.Fill, P.Checksum, P.Fence, P.Wait)
 
 
 def ring_able(reqs: Sequence[P.Request]) -> bool:
-    return all(type(r) in _RING_TYPES for r in reqs)
+    return all(type(r) in _RING_TYPES and (type(r) is not P.CopyV or 0 < len(r.dst) <= MAX_CHAIN) for r in reqs)
 
 
-def _descriptor(req: P.Request) -> tuple[int, ...] | None:
+def _descriptors(req: P.Request) -> list[tuple[int, ...]]:
+    """A request's descriptors: one, a chain of COPYs for a CopyV, none for a Wait marker."""
     t = type(req)
     if t is P.Copy:
-        return (RingOp.COPY, req.id, req.dst, req.src, req.nbytes, req.stream, 0, 0, 0, 0)
+        return [(RingOp.COPY, req.id, req.dst, req.src, req.nbytes, req.stream, 0, 0, 0, 0)]
+    if t is P.CopyV:
+        rid, stream, last = req.id, req.stream, len(req.dst) - 1
+        return [(RingOp.COPY, rid, d, s, n, stream, FLAG_CHAIN if k < last else 0, 0, 0, 0)
+                for k, (d, s, n) in enumerate(zip(np.asarray(req.dst).tolist(), np.asarray(req.src).tolist(), np.asarray(req.nbytes).tolist()))]
     if t is P.Fill:
-        return (RingOp.FILL, req.id, req.dst, 0, req.nbytes, req.stream, 0, req.value, 0, 0)
+        return [(RingOp.FILL, req.id, req.dst, 0, req.nbytes, req.stream, 0, req.value, 0, 0)]
     if t is P.Checksum:
-        return (RingOp.CHECKSUM, req.id, 0, req.src, req.nbytes, req.stream, 0, 0, 0, 0)
+        return [(RingOp.CHECKSUM, req.id, 0, req.src, req.nbytes, req.stream, 0, 0, 0, 0)]
     if t is P.Fence:
-        return (RingOp.FENCE, req.id, 0, 0, 0, req.stream, 0, 0, 0, 0)
-    return None  # a Wait marker: the ring has no round-trip accounting to do
+        return [(RingOp.FENCE, req.id, 0, 0, 0, req.stream, 0, 0, 0, 0)]
+    return []  # a Wait marker: the ring has no round-trip accounting to do
+
+
+def descriptors_of(req: P.Request) -> int:
+    """How many descriptors (credits) a ring-able request takes."""
+    t = type(req)
+    return len(req.dst) if t is P.CopyV else (0 if t is P.Wait else 1)
 
 
 class RingLink:
@@ -81,40 +92,57 @@ class RingLink:
         self.ring.set_doorbell(self.bell_fd)
         #: Never more descriptors outstanding than completion slots: the daemon never waits on us.
         self.credits = min(self.ring.request_capacity, self.ring.completion_capacity)
-        #: Outstanding descriptors: id -> (pending, answers with a value).
-        self.outstanding: dict[int, tuple[Pending, bool]] = {}
+        #: Outstanding requests: id -> (pending, answers with a value, descriptors it took).
+        self.outstanding: dict[int, tuple[Pending, bool, int]] = {}
+        #: Descriptors of the outstanding requests (a CopyV takes one per piece).
+        self.in_flight = 0
         #: Failed on the ring; their reply with the full error is on its way over the socket.
         self.detail: dict[int, Pending] = {}
         self.pushed = 0
 
-    def push(self, reqs: Sequence[P.Request], pending: dict[int, Pending], wait_credits: Callable[[], None]) -> None:
-        """Publish `reqs` (all ring-able), waiting for credits when the window is full."""
-        descs = [d for d in map(_descriptor, reqs) if d is not None]
+    @property
+    def room(self) -> int:
+        """Descriptors that may still be pushed before some complete."""
+        return self.credits - self.in_flight
+
+    def takes(self, req: P.Request) -> bool:
+        """Whether `req` may take this ring (a chain longer than the credits takes the socket)."""
+        return ring_able((req,)) and descriptors_of(req) <= self.credits
+
+    def push(self, reqs: Sequence[P.Request], pending: dict[int, Pending], wait_credits: Callable[[int], None]) -> None:
+        """Publish `reqs` (all `takes`), waiting for credits when the window is full; a
+        request's descriptors (a CopyV's chain) go out in one push, never split."""
+        groups = [g for g in map(_descriptors, reqs) if g]
         i = 0
-        while i < len(descs):
-            room = self.credits - len(self.outstanding)
-            if room <= 0:
-                wait_credits()
+        while i < len(groups):
+            room, n, used = self.room, 0, 0
+            while i + n < len(groups) and used + len(groups[i + n]) <= room:
+                used += len(groups[i + n])
+                n += 1
+            if n == 0:
+                wait_credits(len(groups[i]))
                 continue
-            chunk = descs[i : i + room]
+            chunk = [d for g in groups[i : i + n] for d in g]
             try:  # one descriptor as a tuple (no NumPy on the short path), more as one push_many
                 ok = self.ring.push(chunk[0]) if len(chunk) == 1 else (
                     self.ring.push_many(np.array(chunk, dtype=REQUEST_DTYPE)) == len(chunk))
             except (OverflowError, TypeError, ValueError) as exc:
-                self._forget(descs[i:], pending)
+                self._forget(groups[i:], pending)
                 raise E.InvalidField(f"request field out of range: {exc}") from None
             if not ok:  # cannot happen within credits unless the daemon broke the ring
                 raise E.ConnectionLost("the daemon stopped taking ring descriptors")
-            for d in chunk:
-                self.outstanding[d[1]] = (pending[d[1]], d[0] == RingOp.CHECKSUM)
-            self.pushed += len(chunk)
-            i += len(chunk)
+            for g in groups[i : i + n]:
+                rid = g[0][1]
+                self.outstanding[rid] = (pending[rid], g[0][0] == RingOp.CHECKSUM, len(g))
+            self.in_flight += used
+            self.pushed += used
+            i += n
 
     @staticmethod
-    def _forget(descs: Sequence[tuple[int, ...]], pending: dict[int, Pending]) -> None:
+    def _forget(groups: Sequence[list[tuple[int, ...]]], pending: dict[int, Pending]) -> None:
         """Requests that never left: nobody will answer them."""
-        for d in descs:
-            pending.pop(d[1], None)
+        for g in groups:
+            pending.pop(g[0][1], None)
 
     def reap(self, pending: dict[int, Pending], unobserved: list[Pending]) -> int:
         """Finish the requests whose completions are in; return how many were."""
@@ -128,7 +156,8 @@ class RingLink:
             entry = out.pop(rid, None)
             if entry is None:
                 continue  # not ours (a confused daemon): ignore rather than crash
-            p, valued = entry
+            p, valued, took = entry
+            self.in_flight -= took
             if status == 0:
                 pending.pop(rid, None)
                 p._finish(result if valued else None, None)

@@ -219,7 +219,7 @@ class Client(Session):
             if core.ring_route(reqs, unsent):
                 link = core.ring
                 assert link is not None
-                link.push(reqs, core.pending, lambda: self._ring_wait(lambda: len(link.outstanding) < link.credits, None))
+                link.push(reqs, core.pending, lambda need: self._ring_wait(lambda: link.room >= need, None))
                 return
             step = max(1, core.max_inflight // 2)
             for i in range(0, len(reqs), step):

@@ -27,7 +27,7 @@ from .. import errors as E
 from .. import protocol as P
 from ..transport._zmq import SocketPump, default_endpoint, ipc_path
 from ._pending import Pending
-from ._ringlink import RingLink, ring_able
+from ._ringlink import RingLink, descriptors_of
 from ._session import Op, Session, open_socket
 
 __all__ = ["TrioClient", "open_client", "TrioPending"]
@@ -143,9 +143,9 @@ class TrioClient(Session):
         while held:
             link = core.ring
             if link is not None and core.ring_route([held[0]], unsent):
-                n = 0
-                room = link.credits - len(link.outstanding)
-                while n < min(room, len(held)) and ring_able([held[n]]):
+                n, used, room = 0, 0, link.room
+                while n < len(held) and link.takes(held[n]) and used + descriptors_of(held[n]) <= room:
+                    used += descriptors_of(held[n])
                     n += 1
                 if n == 0:
                     return  # the ring is full: the reaper calls again as completions come
@@ -163,7 +163,7 @@ class TrioClient(Session):
             unsent -= sum(1 for r in chunk if r.id in pending)
 
     def _push(self, link: RingLink, chunk: list[P.Request]) -> None:
-        def full() -> None:
+        def full(need: int) -> None:
             raise AssertionError("pushed beyond the ring's credits")
 
         try:

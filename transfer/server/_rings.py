@@ -32,7 +32,7 @@ import trio
 
 from .. import errors as E
 from .. import protocol as P
-from .._ring import COMPLETION_DTYPE, Op as RingOp, Ring, RingCorrupted, RingError
+from .._ring import COMPLETION_DTYPE, FLAG_CHAIN, MAX_CHAIN, Op as RingOp, Ring, RingCorrupted, RingError
 from ..memory._shm import PREFIX, new_memfd, reserve, seal
 from ._accounting import Accounting
 from ._config import DaemonConfig
@@ -72,6 +72,41 @@ def _request(row: tuple[int, ...]) -> Any:
         raise E.UnknownOperation(f"ring opcode {op} is not served over the ring (use the control socket)")
     except E.TransferError as exc:
         return P.BadRequest(rid, exc)
+
+
+def _chained(chain: list[tuple[int, ...]]) -> Any:
+    """A chain of COPY descriptors as the CopyV it stands for (or a BadRequest naming its fault)."""
+    op, rid, _, _, _, stream, _, _, _, _ = chain[0]
+    try:
+        if rid == 0:
+            raise E.InvalidField("a ring descriptor's id must be non-zero")
+        for r in chain:
+            if r[0] != _COPY or r[1] != rid or r[5] != stream:
+                raise E.InvalidField("a descriptor chain must be COPYs of one id and one stream")
+        if chain[-1][6] & FLAG_CHAIN:
+            raise E.BatchTooLarge(f"a descriptor chain longer than {MAX_CHAIN}")
+        if any(r[6] & ~FLAG_CHAIN for r in chain):
+            raise E.InvalidField("unknown descriptor flags in a chain")
+        cols = np.array([r[2:5] for r in chain], dtype=np.uint64)
+        return P.CopyV(rid, cols[:, 0].copy(), cols[:, 1].copy(), cols[:, 2].copy(), stream)
+    except E.TransferError as exc:
+        return P.BadRequest(rid, exc)
+
+
+def join_chains(rows: list[tuple[int, ...]], chain: list[tuple[int, ...]]) -> tuple[list[tuple[Any, int]], list[tuple[int, ...]]]:
+    """Descriptors in order, each chain joined into its CopyV; also the chain still open at the
+    end (its last descriptor so far carries the chain flag: the rest is not in the ring yet)."""
+    out: list[tuple[Any, int]] = []
+    for r in rows:
+        if chain or r[6] & FLAG_CHAIN:
+            chain.append(r)
+            if r[6] & FLAG_CHAIN and len(chain) < MAX_CHAIN:
+                continue
+            out.append((_chained(chain), RING))
+            chain = []
+        else:
+            out.append((_request(r), RING))
+    return out, chain
 
 
 def to_batch(rows: list[tuple[int, ...]] | None, array: np.ndarray | None) -> list[tuple[Any, int]]:
@@ -217,6 +252,7 @@ class Rings:
         """Closing sets our closed flag and wakes a client sleeping on the ring: it fails its
         outstanding descriptors with SessionClosed. Nothing maps the ring afterwards."""
         self.sessions.pop(session.id, None)
+        session.ring_chain = []
         ring, session.ring = session.ring, None
         if ring is not None:
             ring.close()  # its memfd goes with the client's mapping (an uncollected one with its token)
@@ -248,16 +284,25 @@ class Rings:
             if n <= 0:
                 return 0  # the client has not taken its completions: it waits, we do not
             if n <= 4:  # tuples, no NumPy (one wake for the batch, if any)
-                items = to_batch([ring.pop(wake=False) for _ in range(n)], None)
+                rows: list[tuple[int, ...]] | None = [ring.pop(wake=False) for _ in range(n)]
                 ring.inbox.notify()
+                array = None
+                chained = bool(session.ring_chain) or any(r[6] & FLAG_CHAIN for r in rows)
             else:
-                items = to_batch(None, ring.pop_many(n))
+                rows, array = None, ring.pop_many(n)
+                chained = bool(session.ring_chain) or bool((array["flags"] & FLAG_CHAIN).any())
         except RingCorrupted as exc:
             self.broken(session, exc)
             return 0
-        self.accounting.received(session, n)
+        if chained:  # a CopyV's chain (maybe begun in an earlier poll) is one request
+            items, session.ring_chain = join_chains(rows if rows is not None else array.tolist(), session.ring_chain)
+        else:
+            items = to_batch(rows, array)
+        # Each request answers once: that is what its descriptors reserved (a chain, one slot).
+        answers = sum(len(req.ids) if type(req) is CopyRun else 1 for req, _ in items)
+        self.accounting.received(session, answers)
         session.queue.extend(items)
-        session.ring_pending += n
+        session.ring_pending += answers
         return n
 
     def push(self, session: Session, comps: list[tuple[int, int, int, int, int]] | np.ndarray) -> None:

@@ -83,8 +83,10 @@ class Session:
     queue: deque[tuple[Any, int]] = field(default_factory=deque)
     #: Socket requests queued or running (checked against the credits announced in hello).
     inflight: int = 0
-    #: Ring descriptors taken and not yet answered (each holds a completion slot).
+    #: Ring requests taken and not yet answered (each holds a completion slot).
     ring_pending: int = 0
+    #: A CopyV's descriptor chain taken in part (the rest was not in the ring yet).
+    ring_chain: list[Any] = field(default_factory=list)
     #: A pass taken from the queue and not yet finished (planned, or executing on a worker).
     current: Any = None
     #: Pipelined passes: queued on a GPU lane, answered in order as their fences pass.
