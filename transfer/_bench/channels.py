@@ -76,6 +76,10 @@ def make_plumbing(cell: Cell, ctx, run_dir: str, run_id: str, endpoint: str | No
         pipes = [ctx.Pipe(duplex=True) for _ in range(P)]
         return ({"conns": [b for _, b in pipes], "run_id": run_id},
                 [{"conn": a, "run_id": run_id} for a, _ in pipes])
+    if m == "torch-mp":
+        q = ctx.Queue()  # each producer's shared tensor once, then group headers
+        acks = [ctx.Pipe(duplex=False) for _ in range(P)]
+        return ({"queue": q, "acks": [w for _, w in acks]}, [{"queue": q, "ack": r} for r, _ in acks])
     if m == "shm-pipe":
         note_r, note_w = ctx.Pipe(duplex=False)
         acks = [ctx.Pipe(duplex=False) for _ in range(P)]
@@ -237,6 +241,32 @@ class ShmProducer(_AckMixin):
             pass
 
 
+class TorchProducer(_AckMixin):
+    """torch.multiprocessing as its users share batches: the producer's buffer is a tensor in
+    shared memory (`share_memory_()`), handed to the consumer once through a queue (torch
+    passes its file descriptor); then one small queue message per group, acks over a pipe."""
+
+    def __init__(self, cell: Cell, idx: int, spec: dict) -> None:
+        import torch
+        import torch.multiprocessing  # noqa: F401 - registers the reductions that share tensors
+
+        self.idx = idx
+        self.q = spec["queue"]
+        self.ack_conn = spec["ack"]
+        self.tensor = torch.zeros(cell.buffer_bytes, dtype=torch.uint8).share_memory_()
+        self.buffer = self.tensor.numpy()
+        self.q.put((idx, self.tensor))
+
+    def submit(self, g, slot, verify, expected) -> None:
+        self.q.put(pack_header(self.idx, g, slot, VERIFY if verify else 0, expected))
+
+    def bye(self) -> None:
+        self.q.put(pack_header(self.idx, -1, 0, BYE, None))
+
+    def close(self) -> None:
+        self.buffer = None
+
+
 class TransferProducer:
     """``transfer``: only VAs and sizes travel; the daemon moves and checks the bytes.
 
@@ -376,6 +406,7 @@ PRODUCERS = {
     "mp-queue": QueueProducer,
     "mp-pipe": PipeProducer,
     "shm-pipe": ShmProducer,
+    "torch-mp": TorchProducer,
     "nixl-raw": NixlRawProducer,
 }
 
@@ -470,6 +501,37 @@ class PipeConsumer:
     def close(self) -> None:
         for c in self.conns:
             c.close()
+
+
+class TorchConsumer:
+    def __init__(self, cell: Cell, spec: dict) -> None:
+        import torch.multiprocessing  # noqa: F401 - rebuilds the producers' shared tensors
+
+        self.cell = cell
+        self.q = spec["queue"]
+        self.acks = spec["acks"]
+        self.tensors: dict[int, Any] = {}
+        self.slots: dict[int, list[list[np.ndarray]]] = {}
+
+    def recv(self):
+        while True:
+            msg = self.q.get()
+            if isinstance(msg, tuple):  # a producer's shared tensor, once, before its groups
+                idx, t = msg
+                self.tensors[idx] = t
+                self.slots[idx] = _slot_items(t.numpy(), self.cell)
+                continue
+            idx, g, slot, flags, expected = unpack_header(msg)
+            if flags & BYE:
+                return idx, g, slot, flags, expected, []
+            return idx, g, slot, flags, expected, self.slots[idx][slot]
+
+    def ack(self, idx, g, ok) -> None:
+        self.acks[idx].send_bytes(ACK.pack(g, ok))
+
+    def close(self) -> None:
+        self.slots.clear()
+        self.tensors.clear()
 
 
 class ShmConsumer:
@@ -587,5 +649,6 @@ CONSUMERS = {
     "mp-queue": QueueConsumer,
     "mp-pipe": PipeConsumer,
     "shm-pipe": ShmConsumer,
+    "torch-mp": TorchConsumer,
     "nixl-raw": NixlRawConsumer,
 }

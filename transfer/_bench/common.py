@@ -20,9 +20,10 @@ now = time.perf_counter
 #: one word per 4 KiB page, so every page of every batch changes.
 STAMP_STRIDE_WORDS = 512
 
-METHODS_ALL = ("transfer", "transfer-socket", "shm-pipe", "zmq-copy", "zmq-zerocopy", "mp-queue", "mp-pipe", "nixl-raw")
-#: shm-pipe is the floor: what a user writes in an afternoon.
-METHODS_QUICK = ("transfer", "shm-pipe", "zmq-copy", "zmq-zerocopy")
+METHODS_ALL = ("transfer", "transfer-socket", "shm-pipe", "torch-mp", "zmq-copy", "zmq-zerocopy", "mp-queue", "mp-pipe", "nixl-raw")
+#: shm-pipe is the floor: what a user writes in an afternoon; torch-mp what users pick
+#: (skipped with a note without PyTorch).
+METHODS_QUICK = ("transfer", "shm-pipe", "torch-mp", "zmq-copy", "zmq-zerocopy")
 MODES_ALL = ("local", "compute", "remote", "gpu", "latency")
 
 #: Methods that run in every mode but ``remote``; ``remote`` has its own baseline.
@@ -40,6 +41,16 @@ def method_runs_in(method: str, mode: str) -> bool:
         return method in METHODS_REMOTE
     return method != "nixl-raw"
 
+def method_available(method: str) -> tuple[bool, str]:
+    """Methods that need a package this machine may not have: (available, why not)."""
+    if method == "torch-mp":
+        import importlib.util
+
+        if importlib.util.find_spec("torch") is None:
+            return False, "method torch-mp: PyTorch is not installed (pip install torch): skipped"
+    return True, ""
+
+
 METHOD_LABELS = {
     "transfer": "transfer (shm + VA requests; the ring, by default on the same host)",
     "transfer-socket": "transfer with ring=False (every request over the control socket)",
@@ -48,6 +59,7 @@ METHOD_LABELS = {
     "mp-queue": "multiprocessing.Queue",
     "mp-pipe": "multiprocessing.Pipe, pickle 5 out-of-band",
     "shm-pipe": "hand-rolled shm + pipe notify",
+    "torch-mp": "torch.multiprocessing: a shared tensor, queue notify",
     "nixl-raw": "raw NIXL READ by a consumer process (remote mode)",
     "limit:memcpy": "in-process memcpy (one core)",
     "limit:read": "in-process u64 read (one core)",

@@ -41,7 +41,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", help="groups in flight per producer, or a list (default 4)")
     p.add_argument("--batch", type=int, help="requests per group (default: 64 for 4 KiB, 256 KiB/size, >= 1)")
     p.add_argument("--modes", help="local,compute,remote,gpu,latency (quick: local,latency; full: all, unavailable skipped)")
-    p.add_argument("--methods", help="transfer,transfer-socket,shm-pipe,zmq-copy,zmq-zerocopy,mp-queue,mp-pipe,nixl-raw "
+    p.add_argument("--methods", help="transfer,transfer-socket,shm-pipe,torch-mp,zmq-copy,zmq-zerocopy,mp-queue,mp-pipe,nixl-raw "
                                      "(remote mode: transfer and nixl-raw only; nixl-raw: remote only)")
     p.add_argument("--verify-every", type=int, help="verify every Nth group (quick: 1 = all; full: 8)")
     p.add_argument("--reps", type=int, help="measured repetitions per cell (quick: 5, full: 3)")
@@ -112,6 +112,11 @@ def _main(args) -> int:
     warm_s = args.warmup_seconds if args.warmup_seconds is not None else 0.15
 
     notes: list[str] = []
+    for m in list(methods):
+        ok, why = common.method_available(m)
+        if not ok:
+            methods.remove(m)
+            notes.append(why)
     run_modes = []
     for m in modes:
         ok, why = runner.mode_available(m)
