@@ -29,7 +29,7 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 import transfer
 from conftest import segment_files

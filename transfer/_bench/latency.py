@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -112,26 +113,31 @@ def _shm_pipe(rounds: int, warmup: int) -> list[float]:
     fd, path = tempfile.mkstemp(prefix="transfer-bench-lat-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     os.ftruncate(fd, 4096)
     m = mmap.mmap(fd, 4096)
-    buf = np.frombuffer(m, np.uint8, NBYTES)
     r1, w1 = os.pipe()
     r2, w2 = os.pipe()
     p = ctx.Process(target=_shm_consumer, args=(path, r1, w2), daemon=True)
     p.start()
     try:
-        def one() -> None:
-            buf[0] ^= 1  # fresh contents each round
-            os.write(w1, b"g")
-            os.read(r2, 1)
-
-        return _timed(one, rounds, warmup)
+        return _timed(_ShmRound(m, w1, r2), rounds, warmup)
     finally:
         os.write(w1, b"q")
         p.join(10)
-        del buf
         m.close()
         for x in (fd, r1, w1, r2, w2):
             os.close(x)
         os.unlink(path)
+
+
+class _ShmRound:
+    """One round of the hand-rolled baseline: fresh bytes in shared memory, a byte each way."""
+
+    def __init__(self, m: Any, wr: int, rd: int) -> None:
+        self.m, self.wr, self.rd = m, wr, rd
+
+    def __call__(self) -> None:
+        self.m[0] ^= 1
+        os.write(self.wr, b"g")
+        os.read(self.rd, 1)
 
 
 def _zmq_consumer(addr: str) -> None:
@@ -169,7 +175,7 @@ def _zmq_copy(rounds: int, warmup: int) -> list[float]:
         s.send(b"q")
         p.join(10)
         s.close(0)
-        os.rmdir(d) if not os.listdir(d) else None
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _torch_consumer(q_in: Any, q_out: Any) -> None:
