@@ -27,17 +27,10 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .common import method_available
+
 NBYTES = 64
 METHODS = ("transfer", "transfer-socket", "transfer-trio", "shm-pipe", "zmq-copy", "torch-mp")
-
-
-def available(method: str) -> tuple[bool, str]:
-    if method == "torch-mp":
-        try:
-            import torch  # noqa: F401
-        except ImportError:
-            return False, "torch-mp: PyTorch is not installed (pip install torch)"
-    return True, ""
 
 
 def _stats(samples: list[float]) -> dict[str, float]:
@@ -218,7 +211,7 @@ def run(methods: list[str], endpoint: str, *, rounds: int = 2000, warmup: int = 
     rows: dict[str, Any] = {}
     skipped: list[str] = []
     for m in methods:
-        ok, why = available(m)
+        ok, why = method_available(m)
         if not ok:
             skipped.append(why)
             continue

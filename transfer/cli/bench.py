@@ -183,7 +183,8 @@ def _main(args) -> int:
 
                 # With --methods, the latency mode runs those it has (and the trio client with transfer).
                 wanted = set(methods) | ({"transfer-trio"} if "transfer" in methods else set())
-                lat_methods = [m for m in latency.METHODS if not args.methods or m in wanted]
+                lat_methods = [m for m in latency.METHODS
+                               if (not args.methods or m in wanted) and common.method_available(m)[0]]
                 with run_daemon(**daemon_args) as d:
                     lat_result = latency.run(lat_methods, d.endpoint, line=progress.line)
                 notes.extend(lat_result["skipped"])
