@@ -230,7 +230,8 @@ _op = st.one_of(
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(_op, min_size=1, max_size=60), batched=st.booleans())
 def test_ring_and_socket_requests_run_in_submission_order(ringd, ops: list[tuple], batched: bool) -> None:
-    """Any mix of ring requests and socket (copy_many) requests equals sequential execution."""
+    """Any mix of ring requests and socket requests (a copy_many too long for the ring's
+    credits) equals sequential execution."""
     clipped = []
     for op in ops:
         if op[0] == "copy":
@@ -240,7 +241,7 @@ def test_ring_and_socket_requests_run_in_submission_order(ringd, ops: list[tuple
         else:
             _, d, n, v = op
             clipped.append(("fill", d, min(n, _SIZE - d), v))
-    with transfer.connect(ringd.endpoint, ring=True) as c:
+    with transfer.connect(ringd.endpoint, ring=2) as c:  # 2 credits: a 3-piece copy_many takes the socket
         seg = c.segment(_SIZE)
         seg.buffer[:] = (np.arange(_SIZE) % 251).astype(np.uint8)
         ctx = c.batch() if batched else _Null()
@@ -250,8 +251,8 @@ def test_ring_and_socket_requests_run_in_submission_order(ringd, ops: list[tuple
                     _, d, s, n, via = op
                     if via == "ring":
                         c.copy(seg.at(d), seg.at(s), n)
-                    else:
-                        c.copy_many([seg.at(d)], [seg.at(s)], [n])  # a CopyV: always the socket
+                    else:  # a chain longer than the ring's credits: the socket (empty pieces do nothing)
+                        c.copy_many([seg.at(d), seg.at(0), seg.at(0)], [seg.at(s), seg.at(0), seg.at(0)], [n, 0, 0])
                 else:
                     _, d, n, v = op
                     c.fill(seg.at(d), n, v)

@@ -36,15 +36,23 @@ def ring_able(reqs: Sequence[P.Request]) -> bool:
     return all(type(r) in _RING_TYPES and (type(r) is not P.CopyV or 0 < len(r.dst) <= MAX_CHAIN) for r in reqs)
 
 
-def _descriptors(req: P.Request) -> list[tuple[int, ...]]:
-    """A request's descriptors: one, a chain of COPYs for a CopyV, none for a Wait marker."""
+def _chain(req: P.CopyV) -> np.ndarray:
+    """A CopyV as its chain of COPY descriptors, built as one array (no Python per piece)."""
+    k = len(req.dst)
+    d = np.zeros(k, REQUEST_DTYPE)
+    d["op"], d["id"], d["stream"] = RingOp.COPY, req.id, req.stream
+    d["dst"], d["src"], d["nbytes"] = req.dst, req.src, req.nbytes
+    d["flags"][:-1] = FLAG_CHAIN
+    return d
+
+
+def _descriptors(req: P.Request) -> list[tuple[int, ...]] | np.ndarray:
+    """A request's descriptors: one tuple, a CopyV's chain (an array), none for a Wait marker."""
     t = type(req)
     if t is P.Copy:
         return [(RingOp.COPY, req.id, req.dst, req.src, req.nbytes, req.stream, 0, 0, 0, 0)]
     if t is P.CopyV:
-        rid, stream, last = req.id, req.stream, len(req.dst) - 1
-        return [(RingOp.COPY, rid, d, s, n, stream, FLAG_CHAIN if k < last else 0, 0, 0, 0)
-                for k, (d, s, n) in enumerate(zip(np.asarray(req.dst).tolist(), np.asarray(req.src).tolist(), np.asarray(req.nbytes).tolist()))]
+        return _chain(req)
     if t is P.Fill:
         return [(RingOp.FILL, req.id, req.dst, 0, req.nbytes, req.stream, 0, req.value, 0, 0)]
     if t is P.Checksum:
@@ -112,37 +120,49 @@ class RingLink:
     def push(self, reqs: Sequence[P.Request], pending: dict[int, Pending], wait_credits: Callable[[int], None]) -> None:
         """Publish `reqs` (all `takes`), waiting for credits when the window is full; a
         request's descriptors (a CopyV's chain) go out in one push, never split."""
-        groups = [g for g in map(_descriptors, reqs) if g]
+        try:
+            groups = [(r.id, type(r) is P.Checksum, _descriptors(r)) for r in reqs if type(r) is not P.Wait]
+        except (OverflowError, TypeError, ValueError) as exc:  # a CopyV's vector out of range
+            self._forget([(r.id, False, ()) for r in reqs], pending)
+            raise E.InvalidField(f"request field out of range: {exc}") from None
         i = 0
         while i < len(groups):
             room, n, used = self.room, 0, 0
-            while i + n < len(groups) and used + len(groups[i + n]) <= room:
-                used += len(groups[i + n])
+            while i + n < len(groups) and used + len(groups[i + n][2]) <= room:
+                used += len(groups[i + n][2])
                 n += 1
             if n == 0:
-                wait_credits(len(groups[i]))
+                wait_credits(len(groups[i][2]))
                 continue
-            chunk = [d for g in groups[i : i + n] for d in g]
+            take = groups[i : i + n]
             try:  # one descriptor as a tuple (no NumPy on the short path), more as one push_many
-                ok = self.ring.push(chunk[0]) if len(chunk) == 1 else (
-                    self.ring.push_many(np.array(chunk, dtype=REQUEST_DTYPE)) == len(chunk))
+                if used == 1 and not isinstance(take[0][2], np.ndarray):
+                    ok = self.ring.push(take[0][2][0])
+                else:
+                    if n == 1 and isinstance(take[0][2], np.ndarray):
+                        descs = take[0][2]
+                    else:  # filled in place: np.concatenate would repack the dtype's layout
+                        descs, at = np.empty(used, REQUEST_DTYPE), 0
+                        for _, _, g in take:
+                            descs[at : at + len(g)] = g if isinstance(g, np.ndarray) else np.array(g, dtype=REQUEST_DTYPE)
+                            at += len(g)
+                    ok = self.ring.push_many(descs) == used
             except (OverflowError, TypeError, ValueError) as exc:
                 self._forget(groups[i:], pending)
                 raise E.InvalidField(f"request field out of range: {exc}") from None
             if not ok:  # cannot happen within credits unless the daemon broke the ring
                 raise E.ConnectionLost("the daemon stopped taking ring descriptors")
-            for g in groups[i : i + n]:
-                rid = g[0][1]
-                self.outstanding[rid] = (pending[rid], g[0][0] == RingOp.CHECKSUM, len(g))
+            for rid, valued, g in take:
+                self.outstanding[rid] = (pending[rid], valued, len(g))
             self.in_flight += used
             self.pushed += used
             i += n
 
     @staticmethod
-    def _forget(groups: Sequence[list[tuple[int, ...]]], pending: dict[int, Pending]) -> None:
+    def _forget(groups: Sequence[tuple[int, bool, Any]], pending: dict[int, Pending]) -> None:
         """Requests that never left: nobody will answer them."""
-        for g in groups:
-            pending.pop(g[0][1], None)
+        for rid, _, _ in groups:
+            pending.pop(rid, None)
 
     def reap(self, pending: dict[int, Pending], unobserved: list[Pending]) -> int:
         """Finish the requests whose completions are in; return how many were."""

@@ -32,7 +32,7 @@ import trio
 
 from .. import errors as E
 from .. import protocol as P
-from .._ring import COMPLETION_DTYPE, FLAG_CHAIN, MAX_CHAIN, Op as RingOp, Ring, RingCorrupted, RingError
+from .._ring import COMPLETION_DTYPE, FLAG_CHAIN, MAX_CHAIN, REQUEST_DTYPE, Op as RingOp, Ring, RingCorrupted, RingError
 from ..memory._shm import PREFIX, new_memfd, reserve, seal
 from ._accounting import Accounting
 from ._config import DaemonConfig
@@ -74,39 +74,51 @@ def _request(row: tuple[int, ...]) -> Any:
         return P.BadRequest(rid, exc)
 
 
-def _chained(chain: list[tuple[int, ...]]) -> Any:
+def _chained(chain: np.ndarray) -> Any:
     """A chain of COPY descriptors as the CopyV it stands for (or a BadRequest naming its fault)."""
-    op, rid, _, _, _, stream, _, _, _, _ = chain[0]
+    rid, stream = int(chain["id"][0]), int(chain["stream"][0])
     try:
         if rid == 0:
             raise E.InvalidField("a ring descriptor's id must be non-zero")
-        for r in chain:
-            if r[0] != _COPY or r[1] != rid or r[5] != stream:
-                raise E.InvalidField("a descriptor chain must be COPYs of one id and one stream")
-        if chain[-1][6] & FLAG_CHAIN:
+        if (chain["op"] != _COPY).any() or (chain["id"] != rid).any() or (chain["stream"] != stream).any():
+            raise E.InvalidField("a descriptor chain must be COPYs of one id and one stream")
+        if chain["flags"][-1] & FLAG_CHAIN:
             raise E.BatchTooLarge(f"a descriptor chain longer than {MAX_CHAIN}")
-        if any(r[6] & ~FLAG_CHAIN for r in chain):
+        if (chain["flags"] & ~np.uint16(FLAG_CHAIN)).any():
             raise E.InvalidField("unknown descriptor flags in a chain")
-        cols = np.array([r[2:5] for r in chain], dtype=np.uint64)
-        return P.CopyV(rid, cols[:, 0].copy(), cols[:, 1].copy(), cols[:, 2].copy(), stream)
+        return P.CopyV(rid, chain["dst"].copy(), chain["src"].copy(), chain["nbytes"].copy(), stream)
     except E.TransferError as exc:
         return P.BadRequest(rid, exc)
 
 
-def join_chains(rows: list[tuple[int, ...]], chain: list[tuple[int, ...]]) -> tuple[list[tuple[Any, int]], list[tuple[int, ...]]]:
-    """Descriptors in order, each chain joined into its CopyV; also the chain still open at the
-    end (its last descriptor so far carries the chain flag: the rest is not in the ring yet)."""
+def join_chains(array: np.ndarray) -> tuple[list[tuple[Any, int]], np.ndarray]:
+    """Descriptors in order, each chain (flagged rows and the unflagged one that ends it)
+    joined into its CopyV, the rest as `to_batch` makes them; also the chain still open at
+    the end (its rest is not in the ring yet), empty if none."""
     out: list[tuple[Any, int]] = []
-    for r in rows:
-        if chain or r[6] & FLAG_CHAIN:
-            chain.append(r)
-            if r[6] & FLAG_CHAIN and len(chain) < MAX_CHAIN:
-                continue
-            out.append((_chained(chain), RING))
-            chain = []
+    flagged = (array["flags"] & FLAG_CHAIN) != 0
+    ends = np.flatnonzero(~flagged).tolist()  # rows that end a request
+    starts = np.flatnonzero(flagged).tolist()
+    i, n, e, f = 0, len(array), 0, 0
+    while i < n:
+        while f < len(starts) and starts[f] < i:
+            f += 1
+        if not flagged[i]:  # plain descriptors, up to the next chain
+            j = starts[f] if f < len(starts) else n
+            out.extend(to_batch(None, array[i:j]))
+            i = j
+            continue
+        while e < len(ends) and ends[e] < i:
+            e += 1
+        if e == len(ends):  # open: its end has not arrived
+            if n - i < MAX_CHAIN:
+                return out, array[i:].copy()
+            end = i + MAX_CHAIN - 1  # too long to be a request: refused, the rest starts anew
         else:
-            out.append((_request(r), RING))
-    return out, chain
+            end = min(ends[e], i + MAX_CHAIN - 1)
+        out.append((_chained(array[i : end + 1]), RING))
+        i = end + 1
+    return out, array[:0]
 
 
 def to_batch(rows: list[tuple[int, ...]] | None, array: np.ndarray | None) -> list[tuple[Any, int]]:
@@ -252,7 +264,7 @@ class Rings:
         """Closing sets our closed flag and wakes a client sleeping on the ring: it fails its
         outstanding descriptors with SessionClosed. Nothing maps the ring afterwards."""
         self.sessions.pop(session.id, None)
-        session.ring_chain = []
+        session.ring_chain = None
         ring, session.ring = session.ring, None
         if ring is not None:
             ring.close()  # its memfd goes with the client's mapping (an uncollected one with its token)
@@ -287,15 +299,19 @@ class Rings:
                 rows: list[tuple[int, ...]] | None = [ring.pop(wake=False) for _ in range(n)]
                 ring.inbox.notify()
                 array = None
-                chained = bool(session.ring_chain) or any(r[6] & FLAG_CHAIN for r in rows)
+                chained = session.ring_chain is not None or any(r[6] & FLAG_CHAIN for r in rows)
             else:
                 rows, array = None, ring.pop_many(n)
-                chained = bool(session.ring_chain) or bool((array["flags"] & FLAG_CHAIN).any())
+                chained = session.ring_chain is not None or bool((array["flags"] & FLAG_CHAIN).any())
         except RingCorrupted as exc:
             self.broken(session, exc)
             return 0
         if chained:  # a CopyV's chain (maybe begun in an earlier poll) is one request
-            items, session.ring_chain = join_chains(rows if rows is not None else array.tolist(), session.ring_chain)
+            taken = np.array(rows, dtype=REQUEST_DTYPE) if rows is not None else array
+            if session.ring_chain is not None:  # (np.concatenate repacks the layout: astype restores it)
+                taken = np.concatenate([session.ring_chain, taken]).astype(REQUEST_DTYPE)
+            items, rest = join_chains(taken)
+            session.ring_chain = rest if len(rest) else None
         else:
             items = to_batch(rows, array)
         # Each request answers once: that is what its descriptors reserved (a chain, one slot).

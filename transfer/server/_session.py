@@ -85,8 +85,8 @@ class Session:
     inflight: int = 0
     #: Ring requests taken and not yet answered (each holds a completion slot).
     ring_pending: int = 0
-    #: A CopyV's descriptor chain taken in part (the rest was not in the ring yet).
-    ring_chain: list[Any] = field(default_factory=list)
+    #: A CopyV's descriptor chain taken in part (the rest was not in the ring yet), or None.
+    ring_chain: Any = None
     #: A pass taken from the queue and not yet finished (planned, or executing on a worker).
     current: Any = None
     #: Pipelined passes: queued on a GPU lane, answered in order as their fences pass.
