@@ -221,10 +221,14 @@ class Rings:
         except OSError as exc:
             raise E.OutOfSharedMemory(f"cannot create the rings' doorbell in {cfg.shm_dir}: {exc}") from None
         ring, ring_fd = self._create(session, cap)
-        token = cbell = None
+        cbell = None
         wr = -1
         try:
-            token = self.fds.offer(session, ring_fd)  # ours to close from here: the channel's
+            token = self.fds.offer(session, ring_fd)  # the channel's from here (it closes it if this raises)
+        except BaseException:
+            ring.close()
+            raise
+        try:
             if completion_bell:
                 # A pipe, not a FIFO: nothing in the shm dir; its read end goes to the client by
                 # token, and when our write end closes (session over, daemon dead) it reads EOF.
@@ -235,10 +239,7 @@ class Rings:
                 cbell = self.fds.offer(session, rd)
         except BaseException:
             ring.close()
-            if token is None:
-                os.close(ring_fd)
-            else:
-                self.fds.revoke(token)
+            self.fds.revoke(token)
             if wr >= 0:
                 os.close(wr)
             raise
