@@ -12,7 +12,9 @@ from ..transport._zmq import default_endpoint
 __all__ = ["DaemonConfig", "session_limit", "connection_limit", "FDS_PER_SESSION", "FD_RESERVE"]
 
 #: File descriptors one session can make the daemon hold: its connection, its pidfd
-#: watcher, its ring's doorbell FIFO, and one to spare (a FIFO being opened).
+#: watcher, its ring's mapping (Python's mmap keeps a descriptor of the memfd) and the write
+#: end of its completion pipe (clients that poll one). Uncollected memfds are bounded apart
+#: (`FdChannel`).
 FDS_PER_SESSION = 4
 #: Descriptors kept for the daemon itself (zmq's threads and mailboxes, trio, the lock,
 #: logs, the metrics server) and for connections that have not said hello yet.
