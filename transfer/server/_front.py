@@ -187,7 +187,6 @@ class Front:
                 self.send(session.identity, P.encode_replies([P.Reply(r.id, error=err) for r in socket_reqs]))
             session.queue.clear()  # ring requests: the ring closes with the session, failing them client-side
         self.rings.close(session)
-        self.pass_.forget(session)
         self.resources.release(session)
 
     async def end_session(self, session: Session, why: str) -> None:

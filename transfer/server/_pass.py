@@ -39,7 +39,7 @@ from ._ops import RING, Op
 from ._planner import CopyRun, Planner, plan_batch
 from ._rings import COMPLETION_DETAIL, Rings
 from ._session import Session
-from ._waves import assign_waves, issue, issue_off_loop, run_inline, run_waves, wait_visible
+from ._waves import assign_waves, device_failed, issue, issue_off_loop, run_inline, run_waves, wait_visible
 
 __all__ = ["Pass", "Batch"]
 
@@ -176,9 +176,7 @@ class Pass:
             else:  # kernels (may compile), checksums (wait for a result), pinning: off the loop
                 batch.fence = await trio.to_thread.run_sync(issue_off_loop, batch.waves, device, lane, limiter=self.limiters[device.index])
         except Exception as exc:  # recording the fence failed: the device is in trouble
-            err = E.BackendError(f"queueing on {device}: {type(exc).__name__}: {exc}")
-            for op in batch.ops:
-                op.error = op.error or err
+            device_failed(batch.ops, f"queueing on {device}", exc)
             return False
         device.completed += 1
         session.pipeline.append(batch)
@@ -212,11 +210,6 @@ class Pass:
             self.complete(batch)
             moved, session.pipeline_moved = session.pipeline_moved, trio.Event()
             moved.set()
-
-    def forget(self, session: Session) -> None:
-        """The session ended: its device lanes (streams) go (each wave left them synchronized)."""
-        for backend in {id(d.backend): d.backend for d in self.planner.devices}.values():
-            backend.forget_lanes(session.id)
 
     def _stopped(self, session: Session) -> E.TransferError | None:
         """Between waves: the error for what has not started, once the session stopped running."""

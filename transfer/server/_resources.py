@@ -254,7 +254,9 @@ class Resources:
             vdev.backend.free(seg.handle)
 
     def release(self, session: Session) -> None:
-        """Everything the session holds goes: home, arenas, attachments, segments, remote peers."""
+        """Everything the session holds goes: lanes, home, arenas, attachments, segments, remote peers."""
+        for backend in self.backends:
+            backend.forget_lanes(session.id)  # its device streams (each wave left them synchronized)
         self.unadmit(session)
         for sid in session.attached:
             seg = self.table.get(sid)

@@ -26,7 +26,7 @@ from .. import errors as E
 from ._ops import Op
 from ._placement import VirtualDevice
 
-__all__ = ["assign_waves", "coalesce", "run_inline", "run_waves", "issue", "issue_off_loop", "wait_visible"]
+__all__ = ["assign_waves", "coalesce", "run_inline", "run_waves", "issue", "issue_off_loop", "wait_visible", "device_failed"]
 
 
 class _Intervals:
@@ -176,11 +176,16 @@ def _run_units(units: Sequence[tuple[list[Op], Callable[[], Any] | None]], devic
         # other sessions' work on the device runs on.
         for lane in lanes:
             backend.synchronize_lane(device.local_id, lane)
-    except Exception as exc:  # the device failed under these ops: they fail, the daemon serves on
-        err = E.BackendError(f"synchronizing {device}: {type(exc).__name__}: {exc}")
-        for ops, _ in units:
-            for op in ops:
-                op.error = op.error or err
+    except Exception as exc:
+        device_failed([op for ops, _ in units for op in ops], f"synchronizing {device}", exc)
+
+
+def device_failed(ops: Sequence[Op], doing: str, exc: BaseException) -> None:
+    """The device failed under these ops (a synchronize, a fence): they fail with why, and
+    the daemon serves on. An op that already failed keeps its own error."""
+    err = E.BackendError(f"{doing}: {type(exc).__name__}: {exc}")
+    for op in ops:
+        op.error = op.error or err
 
 
 def issue(waves: Sequence[Sequence[Op]], device: VirtualDevice, lane: Any) -> Any:
@@ -206,10 +211,8 @@ def wait_visible(fence: Any, ops: Sequence[Op], block: bool = True) -> bool:
         if not block:
             return bool(fence.done())
         fence.wait()
-    except Exception as exc:  # the device failed under these ops: they fail, the daemon serves on
-        err = E.BackendError(f"synchronizing {ops[0].device if ops else 'a device'}: {type(exc).__name__}: {exc}")
-        for op in ops:
-            op.error = op.error or err
+    except Exception as exc:
+        device_failed(ops, f"synchronizing {ops[0].device if ops else 'a device'}", exc)
     return True
 
 
