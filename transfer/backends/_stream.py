@@ -58,7 +58,7 @@ import itertools
 import logging
 import threading
 from collections import defaultdict
-from typing import Any, Hashable, Iterator
+from typing import Any, ContextManager, Hashable, Iterator
 
 import numpy as np
 
@@ -106,24 +106,22 @@ class StreamBackend(Backend):
 
     # --- lanes ------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def lane(self, lane: Hashable) -> Iterator[None]:
-        """Queue this thread's device work on `lane` (of whichever device it runs on)."""
-        prev = getattr(self._tls, "lane", None)
-        self._tls.lane = lane
+    def _for_this_thread(self, name: str, value: Any, default: Any) -> Iterator[None]:
+        """Set a per-thread setting for the block (as `with stream:` does in CuPy)."""
+        prev = getattr(self._tls, name, default)
+        setattr(self._tls, name, value)
         try:
             yield
         finally:
-            self._tls.lane = prev
+            setattr(self._tls, name, prev)
 
-    @contextlib.contextmanager
-    def off_loop(self) -> Iterator[None]:
+    def lane(self, lane: Hashable) -> ContextManager[None]:
+        """Queue this thread's device work on `lane` (of whichever device it runs on)."""
+        return self._for_this_thread("lane", lane, None)
+
+    def off_loop(self) -> ContextManager[None]:
         """This thread may block on slow driver calls (pinning): a worker, not the event loop."""
-        prev = getattr(self._tls, "worker", False)
-        self._tls.worker = True
-        try:
-            yield
-        finally:
-            self._tls.worker = prev
+        return self._for_this_thread("worker", True, False)
 
     # --- pinning ----------------------------------------------------------------------------------
     def _pin(self, shm: Any) -> None:
