@@ -39,6 +39,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .common import STAMP_STRIDE_WORDS, BenchFailure, fmt_size
+from .report import nvidia_smi
 
 METHODS = ("transfer", "cupy-pinned", "cupy-pageable")
 LABELS = {
@@ -286,29 +287,13 @@ def describe() -> dict[str, Any]:
     name = props["name"]
     return {
         "gpu": name.decode() if isinstance(name, bytes) else str(name),
-        "nvidia_smi": _gpu_driver(),
+        "nvidia_smi": nvidia_smi(),  # the driver's own version (the runtime gives the CUDA version it supports)
         "driver_version": rt.driverGetVersion(),
         "runtime_version": rt.runtimeGetVersion(),
         "cupy": cp.__version__,
         "devices": rt.getDeviceCount(),
         "cpu_count": os.cpu_count(),
     }
-
-
-def _gpu_driver() -> str | None:
-    """The driver's own version string (the runtime reports only the CUDA version it supports)."""
-    import shutil
-    import subprocess
-
-    exe = shutil.which("nvidia-smi")
-    if not exe:
-        return None
-    try:
-        out = subprocess.run([exe, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def render(result: dict[str, Any]) -> Any:

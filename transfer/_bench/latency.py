@@ -20,7 +20,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import shutil
-import statistics
 import tempfile
 import time
 from typing import Any, Callable
@@ -34,9 +33,10 @@ METHODS = ("transfer", "transfer-socket", "transfer-trio", "shm-pipe", "zmq-copy
 
 
 def _stats(samples: list[float]) -> dict[str, float]:
-    us = sorted(s * 1e6 for s in samples)
-    return {"p50_us": round(us[len(us) // 2], 2), "p99_us": round(us[min(len(us) - 1, int(len(us) * 0.99))], 2),
-            "mean_us": round(statistics.fmean(us), 2), "rounds": len(us)}
+    """p50/p99 as the throughput cells compute theirs (runner._summarize: np.percentile)."""
+    us = np.asarray(samples) * 1e6
+    return {"p50_us": round(float(np.percentile(us, 50)), 2), "p99_us": round(float(np.percentile(us, 99)), 2),
+            "mean_us": round(float(us.mean()), 2), "rounds": int(us.size)}
 
 
 def _timed(one: Callable[[], None], rounds: int, warmup: int) -> list[float]:

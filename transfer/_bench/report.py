@@ -43,7 +43,7 @@ def machine_info() -> dict[str, Any]:
         info["libzmq"] = zmq.zmq_version()
     except Exception:  # noqa: BLE001
         pass
-    info["gpu"] = _gpu()
+    info["gpu"] = nvidia_smi()
     return info
 
 
@@ -69,12 +69,12 @@ def _mem_total() -> int | None:
     return None
 
 
-def _gpu() -> str | None:
+def nvidia_smi() -> str | None:
     exe = shutil.which("nvidia-smi")
     if not exe:
         return None
     try:
-        out = subprocess.run([exe, "--query-gpu=name,memory.total", "--format=csv,noheader"],
+        out = subprocess.run([exe, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=10)
         return out.stdout.strip() or None
     except Exception:  # noqa: BLE001
