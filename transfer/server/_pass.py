@@ -36,7 +36,7 @@ from ._config import DaemonConfig
 from ._control import AFTER_PASS, BARRIERS, Control
 from ._deferred import resolve
 from ._ops import RING, Op
-from ._planner import CopyRun, Planner, plan_batch
+from ._planner import CopyRun, Planner, answers, plan_batch
 from ._rings import COMPLETION_DETAIL, Rings
 from ._session import Session
 from ._waves import assign_waves, device_failed, issue, issue_off_loop, run_inline, run_waves, wait_visible
@@ -93,7 +93,7 @@ class Batch:
 
     def count(self, req: Any, route: int) -> None:
         """One queue entry taken: it holds a credit (socket) or completion slots (ring) until answered."""
-        n = len(req.ids) if type(req) is CopyRun else 1
+        n = answers(req)
         if route == RING:
             self.ring_n += n
         else:

@@ -43,6 +43,11 @@ class CopyRun:
         return [P.Copy(int(i), int(d), int(s_), int(n), s) for i, d, s_, n in zip(self.ids.tolist(), self.dst.tolist(), self.src.tolist(), self.nbytes.tolist())]
 
 
+def answers(req: Any) -> int:
+    """How many answers one queue entry owes: a CopyRun one per copy, anything else one."""
+    return len(req.ids) if type(req) is CopyRun else 1
+
+
 class Planner:
     """Turns validated requests into Ops; raises a TransferError before anything is touched."""
 

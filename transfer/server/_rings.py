@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from bisect import bisect_left
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,7 +39,7 @@ from ._accounting import Accounting
 from ._config import DaemonConfig
 from ._fds import FdChannel
 from ._ops import RING
-from ._planner import VECTOR_RUN, CopyRun
+from ._planner import VECTOR_RUN, CopyRun, answers
 from ._session import Phase, Session
 
 __all__ = ["Rings", "Doorbell", "COMPLETION_DETAIL"]
@@ -98,18 +99,16 @@ def join_chains(array: np.ndarray) -> tuple[list[tuple[Any, int]], np.ndarray]:
     out: list[tuple[Any, int]] = []
     flagged = (array["flags"] & FLAG_CHAIN) != 0
     ends = np.flatnonzero(~flagged).tolist()  # rows that end a request
-    starts = np.flatnonzero(flagged).tolist()
-    i, n, e, f = 0, len(array), 0, 0
+    starts = np.flatnonzero(flagged).tolist()  # rows that a chain continues from
+    i, n = 0, len(array)
     while i < n:
-        while f < len(starts) and starts[f] < i:
-            f += 1
         if not flagged[i]:  # plain descriptors, up to the next chain
+            f = bisect_left(starts, i)
             j = starts[f] if f < len(starts) else n
             out.extend(to_batch(None, array[i:j]))
             i = j
             continue
-        while e < len(ends) and ends[e] < i:
-            e += 1
+        e = bisect_left(ends, i)
         if e == len(ends):  # open: its end has not arrived
             if n - i < MAX_CHAIN:
                 return out, array[i:].copy()
@@ -316,10 +315,10 @@ class Rings:
         else:
             items = to_batch(rows, array)
         # Each request answers once: that is what its descriptors reserved (a chain, one slot).
-        answers = sum(len(req.ids) if type(req) is CopyRun else 1 for req, _ in items)
-        self.accounting.received(session, answers)
+        owed = sum(answers(req) for req, _ in items)
+        self.accounting.received(session, owed)
         session.queue.extend(items)
-        session.ring_pending += answers
+        session.ring_pending += owed
         return n
 
     def push(self, session: Session, comps: list[tuple[int, int, int, int, int]] | np.ndarray) -> None:
