@@ -25,15 +25,11 @@ from .._ring import FLAG_CHAIN, MAX_CHAIN, REQUEST_DTYPE, Op as RingOp, Ring
 from ..memory._shm import check_sealed
 from ._pending import Pending
 
-__all__ = ["RingLink", "ring_able", "descriptors_of"]
+__all__ = ["RingLink", "descriptors_of"]
 
 #: A completion whose error message follows on the control socket (server._rings).
 _DETAIL = 1
 _RING_TYPES = (P.Copy, P.CopyV, P.Fill, P.Checksum, P.Fence, P.Wait)
-
-
-def ring_able(reqs: Sequence[P.Request]) -> bool:
-    return all(type(r) in _RING_TYPES and (type(r) is not P.CopyV or 0 < len(r.dst) <= MAX_CHAIN) for r in reqs)
 
 
 def _chain(req: P.CopyV) -> np.ndarray:
@@ -115,7 +111,10 @@ class RingLink:
 
     def takes(self, req: P.Request) -> bool:
         """Whether `req` may take this ring (a chain longer than the credits takes the socket)."""
-        return ring_able((req,)) and descriptors_of(req) <= self.credits
+        t = type(req)
+        if t is P.CopyV:
+            return 0 < len(req.dst) <= min(MAX_CHAIN, self.credits)
+        return t in _RING_TYPES
 
     def push(self, reqs: Sequence[P.Request], pending: dict[int, Pending], wait_credits: Callable[[int], None]) -> None:
         """Publish `reqs` (all `takes`), waiting for credits when the window is full; a
@@ -138,14 +137,11 @@ class RingLink:
             try:  # one descriptor as a tuple (no NumPy on the short path), more as one push_many
                 if used == 1 and not isinstance(take[0][2], np.ndarray):
                     ok = self.ring.push(take[0][2][0])
-                else:
-                    if n == 1 and isinstance(take[0][2], np.ndarray):
-                        descs = take[0][2]
-                    else:  # filled in place: np.concatenate would repack the dtype's layout
-                        descs, at = np.empty(used, REQUEST_DTYPE), 0
-                        for _, _, g in take:
-                            descs[at : at + len(g)] = g if isinstance(g, np.ndarray) else np.array(g, dtype=REQUEST_DTYPE)
-                            at += len(g)
+                else:  # filled in place: np.concatenate would repack the dtype's layout
+                    descs, at = np.empty(used, REQUEST_DTYPE), 0
+                    for _, _, g in take:
+                        descs[at : at + len(g)] = g if isinstance(g, np.ndarray) else np.array(g, dtype=REQUEST_DTYPE)
+                        at += len(g)
                     ok = self.ring.push_many(descs) == used
             except (OverflowError, TypeError, ValueError) as exc:
                 self._forget(groups[i:], pending)
