@@ -128,16 +128,17 @@ static inline long trq_futex_wake(_Atomic uint32_t *w)
     return syscall(SYS_futex, (uint32_t *)w, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
 }
 
-/* Waker half of the doorbell (P2..P4 above); called after a release store of an index. */
-static inline int trq_ring_doorbell(_Atomic uint32_t *w)
+/* Waker half of the doorbell (P2..P4 above); called after a release store of an index.
+ * Returns the word it cleared: 0 (nobody slept), 1 (a sleeper that also wants its event-loop
+ * bell rung: the caller writes it) or TDP_ARMED (a native data-plane worker: the futex is all). */
+static inline uint32_t trq_ring_doorbell(_Atomic uint32_t *w)
 {
     atomic_thread_fence(memory_order_seq_cst);                       /* P2 */
+    uint32_t was = 0;
     if (atomic_load_explicit(w, memory_order_relaxed) != 0 &&        /* P3 */
-        atomic_exchange_explicit(w, 0, memory_order_relaxed) != 0) {
+        (was = atomic_exchange_explicit(w, 0, memory_order_relaxed)) != 0)
         trq_futex_wake(w);                                           /* P4 */
-        return 1;
-    }
-    return 0;
+    return was;
 }
 
 /* Unconditional: clear the word and wake whoever sleeps on it (close, interrupt). */
@@ -248,11 +249,12 @@ static inline int64_t trq_push_from(trq_t *q, const void *src, uint64_t n, int w
  * Wait until the condition holds, the peer closes, *interrupt becomes
  * non-zero (local close from another thread), or timeout_ns passes
  * (UINT64_MAX: forever). Spins for spin_ns first (cheap while the peer is
- * busy), then sleeps on the futex. Returns the available count (>= 0) or
- * TRQ_CORRUPT. Call without the GIL.
+ * busy), then sleeps on the futex, its word set to `armed` (1; the native
+ * data plane's workers use 2, see trq_ring_doorbell). Returns the available
+ * count (>= 0) or TRQ_CORRUPT. Call without the GIL.
  */
-static inline int64_t trq_wait(trq_t *q, int what, uint64_t need, uint64_t timeout_ns,
-                               uint64_t spin_ns, atomic_int *interrupt)
+static inline int64_t trq_wait_armed(trq_t *q, int what, uint64_t need, uint64_t timeout_ns,
+                                     uint64_t spin_ns, atomic_int *interrupt, uint32_t armed)
 {
     _Atomic uint32_t *w = what == TRQ_WAIT_DATA ? q->data_waiter : q->space_waiter;
     int64_t a;
@@ -288,7 +290,7 @@ static inline int64_t trq_wait(trq_t *q, int what, uint64_t need, uint64_t timeo
         trq_cpu_relax();
     }
     for (;;) {
-        atomic_store_explicit(w, 1, memory_order_relaxed);                 /* C1 */
+        atomic_store_explicit(w, armed, memory_order_relaxed);             /* C1 */
         atomic_thread_fence(memory_order_seq_cst);                         /* C2 */
         a = what == TRQ_WAIT_DATA ? trq_available(q) : trq_free(q);        /* C3 */
         if (a < 0 || (uint64_t)a >= need ||
@@ -301,13 +303,19 @@ static inline int64_t trq_wait(trq_t *q, int what, uint64_t need, uint64_t timeo
         uint64_t ns = deadline - now;
         if (ns > TRQ_SLICE_NS)
             ns = TRQ_SLICE_NS;
-        trq_futex_wait(w, 1, ns);                                          /* C4 */
+        trq_futex_wait(w, armed, ns);                                      /* C4 */
         /* woken, EAGAIN (word already cleared), EINTR or slice over: re-check */
     }
     /* Leaving: clear the word so a busy consumer does not make every publish a syscall. */
     atomic_store_explicit(w, 0, memory_order_relaxed);
     return a;
 #undef TRQ_CHECK
+}
+
+static inline int64_t trq_wait(trq_t *q, int what, uint64_t need, uint64_t timeout_ns,
+                               uint64_t spin_ns, atomic_int *interrupt)
+{
+    return trq_wait_armed(q, what, need, timeout_ns, spin_ns, interrupt, 1);
 }
 
 /*

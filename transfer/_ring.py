@@ -165,6 +165,11 @@ except ImportError as exc:  # no compiler at install time, or the .so was remove
     _NATIVE_ERROR = exc
 
 
+def native_module() -> Any:
+    """The native extension (its Queue, and the data plane's Table and Worker), or None."""
+    return _native
+
+
 def available_implementations() -> list[str]:
     return (["native"] if _native is not None else []) + ["python"]
 
@@ -306,13 +311,14 @@ class _PyQueue:
                 else "this endpoint produces into this queue; it cannot pop"
             )
 
-    def _doorbell(self, word: memoryview, addr: int) -> bool:
+    def _doorbell(self, word: memoryview, addr: int) -> int:
+        """The waker's half (ring.h, trq_ring_doorbell): the word it cleared (0: nobody slept)."""
         _fence()  # P2: order the index store before the waiter-word load (Dekker)
-        if word[0]:
+        was = word[0]
+        if was:
             word[0] = 0
             _futex_wake(addr)
-            return True
-        return False
+        return was
 
     def _corrupt(self) -> RingCorrupted:
         return RingCorrupted(
@@ -751,14 +757,17 @@ class Ring:
         return self.outbox.wait(need, timeout, self.spin if spin is None else spin)
 
     def notify(self) -> bool:
-        """Ring the peer's doorbell for what was pushed with ``wake=False``."""
+        """Ring the peer's doorbell for what was pushed with ``wake=False``.
+
+        The bell fd is written only when the sleeper armed the word with 1 (an event loop
+        that sleeps on it); a native data-plane worker arms with 2 and needs the futex only."""
         woke = self.outbox.notify()
-        if woke and self._bell >= 0:
+        if woke == 1 and self._bell >= 0:
             try:
                 os.write(self._bell, b"\0")
             except (BlockingIOError, BrokenPipeError):
                 pass  # a full pipe is already ringing; a closed one has nobody to wake
-        return woke
+        return bool(woke)
 
     # -- inbox (consumer side)
     def pop(self, *, wake: bool = True) -> tuple | None:

@@ -245,6 +245,8 @@ def _defaults() -> tuple[Setting, ...]:
         ("rings", _bool, "let same-host clients open a shared-memory request ring (docs/ring.md)", "--rings", {"boolean": True}),
         ("max_ring_capacity", _int, "largest request ring (descriptors) a session may open", "--max-ring-capacity", {"minimum": 2, "maximum": 1 << 20}),
         ("ring_spin_s", _float, "seconds the daemon busy-polls rings after the last ring request, before it sleeps", "--ring-spin", {"minimum": 0, "maximum": 0.1, "metavar": "SECONDS"}),
+        ("ring_workers", _bool, "serve each ring's copies, fills, checksums and fences on a native worker thread (docs/ring.md)", "--ring-workers", {"boolean": True}),
+        ("worker_spin_s", _float, "seconds a ring's worker spins for the next descriptor before it sleeps on the futex", "--worker-spin", {"minimum": 0, "maximum": 0.01, "metavar": "SECONDS"}),
         ("metrics_port", _int, "serve Prometheus metrics over HTTP on this port; 0 = off", "--metrics-port", {"minimum": 0, "maximum": 65535, "metavar": "PORT"}),
         ("metrics_addr", _str, "address the metrics endpoint binds", "--metrics-addr", {"metavar": "ADDR"}),
         ("limits.max_frame_bytes", parse_size, "largest request frame accepted", "--max-frame-bytes", {"minimum": 64, "maximum": 1 << 30, "metavar": "BYTES"}),

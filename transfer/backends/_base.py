@@ -41,6 +41,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def free(self, mem: Any) -> None: ...
 
+    def host_buffer(self, mem: Any) -> Any:
+        """The host memory behind a device allocation, if that is all it is (a writable buffer
+        a native ring worker may copy into), else None: real device memory goes through the pass."""
+        return None
+
     def register_host(self, shm: Any) -> None:
         """A new host segment: this backend may make it DMA-able (pinned); no-op where meaningless."""
 

@@ -35,6 +35,9 @@ class NumpyBackend(Backend):
     def free(self, mem: Any) -> None:
         pass  # dropped with its last reference
 
+    def host_buffer(self, mem: Any) -> Any:
+        return mem  # "device" memory is a host array
+
     @staticmethod
     def view(span: Span) -> np.ndarray:
         base = span.mem.array if span.kind == SegmentKind.HOST else span.mem

@@ -25,7 +25,25 @@ class Accounting:
             "passes": 0, "waves": 0, "ops": 0, "bytes_moved": 0,
             # Passes queued on a GPU lane behind the one still running (answered at its fence).
             "pipelined_passes": 0,
+            # Ring requests a native worker executed (also in "requests"; docs/ring.md).
+            "native_requests": 0, "ring_handovers": 0,
         }
+
+    def native(self, session: Session, counts: dict[str, int], latency: dict[str, tuple[list[int], float]]) -> None:
+        """What a session's native ring worker did since the last fold (`_dataplane`)."""
+        n = counts["copy"] + counts["fill"] + counts["checksum"] + counts["fence"]
+        c = self.counters
+        c["requests"] += n
+        c["native_requests"] += n
+        c["ring_handovers"] += counts["handovers"]
+        c["bytes_moved"] += counts["bytes"]
+        session.stats.requests += n
+        session.stats.bytes_moved += counts["bytes"]
+        if counts["bytes"]:
+            self.metrics.bytes_moved("host", counts["bytes"])
+        for kind, (hist, seconds) in latency.items():
+            if any(hist):
+                self.metrics.requests_histogram(kind, hist, seconds)
 
     def frame(self, session: Session | None) -> None:
         self.counters["frames"] += 1

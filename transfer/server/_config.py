@@ -81,6 +81,12 @@ class DaemonConfig:
     max_ring_capacity: int = 1 << 16
     #: After the last ring request, the daemon busy-polls the rings this long before sleeping.
     ring_spin_s: float = 200e-6
+    #: Each ring gets a native worker thread that executes its copies, fills, checksums and
+    #: fences without the event loop (native/dataplane.h); off, or without the extension,
+    #: the event loop serves rings itself.
+    ring_workers: bool = True
+    #: How long a ring's worker spins for the next descriptor before it sleeps on the futex.
+    worker_spin_s: float = 50e-6
     #: Prometheus metrics over HTTP (`transfer.server._metrics`); 0 = off.
     metrics_port: int = 0
     metrics_addr: str = "127.0.0.1"

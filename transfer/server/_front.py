@@ -111,7 +111,7 @@ class Front:
             self._refuse(identity, session, reqs, E.SessionClosed("the session is closing"))
             return
         if session.ring is not None:
-            self.rings.ingest(session)  # what the client pushed before this frame goes first
+            self.rings.before_frame(session)  # what the client pushed before this frame goes first
         if session.inflight + len(reqs) > self.config.max_inflight:
             # Clients keep within the credits announced in hello; only a misbehaving one gets here.
             self._refuse(identity, session, reqs, E.QuotaExceeded(f"more than {self.config.max_inflight} requests in flight for this session"))

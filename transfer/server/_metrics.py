@@ -105,6 +105,21 @@ class Metrics:
         h.counts[bisect.bisect_left(h.bounds, seconds)] += n
         h.sum += seconds * n
 
+    @staticmethod
+    def latency_bounds() -> tuple[float, ...]:
+        """The request-latency buckets (the native data plane keeps its histograms in them)."""
+        return LATENCY_BUCKETS
+
+    def requests_histogram(self, op: str, counts: list[int], seconds: float) -> None:
+        """Requests of `op` counted elsewhere, as per-bucket counts in `latency_bounds()` (and +Inf)."""
+        o = self._ops.get(op)
+        if o is None:
+            o = self._ops[op] = _Op()
+        h = o.hist
+        for i, c in enumerate(counts):
+            h.counts[i] += c
+        h.sum += seconds
+
     def bytes_moved(self, kind: Hashable, n: int) -> None:
         """`n` bytes copied; `kind` is a segment kind (str or SegmentKind) or a (dst, src) tuple."""
         slot = self._bytes.get(kind)

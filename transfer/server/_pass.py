@@ -122,7 +122,9 @@ class Pass:
     # --- entry points --------------------------------------------------------------------------
     def kick(self, session: Session) -> None:
         """Requests were queued: run small passes right now, hand anything else to the session's task."""
-        if session.pipeline:  # answers stay in order: what follows a pipelined pass waits its turn
+        if session.pipeline or session.ring_wait is not None:
+            # Answers stay in order: what follows a pipelined pass waits its turn, and a frame
+            # waits for the ring requests its client pushed before it (`Rings.catch_up`).
             session.wake.set()
             return
         for _ in range(_INLINE_PASSES):
@@ -138,6 +140,9 @@ class Pass:
 
     async def run(self, session: Session) -> None:
         """The session task's step: the pass `kick` handed over, or a new one."""
+        if session.current is None and session.ring_wait is not None:
+            await self.rings.catch_up(session)
+            return
         if session.current is None and session.pipeline and session.queue and type(session.queue[0][0]) in _BARRIERS:
             await self.drain(session)  # a barrier runs once everything before it is done
         batch = session.current or self.take(session)
@@ -363,6 +368,8 @@ class Pass:
         session.inflight -= b.socket_n
         session.ring_pending -= b.ring_n
         self.accounting.passed(session, b.ops, len(b.waves), codes)
+        if session.worker is not None and b.ring_n:
+            self.rings.settle(session)  # the ring goes back to its worker once the session is idle
         if peer_lost and session.running:
             self.on_peer_lost(session)  # the producer's NIXL agent is gone: its session goes too
 

@@ -21,6 +21,7 @@ from ..backends import Backend
 from ..memory import ShmFile
 from ..memory._shm import PREFIX
 from ._config import DaemonConfig
+from ._dataplane import DataPlane
 from ._fds import FdChannel
 from ._placement import VirtualDevice, choose_home
 from ._remote import RemotePlane
@@ -37,6 +38,7 @@ class Resources:
     def __init__(
         self, config: DaemonConfig, table: MappingTable[Any], devices: Sequence[VirtualDevice],
         backends: Sequence[Backend], remote: RemotePlane, instance: Callable[[], str], fds: FdChannel,
+        dataplane: DataPlane,
     ) -> None:
         self.config = config
         self.table = table
@@ -46,6 +48,8 @@ class Resources:
         self._instance = instance
         #: Where the client collects each segment's memfd.
         self.fds = fds
+        #: The native workers' mirror of the table: every add and drop goes there too.
+        self.dataplane = dataplane
         #: Share tokens -> segment id (see Share/Attach).
         self.shares: dict[bytes, int] = {}
         self.device_bytes = 0
@@ -130,6 +134,11 @@ class Resources:
             for backend in self.backends:
                 backend.register_host(shm)
             seg = self.table.add_reserved(sid, SegmentKind.HOST, nbytes, session.id, shm)
+            try:
+                self.dataplane.mirror(seg)
+            except BaseException:
+                self.table.remove(sid)
+                raise
         except BaseException:
             shm.close()
             raise
@@ -158,10 +167,20 @@ class Resources:
             mem = vdev.backend.alloc(nbytes, vdev.local_id)
         except MemoryError:
             raise E.OutOfDeviceMemory(f"device {device} cannot allocate {nbytes} bytes") from None
-        if segment_id is None:
-            seg = self.table.add(SegmentKind.DEVICE, nbytes, session.id, mem, device)
-        else:
-            seg = self.table.add_reserved(segment_id, SegmentKind.DEVICE, nbytes, session.id, mem, device)
+        try:
+            if segment_id is None:
+                seg = self.table.add(SegmentKind.DEVICE, nbytes, session.id, mem, device)
+            else:
+                seg = self.table.add_reserved(segment_id, SegmentKind.DEVICE, nbytes, session.id, mem, device)
+        except BaseException:
+            vdev.backend.free(mem)
+            raise
+        try:
+            self.dataplane.mirror(seg, vdev.backend)
+        except BaseException:
+            self.table.remove(seg.id)
+            vdev.backend.free(mem)
+            raise
         session.segments.add(seg.id)
         session.device_bytes += nbytes
         self.device_bytes += nbytes
@@ -207,6 +226,7 @@ class Resources:
         if seg.owner != session.id:
             seg.guests.add(session.id)
             session.attached.add(seg.id)
+            self.dataplane.guest(seg, session, True)
         return {"va": seg.va, "nbytes": seg.nbytes, "kind": seg.kind.name.lower(), "device": seg.device}
 
     # --- releasing -----------------------------------------------------------------------------
@@ -223,12 +243,14 @@ class Resources:
             # A guest's Unregister/Free detaches it; the memory stays with its owner.
             seg.guests.discard(session.id)
             session.attached.discard(seg.id)
+            self.dataplane.guest(seg, session, False)
             return
         self.drop(session, seg)
 
     def drop(self, session: Session, seg: Segment[Any]) -> None:
         """Remove a segment of `session`'s and release its memory."""
         self.table.remove(seg.id)
+        self.dataplane.forget(seg)  # no worker is inside it from here on
         for token in seg.info.get("tokens", ()):
             self.shares.pop(token, None)
         session.segments.discard(seg.id)
@@ -262,6 +284,7 @@ class Resources:
             seg = self.table.get(sid)
             if seg is not None:
                 seg.guests.discard(session.id)
+                self.dataplane.guest(seg, session, False)
         session.attached.clear()
         for sid in list(session.segments):
             seg = self.table.get(sid)

@@ -17,6 +17,13 @@ trio cannot wait on a futex, so each direction also has a FIFO doorbell: the
 daemon sleeps on one FIFO that every client writes a byte to when it finds
 its ring armed, and each session has a FIFO the daemon writes to when it
 pushes completions while that client sleeps on them (the trio client).
+
+Where the native extension is built, a ring is served by its own worker
+thread (`_dataplane`): copies, fills, checksums and fences never reach this
+module. The loop here serves a ring only while its worker has handed it over
+(a request the worker does not serve), and hands it back once idle; a socket
+frame waits until the worker has done what the client pushed before it
+(`before_frame`, `catch_up`), so the two paths keep the client's order.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from .._ring import COMPLETION_DTYPE, FLAG_CHAIN, MAX_CHAIN, REQUEST_DTYPE, Op a
 from ..memory._shm import PREFIX, new_memfd, reserve, seal
 from ._accounting import Accounting
 from ._config import DaemonConfig
+from ._dataplane import BROKEN, NATIVE, PYTHON, DataPlane
 from ._fds import FdChannel
 from ._ops import RING
 from ._planner import VECTOR_RUN, CopyRun, answers
@@ -172,8 +180,9 @@ class Doorbell:
 class Rings:
     """Every session's ring: open, ingest into the queue, push completions, poll, sleep."""
 
-    def __init__(self, config: DaemonConfig, instance: Callable[[], str], accounting: Accounting, fds: FdChannel) -> None:
+    def __init__(self, config: DaemonConfig, instance: Callable[[], str], accounting: Accounting, fds: FdChannel, dataplane: DataPlane) -> None:
         self.config = config
+        self.dataplane = dataplane
         #: Where the client collects its ring's memfd.
         self.fds = fds
         self._instance = instance
@@ -247,7 +256,12 @@ class Rings:
             session.ring_bell = wr
         session.ring = ring
         self.sessions[session.id] = session
-        ring.arm()  # if the ring loop sleeps now, the client's first push must ring the bell
+        try:
+            session.worker = self.dataplane.start(session, ring, self.bell.fd, wr)
+        except OSError as exc:  # no thread to be had: the loop serves this ring
+            log.warning("session %d: no ring worker (%s); the event loop serves its ring", session.id, exc, extra={"session": session.id})
+        if session.worker is None:
+            ring.arm()  # if the ring loop sleeps now, the client's first push must ring the bell
         if not self._loop_started:
             self._loop_started = True
             nursery.start_soon(self._loop)
@@ -265,6 +279,7 @@ class Rings:
         outstanding descriptors with SessionClosed. Nothing maps the ring afterwards."""
         self.sessions.pop(session.id, None)
         session.ring_chain = None
+        self.dataplane.stop(session)  # joins its thread: nothing touches the ring after this
         ring, session.ring = session.ring, None
         if ring is not None:
             ring.close()  # its memfd goes with the client's mapping (an uncollected one with its token)
@@ -278,14 +293,18 @@ class Rings:
             self.bell = None
 
     # --- ingest and complete -------------------------------------------------------------------
-    def ingest(self, session: Session, limit: int | None = None) -> int:
+    def ingest(self, session: Session, limit: int | None = None, front: bool = False) -> int:
         """Move what the session's ring holds (within its completion budget) into its queue.
 
         `limit` bounds one poll's take (fairness between rings); before a socket frame
         the front takes everything, so ring requests keep their place ahead of it.
+        `front`: put them at the head of the queue (ahead of a frame that waited for them).
+        Only while no worker owns the ring.
         """
         ring = session.ring
         if ring is None or not session.accepting:
+            return 0
+        if session.worker is not None and session.worker.mode != PYTHON:
             return 0
         try:
             avail = ring.available()
@@ -317,9 +336,60 @@ class Rings:
         # Each request answers once: that is what its descriptors reserved (a chain, one slot).
         owed = sum(answers(req) for req, _ in items)
         self.accounting.received(session, owed)
-        session.queue.extend(items)
+        if front:
+            session.queue.extendleft(reversed(items))
+        else:
+            session.queue.extend(items)
         session.ring_pending += owed
         return n
+
+    # --- the native worker's ring ----------------------------------------------------------------
+    def before_frame(self, session: Session) -> None:
+        """A socket frame arrived: what the client pushed on its ring before it goes first."""
+        worker = session.worker
+        if worker is None or worker.mode != NATIVE:
+            self.ingest(session)
+            return
+        tail = worker.tail()
+        if 0 < tail - worker.done <= session.ring.request_capacity:  # (an impossible tail: the worker reports it)
+            session.ring_wait = tail if session.ring_wait is None else max(session.ring_wait, tail)
+
+    async def catch_up(self, session: Session) -> None:
+        """Wait until the worker has done what came before the waiting frame, or handed it over
+        (then that rest is queued ahead of the frame)."""
+        worker = session.worker
+        try:
+            while worker is not None and session.running and session.ring_wait is not None:
+                mode = worker.mode
+                if mode != NATIVE:
+                    if mode == PYTHON:
+                        self.ingest(session, front=True)
+                    return
+                session.ring_moved = trio.Event()
+                if worker.watch(session.ring_wait) >= session.ring_wait:
+                    return
+                await session.ring_moved.wait()
+        finally:
+            session.ring_wait = None
+
+    def settle(self, session: Session) -> None:
+        """Give a handed-over ring back to its worker once the session is idle on it."""
+        worker = session.worker
+        ring = session.ring
+        if (
+            worker is None or ring is None or worker.mode != PYTHON or not session.accepting
+            or session.ring_pending or session.ring_chain is not None or session.ring_wait is not None
+            or not session.idle
+        ):
+            return
+        try:
+            if ring.available():
+                return
+        except RingCorrupted as exc:
+            self.broken(session, exc)
+            return
+        ring.disarm()
+        worker.resume()
 
     def push(self, session: Session, comps: list[tuple[int, int, int, int, int]] | np.ndarray) -> None:
         """Completions onto the ring; a ring that cannot take them ends its session."""
@@ -345,14 +415,27 @@ class Rings:
 
     # --- the loop ------------------------------------------------------------------------------
     def _poll(self) -> int:
-        """Ingest every ring; each session's pass decides to run inline or on its task."""
+        """Ingest every ring its worker does not own; each session's pass decides to run
+        inline or on its task. Note what the workers rang the bell for."""
         took = 0
         for session in list(self.sessions.values()):
             try:
+                worker = session.worker
+                if worker is not None:
+                    if worker.take_signal():
+                        session.ring_moved.set()
+                    mode = worker.mode
+                    if mode == NATIVE:
+                        continue
+                    if mode == BROKEN:
+                        self.broken(session, RingCorrupted("the ring's worker found impossible indices"))
+                        continue
                 n = self.ingest(session, self.config.max_pass)
                 if n:
                     took += n
                     self.kick(session)
+                elif worker is not None:
+                    self.settle(session)
             except Exception as exc:  # a bug: this session goes, the daemon keeps serving the rest
                 log.exception("session %d: internal error on its ring", session.id, extra={"session": session.id})
                 self.broken(session, exc)
@@ -389,7 +472,7 @@ class Rings:
                 await trio.lowlevel.wait_readable(bell.fd)
                 bell.drain()
                 for session in list(self.sessions.values()):
-                    if session.ring is not None:
+                    if session.ring is not None and (session.worker is None or session.worker.mode == PYTHON):
                         session.ring.disarm()
             except RingCorrupted:  # a ring went bad between checks: ingest ends its session
                 await trio.lowlevel.checkpoint()
@@ -401,6 +484,12 @@ class Rings:
             ring = session.ring
             if ring is None or not session.accepting:
                 continue
+            if session.worker is not None:
+                if session.worker.mode != PYTHON:
+                    continue  # the worker sleeps on the ring itself
+                self.settle(session)
+                if session.worker.mode != PYTHON:
+                    continue
             try:
                 if ring.arm() and ring.free() - session.ring_pending > 0:
                     ready = True
@@ -408,6 +497,6 @@ class Rings:
                 self.broken(session, exc)
         if ready:
             for session in self.sessions.values():
-                if session.ring is not None:
+                if session.ring is not None and (session.worker is None or session.worker.mode == PYTHON):
                     session.ring.disarm()
         return ready

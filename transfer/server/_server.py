@@ -25,6 +25,7 @@ from ..memory import DaemonLock, sweep_stale
 from ._accounting import Accounting
 from ._config import DaemonConfig
 from ._control import Control
+from ._dataplane import DataPlane
 from ._fds import FdChannel
 from ._front import Front
 from ._metrics import Metrics
@@ -69,8 +70,10 @@ class Server:
         self._lock: DaemonLock | None = None
         #: Where clients collect the memfds behind their segments and rings (no paths: no SIGBUS).
         self.fds = FdChannel(config.shm_dir, lambda: self.instance)
-        self.resources = Resources(config, self.table, self.devices, self.backends, self.remote, lambda: self.instance, self.fds)
-        self.rings = Rings(config, lambda: self.instance, self.accounting, self.fds)
+        #: Native ring workers and their mirror of the table (when the extension is built).
+        self.dataplane = DataPlane(config, self.accounting)
+        self.resources = Resources(config, self.table, self.devices, self.backends, self.remote, lambda: self.instance, self.fds, self.dataplane)
+        self.rings = Rings(config, lambda: self.instance, self.accounting, self.fds, self.dataplane)
         self.control = Control(self.resources, self.rings, self.stats)
         self.pass_ = Pass(config, self.planner, self.limiters, self.control, self.rings, self.accounting, self._send)
         self.front = Front(config, self.pass_, self.rings, self.resources, self.accounting, self._hello_info, self.control)
@@ -155,6 +158,7 @@ class Server:
             sessions_before = len(self.sessions)
 
     def _gauges(self) -> None:
+        self._fold()
         self.metrics.set_gauges(
             sessions=len(self.sessions), segments=len(self.table),
             queued=sum(len(s.queue) for s in self.sessions.values()), device_bytes=self.resources.device_bytes,
@@ -177,12 +181,19 @@ class Server:
             **granted,
         }
 
+    def _fold(self) -> None:
+        """Bring what the native ring workers did into the accounting."""
+        for s in list(self.rings.sessions.values()):
+            self.dataplane.fold(s)
+
     def stats(self, session: Session | None = None) -> dict[str, Any]:
+        self._fold()
         out: dict[str, Any] = {
             "daemon": {
                 **self.accounting.counters,
                 "sessions": len(self.sessions),
                 "rings": len(self.rings.sessions),
+                "ring_workers": self.dataplane.workers,
                 "segments": len(self.table),
                 "device_bytes": self.resources.device_bytes,
                 "pinned_bytes": sum(b.pinned_bytes for b in self.backends),

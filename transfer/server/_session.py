@@ -106,6 +106,13 @@ class Session:
     ring: Any = None
     #: The FIFO the daemon's end of the ring rings when the client sleeps on completions.
     ring_bell: Any = None
+    #: The native worker serving the ring (`_dataplane`), or None.
+    worker: Any = None
+    #: A socket frame arrived while the worker still had this request index to go: the
+    #: socket requests wait (`Rings.catch_up`) until it has, so the ring's go first.
+    ring_wait: int | None = None
+    #: Set when the worker rings the bell for this session (a watched index, a handover).
+    ring_moved: trio.Event = field(default_factory=trio.Event)
 
     def __hash__(self) -> int:
         return self.id

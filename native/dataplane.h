@@ -1,0 +1,599 @@
+/*
+ * dataplane.h: the native data plane. Each same-host session's request ring
+ * gets one worker thread that pops descriptors, checks them against a native
+ * copy of the mapping table and executes copy, fill, checksum and fence
+ * itself, without the GIL and without the event loop (docs/ring.md, "Native
+ * workers"). Anything else (an opcode it does not serve, a VA it cannot
+ * translate, memory that is not plain host memory, a malformed chain) it
+ * hands back to the daemon's Python pass, which owns every error message.
+ * Header-only (static inline), like ring.h; no Python in here.
+ *
+ * OWNERSHIP OF THE RING. A ring has one consumer and one completion
+ * producer at any time: the worker (mode NATIVE) or the Python pass (mode
+ * PYTHON). Only the worker moves NATIVE -> PYTHON (after its last ring access,
+ * with a release store of `mode`); only Python moves PYTHON -> NATIVE (after
+ * its last ring access, with a release store; then it wakes the worker on
+ * `ctl`). Each side loads `mode` with acquire before touching the ring, so
+ * the trq_t cursors (private indices) pass between threads with a
+ * happens-before edge and are never used by both at once.
+ *
+ * THE TABLE. Segment id -> (host pointer, size, owner, guests, device), a
+ * sorted array under a writer-preferring rwlock. A worker holds the read
+ * lock while it touches a segment's bytes, at most TDP_CHUNK bytes at a time,
+ * and re-translates between chunks; Python takes the write lock (without the
+ * GIL) before it removes a segment, and unmaps it only afterwards. So no
+ * worker ever touches unmapped memory, and a free waits for at most one
+ * chunk of someone else's copy.
+ *
+ * WAKING. A worker that finds its ring empty spins for `spin_ns`, then
+ * sleeps on the request queue's data futex, armed with TDP_ARMED (2): a
+ * client's push clears the word and wakes it with FUTEX_WAKE only. The value
+ * 1 means "the Python loop armed this and sleeps on the daemon's doorbell
+ * FIFO": only then does a client also write the FIFO (transfer/_ring.py,
+ * Ring.notify). A worker tells the Python loop about a handover, a broken
+ * ring or a watched index by writing one byte to that FIFO itself.
+ */
+#ifndef TRANSFER_DATAPLANE_H
+#define TRANSFER_DATAPLANE_H
+
+#include <pthread.h>
+#include <stdlib.h>
+
+#include "ring.h"
+
+/* Descriptor layout (REQUEST_DTYPE, transfer/_ring.py) and completions (COMPLETION_DTYPE). */
+typedef struct {
+    uint16_t op, flags;
+    uint32_t stream;
+    uint64_t id, dst, src, nbytes, arg0, arg1, arg2;
+} tdp_desc_t;
+typedef struct {
+    uint64_t id;
+    int32_t status;
+    uint32_t flags;
+    uint64_t result, aux;
+} tdp_comp_t;
+_Static_assert(sizeof(tdp_desc_t) == 64, "descriptor layout");
+_Static_assert(sizeof(tdp_comp_t) == 32, "completion layout");
+
+enum { TDP_NOP = 0, TDP_COPY = 1, TDP_FILL = 2, TDP_CHECKSUM = 3, TDP_FENCE = 4 };
+#define TDP_FLAG_CHAIN 1u
+#define TDP_MAX_CHAIN 4096u
+#define TDP_OFFSET_BITS 40
+#define TDP_OFFSET_MASK ((1ull << TDP_OFFSET_BITS) - 1)
+#define TDP_GOLDEN 0x9E3779B97F4A7C15ull
+/* Bytes touched under one hold of the table's read lock. */
+#define TDP_CHUNK (4ull << 20)
+/* Completions are pushed early once this many bytes were moved since the last push. */
+#define TDP_FLUSH_BYTES (1ull << 20)
+#define TDP_ARMED 2u
+/* Latency histogram: per kind of request, counts per bucket (bounds given by Python). */
+#define TDP_HMAX 32
+enum { TDP_K_COPY = 0, TDP_K_COPYV, TDP_K_FILL, TDP_K_CHECKSUM, TDP_KINDS };
+
+enum { TDP_NATIVE = 0, TDP_PYTHON = 1, TDP_BROKEN = 2 };
+
+/* Why a worker handed its ring to Python (counters, and the `why` a test reads). */
+enum {
+    TDP_WHY_NONE = 0,
+    TDP_WHY_OPCODE,     /* an opcode the worker does not serve */
+    TDP_WHY_FIELDS,     /* id 0, unknown flags, a fill value that is not a byte */
+    TDP_WHY_ADDRESS,    /* a VA not in the native table, not the session's, or out of bounds */
+    TDP_WHY_DEVICES,    /* operands on two devices */
+    TDP_WHY_CHAIN,      /* a chain that mixes ops/ids/streams or outgrows the ring */
+    TDP_WHY_COUNT
+};
+
+/* ---- the table ----------------------------------------------------------- */
+
+typedef struct {
+    uint32_t sid;
+    int32_t device;        /* -1: host shared memory; else the device whose memory it is */
+    uint8_t *base;
+    uint64_t nbytes;
+    uint64_t owner;
+    uint64_t *guests;
+    uint32_t nguests, guest_cap;
+    void *keep;            /* the binding's handle on the memory (released after removal) */
+} tdp_seg_t;
+
+typedef struct {
+    pthread_rwlock_t lock;
+    tdp_seg_t *segs;       /* sorted by sid */
+    uint32_t n, cap;
+} tdp_table_t;
+
+static inline int tdp_table_init(tdp_table_t *t)
+{
+    pthread_rwlockattr_t a;
+    pthread_rwlockattr_init(&a);
+    /* A free must not starve behind a stream of readers. */
+    pthread_rwlockattr_setkind_np(&a, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+    int rc = pthread_rwlock_init(&t->lock, &a);
+    pthread_rwlockattr_destroy(&a);
+    t->segs = NULL;
+    t->n = t->cap = 0;
+    return rc;
+}
+
+/* Index of sid, or of where it would go (*found = 0). Call under either lock. */
+static inline uint32_t tdp_find(const tdp_table_t *t, uint32_t sid, int *found)
+{
+    uint32_t lo = 0, hi = t->n;
+    while (lo < hi) {
+        uint32_t mid = (lo + hi) / 2;
+        if (t->segs[mid].sid < sid)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    *found = lo < t->n && t->segs[lo].sid == sid;
+    return lo;
+}
+
+/* Insert (under the write lock). -1: no memory; -2: already present. */
+static inline int tdp_table_add(tdp_table_t *t, uint32_t sid, uint8_t *base, uint64_t nbytes,
+                                uint64_t owner, int32_t device, void *keep)
+{
+    int found;
+    uint32_t i = tdp_find(t, sid, &found);
+    if (found)
+        return -2;
+    if (t->n == t->cap) {
+        uint32_t cap = t->cap ? 2 * t->cap : 64;
+        tdp_seg_t *s = realloc(t->segs, (size_t)cap * sizeof *s);
+        if (!s)
+            return -1;
+        t->segs = s;
+        t->cap = cap;
+    }
+    memmove(&t->segs[i + 1], &t->segs[i], (size_t)(t->n - i) * sizeof *t->segs);
+    t->segs[i] = (tdp_seg_t){sid, device, base, nbytes, owner, NULL, 0, 0, keep};
+    t->n++;
+    return 0;
+}
+
+/* Remove (under the write lock); returns the entry's keep handle (NULL if absent). */
+static inline void *tdp_table_remove(tdp_table_t *t, uint32_t sid)
+{
+    int found;
+    uint32_t i = tdp_find(t, sid, &found);
+    if (!found)
+        return NULL;
+    void *keep = t->segs[i].keep;
+    free(t->segs[i].guests);
+    memmove(&t->segs[i], &t->segs[i + 1], (size_t)(t->n - i - 1) * sizeof *t->segs);
+    t->n--;
+    return keep;
+}
+
+/* Let `session` use segment sid too (Share/Attach), or stop it. Under the write lock. */
+static inline int tdp_table_guest(tdp_table_t *t, uint32_t sid, uint64_t session, int allow)
+{
+    int found;
+    uint32_t i = tdp_find(t, sid, &found);
+    if (!found)
+        return 0;
+    tdp_seg_t *e = &t->segs[i];
+    for (uint32_t k = 0; k < e->nguests; k++) {
+        if (e->guests[k] == session) {
+            if (!allow)
+                e->guests[k] = e->guests[--e->nguests];
+            return 0;
+        }
+    }
+    if (!allow)
+        return 0;
+    if (e->nguests == e->guest_cap) {
+        uint32_t cap = e->guest_cap ? 2 * e->guest_cap : 4;
+        uint64_t *g = realloc(e->guests, (size_t)cap * sizeof *g);
+        if (!g)
+            return -1;
+        e->guests = g;
+        e->guest_cap = cap;
+    }
+    e->guests[e->nguests++] = session;
+    return 0;
+}
+
+/* [va, va + n) as a pointer, if it lies in one segment `session` may use; else NULL.
+ * *device gets the segment's device (-1: host). Under the read lock. */
+static inline uint8_t *tdp_translate(const tdp_table_t *t, uint64_t session, uint64_t va, uint64_t n,
+                                     int32_t *device)
+{
+    int found;
+    uint64_t sid64 = va >> TDP_OFFSET_BITS, off = va & TDP_OFFSET_MASK;
+    uint32_t i = tdp_find(t, (uint32_t)sid64, &found);
+    if (!found)
+        return NULL;
+    const tdp_seg_t *e = &t->segs[i];
+    if (e->owner != session) {
+        uint32_t k = 0;
+        while (k < e->nguests && e->guests[k] != session)
+            k++;
+        if (k == e->nguests)
+            return NULL;
+    }
+    if (off > e->nbytes || n > e->nbytes - off)
+        return NULL;
+    *device = e->device;
+    return e->base + off;
+}
+
+/* checksum64's word sum (transfer/_checksum.py): little-endian u64 words, the tail zero-padded. */
+static inline uint64_t tdp_sum64(const uint8_t *p, uint64_t n)
+{
+    uint64_t s = 0, w = n / 8;
+    for (uint64_t i = 0; i < w; i++) {
+        uint64_t v;
+        memcpy(&v, p + 8 * i, 8);
+        s += v;
+    }
+    if (n % 8) {
+        uint64_t v = 0;
+        memcpy(&v, p + 8 * w, n % 8);
+        s += v;
+    }
+    return s;
+}
+
+/* ---- the worker -------------------------------------------------------------- */
+
+typedef struct {
+    trq_t *rq;                 /* the request queue, as consumer (the binding's Queue object's) */
+    trq_t *cq;                 /* the completion queue, as producer */
+    tdp_table_t *table;
+    uint64_t session;
+    int bell_fd;               /* the daemon's doorbell FIFO: wakes the Python loop */
+    int cbell_fd;              /* the session's completion pipe (trio clients), or -1 */
+    uint64_t spin_ns;
+    uint32_t batch_cap;        /* descriptors peeked at once (>= a whole chain when the ring allows) */
+    tdp_desc_t *batch;
+    tdp_comp_t *comps;
+    _Atomic int mode;
+    _Atomic int stop;
+    atomic_int interrupt;      /* trq_wait's: set by stop */
+    _Atomic uint32_t ctl;      /* futex word: bumped by Python to wake a parked worker */
+    _Atomic uint64_t done;     /* request index below which everything is executed and completed */
+    _Atomic uint64_t watch;    /* ring the bell once done >= watch (0: nobody watches) */
+    _Atomic int signalled;     /* the bell was rung for Python; it clears this when it looks */
+    /* counters (read by Python at any time; relaxed) */
+    _Atomic uint64_t n_copy, n_fill, n_checksum, n_fence, n_bytes, n_batches, n_wakes;
+    _Atomic uint64_t handovers[TDP_WHY_COUNT];
+    _Atomic int why;
+    /* Latency from the peek that took a request to the push of its completion. */
+    uint64_t hbounds_ns[TDP_HMAX];
+    uint32_t nbounds;
+    _Atomic uint64_t hist[TDP_KINDS][TDP_HMAX + 1];
+    _Atomic uint64_t hsum_ns[TDP_KINDS];
+    uint64_t kinds[TDP_KINDS];  /* requests of each kind since the last commit (worker-private) */
+    uint64_t t0;                /* when the current batch was peeked */
+    pthread_t thread;
+    int started;
+} tdp_worker_t;
+
+static inline void tdp_private_wait(_Atomic uint32_t *w, uint32_t expect, uint64_t ns)
+{
+    struct timespec ts = {(time_t)(ns / 1000000000ull), (long)(ns % 1000000000ull)};
+    syscall(SYS_futex, (uint32_t *)w, FUTEX_WAIT_PRIVATE, expect, &ts, NULL, 0);
+}
+
+static inline void tdp_private_wake(_Atomic uint32_t *w)
+{
+    syscall(SYS_futex, (uint32_t *)w, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+
+/* Tell the Python loop to look at this worker (one byte on the FIFO; a full FIFO already rings). */
+static inline void tdp_signal(tdp_worker_t *w)
+{
+    atomic_store_explicit(&w->signalled, 1, memory_order_seq_cst);
+    if (w->bell_fd >= 0) {
+        ssize_t r = write(w->bell_fd, "", 1);
+        (void)r;
+    }
+}
+
+/* Consume `n` peeked descriptors and push `nc` completions; then publish `done`. 0, or TRQ_CORRUPT. */
+static inline int tdp_commit(tdp_worker_t *w, uint64_t n, uint64_t nc)
+{
+    if (n) {
+        w->rq->mine += n;
+        atomic_store_explicit(w->rq->head, w->rq->mine, memory_order_release);
+        trq_ring_doorbell(w->rq->space_waiter);
+    }
+    if (nc) {
+        int64_t pushed = trq_push_from(w->cq, w->comps, nc, 0);
+        if (pushed != (int64_t)nc)
+            return TRQ_CORRUPT;  /* the slots were free when counted: only a hostile client gets here */
+        if (trq_ring_doorbell(w->cq->data_waiter) == 1 && w->cbell_fd >= 0) {
+            ssize_t r = write(w->cbell_fd, "", 1);
+            (void)r;
+        }
+    }
+    uint64_t dt = trq_now_ns() - w->t0, b = 0;
+    while (b < w->nbounds && w->hbounds_ns[b] < dt)
+        b++;
+    for (int k = 0; k < TDP_KINDS; k++) {
+        if (w->kinds[k]) {
+            atomic_fetch_add_explicit(&w->hist[k][b], w->kinds[k], memory_order_relaxed);
+            atomic_fetch_add_explicit(&w->hsum_ns[k], dt * w->kinds[k], memory_order_relaxed);
+            w->kinds[k] = 0;
+        }
+    }
+    atomic_store_explicit(&w->done, w->rq->mine, memory_order_seq_cst);
+    uint64_t want = atomic_load_explicit(&w->watch, memory_order_seq_cst);
+    if (want && w->rq->mine >= want) {
+        atomic_store_explicit(&w->watch, 0, memory_order_relaxed);
+        tdp_signal(w);
+    }
+    return 0;
+}
+
+/* Bytes of one copy/fill/checksum, chunk by chunk, each chunk translated under the read lock.
+ * Returns 0, or the reason (TDP_WHY_*) the worker must hand this request to Python, or -1
+ * when stopping. A failure after the first chunk leaves a partial copy: only a free that
+ * races the request can cause it, and Python's retry then reports the freed segment. */
+static inline int tdp_bytes(tdp_worker_t *w, int op, uint64_t dva, uint64_t sva, uint64_t n,
+                            uint8_t value, uint64_t *sum)
+{
+    uint64_t off = 0;
+    do {
+        if (atomic_load_explicit(&w->stop, memory_order_relaxed))
+            return -1;
+        uint64_t len = n - off < TDP_CHUNK ? n - off : TDP_CHUNK;
+        int32_t ddev = -1, sdev = -1;
+        int why = 0;
+        pthread_rwlock_rdlock(&w->table->lock);
+        uint8_t *d = op == TDP_CHECKSUM ? NULL : tdp_translate(w->table, w->session, dva + off, len, &ddev);
+        uint8_t *s = op == TDP_FILL ? NULL : tdp_translate(w->table, w->session, sva + off, len, &sdev);
+        if ((op != TDP_CHECKSUM && !d) || (op != TDP_FILL && !s))
+            why = TDP_WHY_ADDRESS;
+        else if (op == TDP_COPY && ddev >= 0 && sdev >= 0 && ddev != sdev)
+            why = TDP_WHY_DEVICES;
+        else if (op == TDP_COPY)
+            memmove(d, s, len);
+        else if (op == TDP_FILL)
+            memset(d, value, len);
+        else
+            *sum += tdp_sum64(s, len);
+        pthread_rwlock_unlock(&w->table->lock);
+        if (why)
+            return why;
+        off += len;
+    } while (off < n);
+    return 0;
+}
+
+/* A chain batch[i..] (COPY pieces, FLAG_CHAIN on all but the last): its length in *len.
+ * 0: whole and valid (every piece translated, so it runs all or nothing); >0: a reason to
+ * hand it over; -2: its end is not in the batch yet (re-peeked from its start later). */
+static inline int tdp_chain(tdp_worker_t *w, uint64_t i, uint64_t n, uint64_t *len)
+{
+    const tdp_desc_t *a = &w->batch[i];
+    uint64_t j = i;
+    while (j < n && (w->batch[j].flags & TDP_FLAG_CHAIN))
+        j++;
+    if (j == n) /* its end is not in: wait for it, unless it could never fit one batch */
+        return i == 0 && (n >= TDP_MAX_CHAIN || n >= w->batch_cap) ? TDP_WHY_CHAIN : -2;
+    *len = j - i + 1;
+    if (*len > TDP_MAX_CHAIN)
+        return TDP_WHY_CHAIN;
+    if (a->id == 0)
+        return TDP_WHY_FIELDS;
+    int32_t home = -1;
+    int why = 0;
+    pthread_rwlock_rdlock(&w->table->lock);
+    for (uint64_t k = i; k <= j && !why; k++) {
+        const tdp_desc_t *d = &w->batch[k];
+        if (d->op != TDP_COPY || d->id != a->id || d->stream != a->stream ||
+            (d->flags & ~TDP_FLAG_CHAIN) != 0) {
+            why = TDP_WHY_CHAIN;
+            break;
+        }
+        int32_t dd = -1, sd = -1;
+        if (!tdp_translate(w->table, w->session, d->dst, d->nbytes, &dd) ||
+            !tdp_translate(w->table, w->session, d->src, d->nbytes, &sd)) {
+            why = TDP_WHY_ADDRESS;
+            break;
+        }
+        for (int z = 0; z < 2; z++) {
+            int32_t dev = z ? sd : dd;
+            if (dev >= 0) {
+                if (home >= 0 && dev != home)
+                    why = TDP_WHY_DEVICES;
+                home = dev;
+            }
+        }
+    }
+    pthread_rwlock_unlock(&w->table->lock);
+    return why;
+}
+
+/*
+ * Serve what the ring holds: peek up to batch_cap descriptors, execute them in order,
+ * commit. Returns how many more descriptors it needs before it can go on (0: none;
+ * >0: a chain's end is not in yet), or -1 when it handed the ring to Python, broke, or stops.
+ */
+static inline int64_t tdp_serve(tdp_worker_t *w, uint64_t avail)
+{
+    uint64_t n = avail < w->batch_cap ? avail : w->batch_cap;
+    trq_t *rq = w->rq;
+    /* Copy out before reading: the client may rewrite the slots under us (hostile). */
+    uint64_t start = rq->mine & rq->mask, first = rq->cap - start;
+    if (first > n)
+        first = n;
+    memcpy(w->batch, rq->slots + start * 64, first * 64);
+    if (n > first)
+        memcpy(w->batch + first, rq->slots, (n - first) * 64);
+    int64_t cfree = trq_free(w->cq);
+    if (cfree < 0)
+        goto corrupt;
+    atomic_fetch_add_explicit(&w->n_batches, 1, memory_order_relaxed);
+    w->t0 = trq_now_ns();
+    uint64_t i = 0, nc = 0, since = 0, need = 0;
+    uint64_t consumed = 0; /* descriptors committed so far */
+    int why = 0;
+    while (i < n) {
+        const tdp_desc_t *d = &w->batch[i];
+        uint64_t len = 1;
+        if ((uint64_t)nc >= (uint64_t)cfree)
+            break; /* no completion slot: the client has not reaped yet */
+        tdp_comp_t *c = &w->comps[nc];
+        *c = (tdp_comp_t){d->id, 0, 0, 0, 0};
+        if (d->flags & TDP_FLAG_CHAIN) {
+            int r = tdp_chain(w, i, n, &len);
+            if (r == -2) {
+                need = n - i + 1;
+                break;
+            }
+            if (r) {
+                why = r;
+                break;
+            }
+            uint64_t moved = 0;
+            for (uint64_t k = 0; k < len && !why; k++) {
+                const tdp_desc_t *p = &w->batch[i + k];
+                why = tdp_bytes(w, TDP_COPY, p->dst, p->src, p->nbytes, 0, NULL);
+                moved += p->nbytes;
+            }
+            if (why)
+                break;
+            atomic_fetch_add_explicit(&w->n_copy, 1, memory_order_relaxed);
+            atomic_fetch_add_explicit(&w->n_bytes, moved, memory_order_relaxed);
+            w->kinds[TDP_K_COPYV]++;
+            since += moved;
+        } else if (d->flags || d->id == 0) {
+            why = TDP_WHY_FIELDS;
+            break;
+        } else if (d->op == TDP_FENCE || d->op == TDP_NOP) {
+            atomic_fetch_add_explicit(&w->n_fence, 1, memory_order_relaxed);
+        } else if (d->op == TDP_COPY || d->op == TDP_FILL || d->op == TDP_CHECKSUM) {
+            if (d->op == TDP_FILL && d->arg0 > 255) {
+                why = TDP_WHY_FIELDS;
+                break;
+            }
+            uint64_t sum = 0;
+            why = tdp_bytes(w, d->op, d->dst, d->src, d->nbytes, (uint8_t)d->arg0, &sum);
+            if (why)
+                break;
+            if (d->op == TDP_CHECKSUM)
+                c->result = sum + d->nbytes * TDP_GOLDEN;
+            atomic_fetch_add_explicit(d->op == TDP_COPY ? &w->n_copy : d->op == TDP_FILL ? &w->n_fill : &w->n_checksum,
+                                      1, memory_order_relaxed);
+            w->kinds[d->op == TDP_COPY ? TDP_K_COPY : d->op == TDP_FILL ? TDP_K_FILL : TDP_K_CHECKSUM]++;
+            atomic_fetch_add_explicit(&w->n_bytes, d->nbytes, memory_order_relaxed);
+            since += d->nbytes;
+        } else {
+            why = TDP_WHY_OPCODE;
+            break;
+        }
+        i += len;
+        nc++;
+        if (since >= TDP_FLUSH_BYTES) { /* long work: answer what is done before going on */
+            if (tdp_commit(w, i - consumed, nc) < 0)
+                goto corrupt;
+            cfree -= nc;
+            consumed = i;
+            nc = 0;
+            since = 0;
+        }
+    }
+    if (why < 0)
+        return -1; /* stopping: the session is going, the client fails what is outstanding */
+    if (tdp_commit(w, i - consumed, nc) < 0)
+        goto corrupt;
+    if (why) {
+        atomic_fetch_add_explicit(&w->handovers[why], 1, memory_order_relaxed);
+        atomic_store_explicit(&w->why, why, memory_order_relaxed);
+        atomic_store_explicit(&w->mode, TDP_PYTHON, memory_order_release);
+        tdp_signal(w);
+        return -1;
+    }
+    return (int64_t)need;
+corrupt:
+    atomic_store_explicit(&w->mode, TDP_BROKEN, memory_order_release);
+    tdp_signal(w);
+    return -1;
+}
+
+/* Sleep on `ctl` until Python bumps it (resume, stop) or a slice passes. */
+static inline void tdp_park(tdp_worker_t *w)
+{
+    uint32_t c = atomic_load_explicit(&w->ctl, memory_order_acquire);
+    if (atomic_load_explicit(&w->mode, memory_order_acquire) == TDP_NATIVE &&
+        !atomic_load_explicit(w->rq->peer_closed, memory_order_acquire))
+        return;
+    if (!atomic_load_explicit(&w->stop, memory_order_acquire))
+        tdp_private_wait(&w->ctl, c, TRQ_SLICE_NS);
+}
+
+static void *tdp_run(void *arg)
+{
+    tdp_worker_t *w = arg;
+    uint64_t need = 1;
+    while (!atomic_load_explicit(&w->stop, memory_order_acquire)) {
+        if (atomic_load_explicit(&w->mode, memory_order_acquire) != TDP_NATIVE) {
+            tdp_park(w);
+            need = 1;
+            continue;
+        }
+        /* A completion slot first (serving needs one), then descriptors. */
+        int64_t f = trq_free(w->cq);
+        if (f == 0)
+            f = trq_wait(w->cq, TRQ_WAIT_SPACE, 1, TRQ_SLICE_NS, w->spin_ns, &w->interrupt);
+        int64_t a = f > 0 ? trq_wait_armed(w->rq, TRQ_WAIT_DATA, need, TRQ_SLICE_NS, w->spin_ns,
+                                           &w->interrupt, TDP_ARMED)
+                          : 0;
+        if (f < 0 || a < 0) {
+            atomic_store_explicit(&w->mode, TDP_BROKEN, memory_order_release);
+            tdp_signal(w);
+            continue;
+        }
+        if (f == 0 || (uint64_t)a < need) {
+            /* A timeout slice, a stop, or the client closed its end (then nothing more comes:
+             * sleep until the session ends instead of spinning on the closed flag). */
+            tdp_park(w);
+            continue;
+        }
+        atomic_fetch_add_explicit(&w->n_wakes, 1, memory_order_relaxed);
+        int64_t r = tdp_serve(w, (uint64_t)a);
+        need = r > 0 ? (uint64_t)r : 1;
+    }
+    return NULL;
+}
+
+/* Buffers sized for the ring; the thread starts in NATIVE mode. 0, or an errno. */
+static inline int tdp_worker_start(tdp_worker_t *w)
+{
+    w->batch_cap = w->rq->cap < TDP_MAX_CHAIN ? (uint32_t)w->rq->cap : TDP_MAX_CHAIN;
+    w->batch = malloc((size_t)w->batch_cap * sizeof *w->batch);
+    w->comps = malloc((size_t)w->batch_cap * sizeof *w->comps);
+    if (!w->batch || !w->comps)
+        return ENOMEM;
+    atomic_store(&w->done, w->rq->mine);
+    int rc = pthread_create(&w->thread, NULL, tdp_run, w);
+    if (rc == 0)
+        w->started = 1;
+    return rc;
+}
+
+/* Stop and join the thread (call without the GIL). The ring stays mapped: the caller closes it. */
+static inline void tdp_worker_stop(tdp_worker_t *w)
+{
+    if (w->started) {
+        atomic_store_explicit(&w->stop, 1, memory_order_seq_cst);
+        atomic_store_explicit(&w->interrupt, 1, memory_order_seq_cst);
+        atomic_fetch_add_explicit(&w->ctl, 1, memory_order_seq_cst);
+        tdp_private_wake(&w->ctl);
+        trq_force_wake(w->rq->data_waiter);
+        trq_force_wake(w->cq->space_waiter);
+        pthread_join(w->thread, NULL);
+        w->started = 0;
+    }
+    free(w->batch);
+    free(w->comps);
+    w->batch = NULL;
+    w->comps = NULL;
+}
+
+#endif /* TRANSFER_DATAPLANE_H */

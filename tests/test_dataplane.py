@@ -1,0 +1,224 @@
+"""The native data plane (native/dataplane.h, server/_dataplane.py): ring workers.
+
+Every test runs real daemons and real clients. The central one runs the same
+random programs (valid and invalid requests mixed) against a daemon whose rings
+are served by native workers and one whose rings the Python pass serves
+(`--no-ring-workers`), and demands the same answers and the same bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import transfer
+from transfer import errors as E
+from transfer._ring import native_module
+from transfer.testing import DaemonProcess, start_daemon
+
+from conftest import FAST
+
+pytestmark = pytest.mark.skipif(native_module() is None, reason="the native extension is not built")
+
+SEG = 64 << 10
+_BAD_SEG = 0xFFFFF0  # a segment id nobody has (nor had: ids are handed out upwards from 1)
+
+
+def _outcome(p: Any) -> Any:
+    try:
+        return ("ok", p.result(timeout=30))
+    except E.TransferError as exc:
+        return ("err", type(exc).__name__)
+
+
+# A program: ops over three buffers (two shared-memory segments, one daemon "device" buffer),
+# with offsets and sizes that sometimes run out of bounds, and VAs of a segment that does not exist.
+_where = st.tuples(st.integers(0, 3), st.integers(0, SEG + 64))  # buffer 3: the unknown segment
+_size = st.one_of(st.integers(0, 256), st.integers(0, SEG + 8))
+_op = st.one_of(
+    st.tuples(st.just("copy"), _where, _where, _size),
+    st.tuples(st.just("fill"), _where, _size, st.integers(0, 255)),
+    st.tuples(st.just("checksum"), _where, _size),
+    st.tuples(st.just("copy_many"), st.lists(st.tuples(_where, _where, st.integers(0, 512)), min_size=1, max_size=12)),
+    st.tuples(st.just("fence")),
+)
+
+
+class _Rig:
+    """One client of one daemon with two segments and a device buffer, reset per program."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.c = transfer.connect(endpoint)
+        assert self.c.ring
+        self.segs = [self.c.segment(SEG), self.c.segment(SEG)]
+        self.dev = self.c.alloc(SEG)
+        self.bases = [self.segs[0].va, self.segs[1].va, self.dev.va, _BAD_SEG << 40]
+
+    def run(self, program: list[tuple[Any, ...]]) -> tuple[list[Any], list[int]]:
+        c = self.c
+        for i, s in enumerate(self.segs):
+            s.ndarray((SEG,), np.uint8)[:] = (np.arange(SEG) * (7 + i) % 251).astype(np.uint8)
+        c.copy(self.dev, self.segs[0].va, SEG).result()
+
+        def va(w: tuple[int, int]) -> int:
+            return self.bases[w[0]] + w[1]
+
+        answers: list[Any] = []
+        pending: list[Any] = []
+        for op in program:
+            if op[0] == "copy":
+                pending.append(c.copy(va(op[1]), va(op[2]), op[3]))
+            elif op[0] == "fill":
+                pending.append(c.fill(va(op[1]), op[2], op[3]))
+            elif op[0] == "checksum":
+                pending.append(c.checksum(va(op[1]), op[2]))
+            elif op[0] == "copy_many":
+                pieces = op[1]
+                pending.append(c.copy_many([va(d) for d, _, _ in pieces], [va(s) for _, s, _ in pieces], [n for _, _, n in pieces]))
+            else:
+                answers.extend(_outcome(p) for p in pending)
+                pending.clear()
+                c.fence()  # blocks until everything before it is done
+                answers.append("fence")
+        answers.extend(_outcome(p) for p in pending)
+        final = [transfer.checksum64(s.ndarray((SEG,), np.uint8)) for s in self.segs] + [c.checksum(self.dev, SEG).result()]
+        return answers, final
+
+    def stats(self) -> dict[str, Any]:
+        return self.c.stats()["daemon"]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Two daemons, one with ring workers and one without, and a rig on each."""
+    made: list[DaemonProcess] = []
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tmp_path_factory.getbasetemp())
+    for name, extra in (("native", []), ("python", ["--no-ring-workers"])):
+        wd = tmp_path_factory.mktemp(f"dp-{name}")
+        shm = base / f"transfer-test-dp-{name}-{os.getpid()}"
+        shm.mkdir(mode=0o700, exist_ok=True)
+        made.append(start_daemon([*FAST, *extra], workdir=wd, shm_dir=shm))
+    rigs = [_Rig(d.endpoint) for d in made]
+    yield rigs
+    for r in rigs:
+        r.c.close()
+    for d in made:
+        d.stop()
+        shutil.rmtree(d.shm_dir, ignore_errors=True)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(program=st.lists(_op, min_size=1, max_size=24))
+def test_workers_answer_exactly_as_the_python_pass(pair: list[_Rig], program: list[tuple[Any, ...]]) -> None:
+    native, python = pair
+    got_native = native.run(program)
+    got_python = python.run(program)
+    assert got_native[0] == got_python[0], "answers differ"
+    assert got_native[1] == got_python[1], "memory differs"
+
+
+def test_workers_really_serve_and_hand_over(pair: list[_Rig]) -> None:
+    """The equivalence above is not vacuous: the native daemon's worker ran the valid
+    requests and handed the invalid ones over; the other daemon has no workers."""
+    native, python = pair
+    program: list[tuple[Any, ...]] = [("copy", (0, 0), (1, 0), 4096)] * 50 + [("copy", (3, 0), (0, 0), 8)]
+    before = native.stats()
+    answers, _ = native.run(program)
+    assert answers[:50] == [("ok", None)] * 50 and answers[50] == ("err", "UnknownSegment")
+    after = native.stats()
+    assert after["native_requests"] - before["native_requests"] >= 50
+    assert after["ring_handovers"] > before["ring_handovers"] and after["ring_workers"] == 1
+    python.run(program)
+    stats = python.stats()
+    assert stats["native_requests"] == 0 and stats["ring_workers"] == 0
+
+
+def test_a_socket_request_waits_for_the_ring_requests_before_it(daemon: DaemonProcess) -> None:
+    """A compute (socket) right after a big ring copy reads what the copy wrote."""
+    n = 32 << 20
+    with transfer.connect(daemon.endpoint) as c:
+        src = c.segment(n)
+        a = src.ndarray((n,), np.uint8)
+        for trial in range(3):
+            a[:] = (np.arange(n) + trial) % 253
+            dev = c.alloc(n)
+            c.copy(dev, src.va, n)  # not awaited: the compute below goes over the socket
+            got = c.compute("checksum", [transfer.TensorRef(dev.va, "uint8", (n,))]).result()
+            assert got == transfer.checksum64(a)
+            c.free(dev)
+
+
+def test_one_session_cannot_stall_another(daemon: DaemonProcess) -> None:
+    """While one session's worker copies hundreds of MiB, another session's small requests
+    are answered: they never wait behind it (each ring has its own worker)."""
+    n = 128 << 20
+    with transfer.connect(daemon.endpoint) as big, transfer.connect(daemon.endpoint) as small:
+        seg = big.segment(2 * n)
+        seg.ndarray((2 * n,), np.uint8)[::4096] = 1
+        s2 = small.segment(4096)
+        t0 = time.perf_counter()
+        long = big.copy_many([seg.va + n] * 8, [seg.va] * 8, [n] * 8)
+        quick = 0
+        while not long.done() and quick < 50:
+            small.copy(s2.va + 64, s2.va, 64).result(timeout=10)
+            quick += 1
+        long.result(timeout=60)
+        assert quick == 50, f"only {quick} small requests were answered during a {time.perf_counter() - t0:.3f} s copy"
+
+
+def test_a_free_races_a_guest_copy_safely(daemon: DaemonProcess) -> None:
+    """The owner frees a segment while a guest's worker copies out of it: the guest's copies
+    succeed or fail with the freed segment; nobody touches unmapped memory; the daemon serves on."""
+    n = 16 << 20
+    with transfer.connect(daemon.endpoint) as owner, transfer.connect(daemon.endpoint) as guest:
+        for _ in range(3):
+            seg = owner.segment(n)
+            seg.ndarray((n,), np.uint8)[:] = 5
+            shared = guest.attach(owner.share(seg))
+            dst = guest.segment(n)
+            outcomes: list[Any] = []
+
+            def copier() -> None:
+                for _ in range(40):
+                    outcomes.append(_outcome(guest.copy(dst.va, shared.va, n)))
+
+            t = threading.Thread(target=copier)
+            t.start()
+            time.sleep(0.005)
+            owner.free(seg)
+            t.join(60)
+            assert not t.is_alive()
+            kinds = {o[1] if o[0] == "err" else "ok" for o in outcomes}
+            assert kinds <= {"ok", "SegmentFreed", "UnknownSegment", "NotOwner"}, kinds
+            guest.free(dst)
+        assert daemon.alive()
+        s = guest.segment(4096)
+        guest.copy(s.va + 2048, s.va, 2048).result()
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+def test_idle_workers_sleep(daemon: DaemonProcess) -> None:
+    """With rings open and nothing to do, the daemon (its workers included) uses ~no CPU."""
+    with transfer.connect(daemon.endpoint) as a, transfer.connect(daemon.endpoint) as b:
+        for c in (a, b):
+            s = c.segment(4096)
+            c.copy(s.va + 64, s.va, 64).result()
+        assert a.stats()["daemon"]["ring_workers"] == 2
+        time.sleep(0.3)
+        before = _cpu_seconds(daemon.pid)
+        time.sleep(2.0)
+        used = _cpu_seconds(daemon.pid) - before
+        assert used < 0.1, f"an idle daemon with two ring workers used {used:.3f} s of CPU in 2 s"

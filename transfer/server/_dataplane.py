@@ -1,0 +1,124 @@
+"""The native data plane, seen from the event loop (native/dataplane.h; docs/ring.md).
+
+Each same-host session's ring gets a worker thread that executes its copies,
+fills, checksums and fences itself: no handoff through the event loop, no
+GIL while bytes move, and a session's big copies stall nobody else's. The
+worker translates VAs against a native mirror of the mapping table, which
+this module keeps in step: every segment whose memory is plain host memory
+(shared memory, or a NumPy backend's "device" buffer) is mirrored with its
+owner and guests, and removed before its memory goes.
+
+What a worker does not serve it hands over: it stops at that descriptor and
+the ring's ownership passes to the Python pass (`Rings`), which serves it as
+it serves a ring without a worker, errors and all, and gives the ring back
+(`resume`) once the session is idle again. One implementation of each
+request's meaning stays in Python; the worker is the fast path for the
+requests it can prove valid, and the equivalence is tested descriptor by
+descriptor (tests/test_dataplane.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .._ring import Ring, native_module
+from ..addressing import Segment, SegmentKind
+from ..backends import Backend
+from ._accounting import Accounting
+from ._config import DaemonConfig
+from ._session import Session
+
+__all__ = ["DataPlane", "NATIVE", "PYTHON", "BROKEN"]
+
+log = logging.getLogger("transfer.server")
+
+_native = native_module()
+NATIVE, PYTHON, BROKEN = 0, 1, 2
+_COUNTED = ("copy", "fill", "checksum", "fence", "bytes", "handovers")
+
+
+class DataPlane:
+    """The native table and the sessions' workers (absent without the extension, or when off)."""
+
+    def __init__(self, config: DaemonConfig, accounting: Accounting) -> None:
+        self.config = config
+        self.accounting = accounting
+        self.table: Any = _native.Table() if config.ring_workers and _native is not None else None
+        self.workers = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.table is not None
+
+    def describe(self) -> str:
+        if self.table is not None:
+            return "native workers"
+        return "off (--no-ring-workers)" if not self.config.ring_workers else "off (the native extension is not built)"
+
+    # --- the table -----------------------------------------------------------------------------
+    def mirror(self, seg: Segment[Any], backend: Backend | None = None) -> None:
+        """Mirror a new segment if a worker may touch its memory (host memory only)."""
+        if self.table is None:
+            return
+        if seg.kind == SegmentKind.HOST:
+            buf = seg.handle.array
+        elif seg.kind == SegmentKind.DEVICE and backend is not None:
+            buf = backend.host_buffer(seg.handle)
+            if buf is None:
+                return  # real device memory: the Python pass serves it
+        else:
+            return
+        self.table.add(seg.id, buf, seg.owner, seg.device)
+
+    def forget(self, seg: Segment[Any]) -> None:
+        """Before a segment's memory goes: waits (GIL released) for any worker inside it."""
+        if self.table is not None:
+            self.table.remove(seg.id)
+
+    def guest(self, seg: Segment[Any], session: Session, allow: bool) -> None:
+        if self.table is not None:
+            self.table.guest(seg.id, session.id, allow)
+
+    # --- workers ---------------------------------------------------------------------------------
+    def start(self, session: Session, ring: Ring, bell_fd: int, cbell_fd: int) -> Any:
+        """A worker for the session's new ring, or None (the Python pass serves the ring)."""
+        if self.table is None or ring.implementation != "native":
+            return None
+        worker = _native.Worker(
+            self.table, ring.inbox, ring.outbox, session.id, bell_fd, cbell_fd,
+            self.config.worker_spin_s, self.accounting.metrics.latency_bounds(),
+        )
+        self.workers += 1
+        session.info["native_seen"] = ({k: 0 for k in _COUNTED}, {})
+        return worker
+
+    def stop(self, session: Session) -> None:
+        """Stop the session's worker (joins its thread), after folding in what it did."""
+        worker = session.worker
+        if worker is None:
+            return
+        self.fold(session)
+        worker.stop()
+        session.worker = None
+        self.workers -= 1
+
+    def fold(self, session: Session) -> None:
+        """Add what the worker did since the last fold to the one accounting."""
+        worker = session.worker
+        if worker is None:
+            return
+        seen_counts, seen_latency = session.info["native_seen"]
+        now = worker.counters()
+        now["handovers"] = sum(v for k, v in now.items() if k.startswith("handover_"))
+        delta = {k: now[k] - seen_counts[k] for k in seen_counts}
+        latency = worker.latency()
+        lat_delta = {}
+        for kind, (counts, total) in latency.items():
+            before = seen_latency.get(kind)
+            if before is None:
+                lat_delta[kind] = (counts, total)
+            else:
+                lat_delta[kind] = ([a - b for a, b in zip(counts, before[0])], total - before[1])
+        session.info["native_seen"] = ({k: now[k] for k in seen_counts}, latency)
+        self.accounting.native(session, delta, lat_delta)
