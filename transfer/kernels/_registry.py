@@ -103,11 +103,6 @@ class Registry:
     def signatures(self, op: str, device_kind: str) -> list[Sig]:
         return sorted(self._kernels.get((op, device_kind), {}))
 
-    def supported(self, op: str, device_kind: str | None = None) -> list[str]:
-        """The first operand's dtypes that some kernel takes (a summary for messages and docs)."""
-        kinds = [k for (o, k) in self._kernels if o == op and device_kind in (None, k)]
-        return sorted({sig[0] for k in kinds for sig in self._kernels[(op, k)] if sig})
-
     def get(self, op: str, sig: Sig, device_kind: str) -> Kernel | None:
         return self._kernels.get((op, device_kind), {}).get(sig)
 
