@@ -77,7 +77,7 @@ def test_undefined_and_faulting_cuda_use_raises() -> None:
     dev = sim.alloc(256, 0)
     with pytest.raises(StreamSimViolation, match="overlapping"):
         sim._memcpy(Span(SegmentKind.DEVICE, dev, 0, 100), Span(SegmentKind.DEVICE, dev, 10, 100), 0)
-    kernel = REGISTRY.lookup("scale_add", "float32", "gpu")
+    kernel = REGISTRY.lookup("scale_add", ("float32", "float32"), "gpu")
     t = TensorRef(0, "float32", (4,))
     sim._launch(kernel, [(t, dev, 2)], [(t, dev, 2)], {}, 0)  # misaligned: faults when it runs
     with pytest.raises(RuntimeError, match="cudaErrorMisalignedAddress"):

@@ -108,7 +108,7 @@ def _cupy_loop(kind: str, size: int, depth: int, compute: bool, seconds: float, 
     dev = cp.empty(size * slots, cp.uint8)
     stream = cp.cuda.Stream(non_blocking=True)
     events: list[Any] = [None] * groups
-    kernel = REGISTRY.lookup("normalize", "uint8", "gpu") if compute else None
+    kernel = REGISTRY.lookup("normalize", ("uint8", "float32"), "gpu") if compute else None
     n = size // IMAGE_BYTES
     out = cp.empty((slots, n, *IMAGE), cp.float32) if compute else None
     params = {"mean": MEAN, "std": STD}
@@ -122,7 +122,7 @@ def _cupy_loop(kind: str, size: int, depth: int, compute: bool, seconds: float, 
             cp.cuda.runtime.memcpyAsync(dev.data.ptr + k * size, host.ctypes.data + k * size, size, 1, stream.ptr)
             if kernel is not None:
                 with stream:
-                    kernel.fn([dev[k * size : (k + 1) * size].reshape(n, *IMAGE)], [out[k]], params, cp)
+                    kernel.run([dev[k * size : (k + 1) * size].reshape(n, *IMAGE)], [out[k]], params, cp)
         ev = cp.cuda.Event(block=False, disable_timing=True)
         ev.record(stream)
         events[g] = ev

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from .._checksum import checksum64_xp
+from ..kernels import storage_dtype
 from ..addressing import SegmentKind
 from ._base import Span
 from ._stream import Key, StreamBackend
@@ -141,7 +142,7 @@ class CupyBackend(StreamBackend):
 
     def _upload(self, host: np.ndarray, device: int) -> Any:
         with self.cp.cuda.Device(device), self.stream(device):
-            return self.cp.asarray(host).reshape(-1).view(self.cp.uint8)
+            return self.cp.asarray(host.reshape(-1).view(np.uint8))  # bytes: CuPy has no bfloat16
 
     def _device_checksum(self, span: Span, device: int) -> int:
         with self.cp.cuda.Device(device), self.stream(device):
@@ -150,9 +151,9 @@ class CupyBackend(StreamBackend):
     def _launch(self, kernel: Any, inputs: list[tuple[Any, Any, int]], outputs: list[tuple[Any, Any, int]], params: Any, device: int) -> Any:
         cp = self.cp
         with cp.cuda.Device(device), self.stream(device):
-            ins = [cp.ndarray(t.shape, dtype=t.np_dtype, memptr=mem.data + off, strides=t.strides) for t, mem, off in inputs]
-            outs = [cp.ndarray(t.shape, dtype=t.np_dtype, memptr=mem.data + off, strides=t.strides) for t, mem, off in outputs]
-            return kernel.fn(ins, outs, params, cp)
+            ins = [cp.ndarray(t.shape, dtype=storage_dtype(t.dtype, cp), memptr=mem.data + off, strides=t.strides) for t, mem, off in inputs]
+            outs = [cp.ndarray(t.shape, dtype=storage_dtype(t.dtype, cp), memptr=mem.data + off, strides=t.strides) for t, mem, off in outputs]
+            return kernel.run(ins, outs, params, cp)
 
     def _sync(self, key: Key) -> None:
         s = self._streams.get(key)

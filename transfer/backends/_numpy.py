@@ -62,4 +62,4 @@ class NumpyBackend(Backend):
     def compute(self, kernel: Any, inputs: list[tuple[Any, Span]], outputs: list[tuple[Any, Span]], params: Any, device: int) -> Any:
         ins = [self.tensor(t, s) for t, s in inputs]
         outs = [self.tensor(t, s) for t, s in outputs]
-        return kernel.fn(ins, outs, params, np)
+        return kernel.run(ins, outs, params, np)

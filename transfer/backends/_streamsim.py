@@ -351,7 +351,7 @@ class StreamSimBackend(StreamBackend):
 
         def run() -> None:
             with np.errstate(all="ignore"):
-                out.append(kernel.fn([view(*x) for x in inputs], [view(*x) for x in outputs], params, np))
+                out.append(kernel.run([view(*x) for x in inputs], [view(*x) for x in outputs], params, np))
 
         self._enqueue(device, _Work(run, reads, writes, f"kernel {kernel.op}", fault))
         op = OPERATORS.get(kernel.op)

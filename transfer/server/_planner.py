@@ -16,7 +16,7 @@ from .. import errors as E
 from .. import protocol as P
 from ..addressing import MappingTable, Segment, SegmentKind
 from ..backends import Span
-from ..kernels import OPERATORS, REGISTRY, TensorRef, tensor_extent, tensor_nbytes
+from ..kernels import OPERATORS, REGISTRY, TensorRef, signature, tensor_extent, tensor_nbytes
 from ._ops import SOCKET, Op, hulls, lane_of
 from ._placement import Placement, VirtualDevice
 from ._remote import names_remote, plan_remote_copies, plan_remote_copy, pull_input
@@ -238,8 +238,13 @@ class Planner:
                         raise E.InvalidField(f"{req.op}: output {k} overlaps {'input' if j < len(reads) else 'output'} {j if j < len(reads) else j - len(reads)}")
         nbytes = sum(ext for *_, ext in placed)
         dev = self._device_of((seg for _, seg, _, _ in placed), nbytes, req.device, req.placement)
-        key_dtype = (req.inputs[0] if req.inputs else req.outputs[0]).dtype
-        kernel = REGISTRY.lookup(req.op, key_dtype, dev.kind)
+        # The kernel by dtype signature; a light operator the device has no kernel for may run
+        # on a device of the registry's fallback kind, when its operands are all host memory.
+        host_only = req.device == -1 and all(seg.kind == SegmentKind.HOST for _, seg, _, _ in placed)
+        kind, kernel = REGISTRY.select(req.op, signature(req.inputs, req.outputs), dev.kind,
+                                       {d.kind for d in self.devices} if host_only else ())
+        if kind != dev.kind:
+            dev = min((d for d in self.devices if d.kind == kind), key=lambda d: (d.queued_bytes, d.index))
         backend, params = dev.backend, req.params
         ins = [(t, self._span(seg, off, ext)) for t, seg, off, ext in placed[:n_in]]
         outs = [(t, self._span(seg, off, ext)) for t, seg, off, ext in placed[n_in:]]

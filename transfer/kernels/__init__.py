@@ -1,0 +1,47 @@
+"""Operators, the kernel registry, and kernels by dtype (placement: server._placement).
+
+A compute request names an operator and tensor references (VA, dtype, shape,
+strides). The registry maps (operator, dtype signature, device kind) to a
+kernel; a placement policy picks the virtual device. Kernels receive NumPy (or
+CuPy) arrays that are *views* of already-checked memory; they never see a VA.
+
+Placement rule (one rule, documented in docs/architecture.md): compute runs
+on the device that holds its device-buffer operands. If they live on
+different devices the request is refused. Only when every operand is host
+(shared) memory does the placement policy choose a device
+(`transfer.server._placement`); and only then may a GPU hand a light operator
+whose dtypes it has no kernel for to a CPU device (`Registry.select`).
+
+Modules: `_tensors` (dtypes, TensorRef), `_registry` (Operator, Kernel,
+Registry), `_checks` (parameter checks), `_basic`, `_layers`, `_images` (the
+operators and their kernels), `_cuda` (CUDA sources compiled through CuPy).
+docs/operators.md lists every operator, its signatures and tolerances.
+"""
+
+from __future__ import annotations
+
+from . import _basic, _images, _layers  # noqa: F401  (registers the operators)
+from ._registry import OPERATORS, REGISTRY, Kernel, Operator, Registry, Sig, signature
+from ._tensors import ALL, DTYPES, FLOATS, HALVES, INTS, MAX_DIMS, NUMERIC, TensorRef, acc_dtype, storage_dtype, tensor_extent, tensor_nbytes
+
+__all__ = [
+    "DTYPES",
+    "FLOATS",
+    "HALVES",
+    "INTS",
+    "NUMERIC",
+    "ALL",
+    "MAX_DIMS",
+    "TensorRef",
+    "Kernel",
+    "Operator",
+    "Registry",
+    "REGISTRY",
+    "Sig",
+    "signature",
+    "tensor_extent",
+    "tensor_nbytes",
+    "acc_dtype",
+    "storage_dtype",
+    "OPERATORS",
+]
