@@ -16,7 +16,7 @@ setup(
             sources=["native/_ring_native.c"],
             depends=["native/ring.h", "native/dataplane.h"],
             include_dirs=["native"],
-            extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Wno-unused-parameter",
+            extra_compile_args=["-std=gnu11", "-O3", "-Wall", "-Wextra", "-Wno-unused-parameter",
                                 "-Wno-missing-field-initializers", "-Wno-cast-function-type"],
             optional=True,
         )

@@ -220,21 +220,29 @@ static inline uint8_t *tdp_translate(const tdp_table_t *t, uint64_t session, uin
     return e->base + off;
 }
 
-/* checksum64's word sum (transfer/_checksum.py): little-endian u64 words, the tail zero-padded. */
+/* checksum64's word sum (transfer/_checksum.py): little-endian u64 words, the tail zero-padded.
+ * Unaligned loads through a may_alias type (segments' offsets are arbitrary), four sums so the
+ * adds pipeline and vectorise. */
+typedef uint64_t tdp_u64u __attribute__((aligned(1), may_alias));
+
 static inline uint64_t tdp_sum64(const uint8_t *p, uint64_t n)
 {
-    uint64_t s = 0, w = n / 8;
-    for (uint64_t i = 0; i < w; i++) {
-        uint64_t v;
-        memcpy(&v, p + 8 * i, 8);
-        s += v;
+    const tdp_u64u *q = (const tdp_u64u *)p;
+    uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0, w = n / 8, i = 0;
+    for (; i + 4 <= w; i += 4) {
+        s0 += q[i];
+        s1 += q[i + 1];
+        s2 += q[i + 2];
+        s3 += q[i + 3];
     }
+    for (; i < w; i++)
+        s0 += q[i];
     if (n % 8) {
         uint64_t v = 0;
         memcpy(&v, p + 8 * w, n % 8);
-        s += v;
+        s0 += v;
     }
-    return s;
+    return s0 + s1 + s2 + s3;
 }
 
 /* ---- the worker -------------------------------------------------------------- */
