@@ -719,18 +719,24 @@ class Ring:
             return True
         return False
 
-    def push_many(self, descs: np.ndarray, *, wake: bool = True, timeout: float = 0.0) -> int:
-        """Publish as many of ``descs`` (a structured array of ``out_dtype``) as
+    def push_many(self, descs: np.ndarray | bytes, *, wake: bool = True, timeout: float = 0.0) -> int:
+        """Publish as many of ``descs`` (a structured array of ``out_dtype``, or its bytes) as
         fit, with one release store (per wrap-free chunk) and at most one wake.
         With ``timeout`` > 0, keep waiting for space until all are in or the
         time is up. Returns how many were published (a prefix of ``descs``)."""
-        if not isinstance(descs, np.ndarray) or descs.dtype != self.out_dtype:
-            raise TypeError(f"push_many takes a structured array of dtype {self.out_dtype}")
-        descs = np.ascontiguousarray(descs).reshape(-1)
-        raw = descs.view(np.uint8)
-        total = len(descs)
-        bell = wake and self._bell >= 0
         ss = self.out_dtype.itemsize
+        if isinstance(descs, (bytes, bytearray)):  # whole slots, already in the layout
+            if len(descs) % ss:
+                raise ValueError(f"push_many: {len(descs)} bytes are not whole {ss}-byte slots")
+            raw: Any = memoryview(descs)
+            total = len(descs) // ss
+        elif isinstance(descs, np.ndarray) and descs.dtype == self.out_dtype:
+            descs = np.ascontiguousarray(descs).reshape(-1)
+            raw = descs.view(np.uint8)
+            total = len(descs)
+        else:
+            raise TypeError(f"push_many takes a structured array of dtype {self.out_dtype}, or its bytes")
+        bell = wake and self._bell >= 0
 
         def put(start: int) -> int:
             n = self.outbox.push_buffer(raw[start * ss :], total - start, wake and not bell)

@@ -24,6 +24,12 @@ from ._pending import Pending
 from ._resources import HostSegment
 from ._ringlink import RingLink
 
+#: Bumped in a forked child: a client made before the fork compares its own copy (cheaper
+#: than a getpid() per request, which check_usable did before).
+_forks = [0]
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
+
 __all__ = ["ClientCore"]
 
 #: How long collecting a memfd from the daemon's fd socket may take (a local round trip).
@@ -43,6 +49,7 @@ class ClientCore:
         self.limits = P.Limits()
         self.broken: E.TransferError | None = None
         self.pid = os.getpid()
+        self._fork = _forks[0]
         #: Deferred-creation state (arenas, pending definitions); None in eager mode.
         self.deferred: DeferredState | None = None
         self.ring: RingLink | None = None
@@ -230,7 +237,7 @@ class ClientCore:
     def check_usable(self) -> None:
         if self.broken is not None:
             raise self.broken
-        if os.getpid() != self.pid:
+        if _forks[0] != self._fork or (not hasattr(os, "register_at_fork") and os.getpid() != self.pid):
             raise E.SessionError("this client was created in another process (fork): connect again in this one")
 
     def take_unobserved(self) -> E.TransferError | None:
