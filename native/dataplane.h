@@ -459,10 +459,26 @@ static inline int64_t tdp_serve(tdp_worker_t *w, uint64_t avail)
                 break;
             }
             uint64_t moved = 0;
-            for (uint64_t k = 0; k < len && !why; k++) {
+            for (uint64_t k = 0; k < len && !why;) {
+                /* A run of pieces contiguous in both dst and src is one memmove, unless the
+                 * run's ranges overlap (then piece by piece, as sequential copies would be). */
                 const tdp_desc_t *p = &w->batch[i + k];
-                why = tdp_bytes(w, TDP_COPY, p->dst, p->src, p->nbytes, 0, NULL);
-                moved += p->nbytes;
+                uint64_t d0 = p->dst, s0 = p->src, n = p->nbytes, m = k + 1;
+                while (m < len && w->batch[i + m].dst == d0 + n && w->batch[i + m].src == s0 + n &&
+                       w->batch[i + m].nbytes <= TDP_OFFSET_MASK - n) {
+                    n += w->batch[i + m].nbytes;
+                    m++;
+                }
+                if (m - k > 1 && d0 < s0 + n && s0 < d0 + n) {
+                    for (; k < m && !why; k++) {
+                        p = &w->batch[i + k];
+                        why = tdp_bytes(w, TDP_COPY, p->dst, p->src, p->nbytes, 0, NULL);
+                    }
+                } else {
+                    why = tdp_bytes(w, TDP_COPY, d0, s0, n, 0, NULL);
+                    k = m;
+                }
+                moved += n;
             }
             if (why)
                 break;
