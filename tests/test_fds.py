@@ -127,7 +127,8 @@ def test_another_process_cannot_take_a_sessions_memory(daemon, tmp_path: Path) -
     raw = Raw(daemon.endpoint)
     token = raw.call(P.RegisterHost, 4096)["token"]
     raw.close()
-    with pytest.raises(E.ProtocolError, match="unknown"):
+    # (refused as "unknown" once the session is released, or as "ended" while it is being released)
+    with pytest.raises(E.ProtocolError, match="unknown|has ended"):
         fetch_fd(raw.fd_socket, token)
 
 
