@@ -106,13 +106,18 @@ _SUN_PATH_MAX = 107
 _IOX_SOCKET_TAIL = 39 + len(".event")
 
 
+def iox_prefix(run_id: str) -> str:
+    """iceoryx2's file prefix for a run: unique by the run id's random tail, and short, since
+    a listener's unix socket is ``root + prefix + port id`` (see :func:`iox_spec`).
+    ``Runner._remove_shm`` sweeps /dev/shm for it too."""
+    return f"tbi2-{run_id.rsplit('-', 1)[-1]}-"
+
+
 def iox_spec(run_dir: str, run_id: str, service: str) -> dict[str, str]:
     """Where iceoryx2 keeps a run's files: ``run_dir`` as its root (removed with it), a file
-    prefix that is ``run_id`` (so the run's /dev/shm sweep finds whatever a killed process
-    left) and the service names' stem (unique, so parallel runs never meet).
-
-    A listener's unix socket is ``root + prefix + port id``: kept short enough to bind."""
-    root, prefix = run_dir.rstrip("/") + "/", f"{run_id}-"
+    prefix of the run's own (so the run's /dev/shm sweep finds whatever a killed process
+    left) and the service names' stem (unique, so parallel runs never meet)."""
+    root, prefix = run_dir.rstrip("/") + "/", iox_prefix(run_id)
     if len(root) + len(prefix) + _IOX_SOCKET_TAIL > _SUN_PATH_MAX:
         raise RuntimeError(f"iceoryx2: the run directory {run_dir!r} is too long for its unix sockets "
                            f"(set TMPDIR to a shorter path)")
