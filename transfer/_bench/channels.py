@@ -1,8 +1,10 @@
 """One producer/consumer channel per method.
 
 Every channel gives the producer a writable uint8 ``buffer`` of
-``cell.buffer_bytes`` (``depth`` slots of ``batch`` items of ``size`` bytes)
-and moves one *group* (one slot: ``batch`` items) per ``submit``. The consumer
+``cell.buffer_bytes`` (``depth`` slots of ``batch`` items of ``size`` bytes),
+or, where the transport owns the memory (iceoryx2), a ``loan(slot)`` that
+returns views of memory loaned for the next group, and moves one *group*
+(one slot: ``batch`` items) per ``submit``. The consumer
 side (absent for ``transfer``: the daemon is the consumer) hands the generic
 consumer loop uint8 views of the received items; the loop copies them into a
 "device" buffer and checksums them exactly as the daemon does for
