@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,17 +36,25 @@ def _nixl_ok() -> bool:
 
 
 def _methods(with_transfer: bool) -> str:
-    """Every method of the local/compute modes (nixl-raw is the remote mode's baseline)."""
-    from transfer._bench.common import METHODS_ALL
+    """Every method of the local/compute modes (nixl-raw is the remote mode's baseline) whose
+    package is installed (iceoryx2, torch-mp: the others are skipped with a note)."""
+    from transfer._bench.common import METHODS_ALL, method_available
 
-    return ",".join(m for m in METHODS_ALL if (with_transfer or not m.startswith("transfer")) and m != "nixl-raw")
+    return ",".join(m for m in METHODS_ALL if (with_transfer or not m.startswith("transfer")) and m != "nixl-raw"
+                    and method_available(m)[0])
+
+
+def _iceoryx2_ok() -> bool:
+    from transfer._bench.common import method_available
+
+    return method_available("iceoryx2")[0]
 
 
 def _run(args: list[str], tmp: Path, timeout: float = 90,
          env_extra: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, str, Path]:
     tag = uuid.uuid4().hex
     shm_dir = Path(tempfile.mkdtemp(prefix="tb-test-", dir="/dev/shm"))
-    env = dict(os.environ, TRANSFER_BENCH_TEST_TAG=tag, PYTHONPATH=str(ROOT), **(env_extra or {}))
+    env = {**os.environ, "TRANSFER_BENCH_TEST_TAG": tag, "PYTHONPATH": str(ROOT), **(env_extra or {})}
     try:
         proc = subprocess.run([sys.executable, "-m", "transfer.cli.bench", *args, "--daemon-shm-dir", str(shm_dir)],
                               cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
@@ -128,6 +137,65 @@ def test_latency_mode(tmp_path: Path) -> None:
     for r in lat["rows"].values():
         assert r["rounds"] > 0 and r["p99_us"] >= r["p50_us"] > 0
     assert "latency" in proc.stdout and "x shm-pipe" in proc.stdout
+
+
+def test_iceoryx2_method_tiny(tmp_path: Path) -> None:
+    """A real iceoryx2 run (throughput and latency), verified, that leaves nothing behind:
+    no process, no /dev/shm file, no file under TMPDIR (iceoryx2's root is the run's dir)."""
+    if not _iceoryx2_ok():
+        pytest.skip("iceoryx2 not installed (pip install 'transfer[bench]')")
+    tmpdir = tempfile.mkdtemp(prefix="tbi-", dir="/tmp")  # short: iceoryx2 binds unix sockets there
+    out = tmp_path / "r.json"
+    before = {n for n in os.listdir("/dev/shm") if n.startswith("tbi2-")}  # channels.iox_prefix
+    try:
+        args = ["--sizes", "4K,64K", "--producers", "2", "--modes", "local,latency", "--methods", "shm-pipe,iceoryx2",
+                "--verify-every", "1", "--json", str(out), *TINY]
+        proc, tag, _ = _run(args, tmp_path, env_extra={"TMPDIR": tmpdir})
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        _assert_nothing_left(tag)
+        assert os.listdir(tmpdir) == []
+        assert {n for n in os.listdir("/dev/shm") if n.startswith("tbi2-")} <= before
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    doc = json.loads(out.read_text())
+    res = [r for r in doc["results"] if r["method"] == "iceoryx2"]
+    assert {(r["mode"], r["size"]) for r in res} == {("local", 4096), ("local", 65536)}
+    for r in res:
+        assert r["gbps"] > 0 and r["verified_groups"] == r["groups"] > 0
+        assert r["vs_shm-pipe"] is not None
+    lat = doc["latency"]["rows"]["iceoryx2"]
+    assert lat["rounds"] > 0 and lat["p99_us"] >= lat["p50_us"] > 0
+    assert not [n for n in doc["notes"] if "iceoryx2" in n]
+
+
+def test_iceoryx2_corruption_fails_loudly(tmp_path: Path) -> None:
+    """A group damaged in the loaned sample after its checksum fails the run."""
+    if not _iceoryx2_ok():
+        pytest.skip("iceoryx2 not installed (pip install 'transfer[bench]')")
+    proc, tag, _ = _run(["--sizes", "64K", "--producers", "1", "--modes", "local", "--methods", "iceoryx2",
+                         "--inject-corruption", "3", *TINY], tmp_path)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
+    assert "mismatch" in proc.stderr
+    _assert_nothing_left(tag)
+
+
+def test_iceoryx2_missing_is_skipped_with_a_note(tmp_path: Path) -> None:
+    """Without an importable iceoryx2 the run goes on with the other methods and says why."""
+    fake = tmp_path / "fake"
+    (fake / "iceoryx2").mkdir(parents=True)
+    (fake / "iceoryx2" / "__init__.py").write_text("raise ImportError('no iceoryx2 in this test')\n")
+    out = tmp_path / "r.json"
+    args = ["--sizes", "64K", "--producers", "1", "--modes", "local,latency", "--methods", "shm-pipe,iceoryx2",
+            "--json", str(out), *TINY]
+    proc, tag, _ = _run(args, tmp_path, env_extra={"PYTHONPATH": f"{fake}{os.pathsep}{ROOT}"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _assert_nothing_left(tag)
+    doc = json.loads(out.read_text())
+    assert {r["method"] for r in doc["results"] if not r["method"].startswith("limit:")} == {"shm-pipe"}
+    assert set(doc["latency"]["rows"]) == {"shm-pipe"}
+    notes = [n for n in doc["notes"] if n.startswith("method iceoryx2")]
+    assert notes and "skipped" in notes[0] and "transfer[bench]" in notes[0]
+    assert "method iceoryx2" in proc.stdout
 
 
 def test_remote_mode_tiny(tmp_path: Path) -> None:

@@ -20,10 +20,10 @@ now = time.perf_counter
 #: one word per 4 KiB page, so every page of every batch changes.
 STAMP_STRIDE_WORDS = 512
 
-METHODS_ALL = ("transfer", "transfer-socket", "shm-pipe", "torch-mp", "zmq-copy", "zmq-zerocopy", "mp-queue", "mp-pipe", "nixl-raw")
-#: shm-pipe is the floor: what a user writes in an afternoon; torch-mp what users pick
-#: (skipped with a note without PyTorch).
-METHODS_QUICK = ("transfer", "shm-pipe", "torch-mp", "zmq-copy", "zmq-zerocopy")
+METHODS_ALL = ("transfer", "transfer-socket", "shm-pipe", "iceoryx2", "torch-mp", "zmq-copy", "zmq-zerocopy", "mp-queue", "mp-pipe", "nixl-raw")
+#: shm-pipe is the floor: what a user writes in an afternoon; iceoryx2 (zero-copy IPC
+#: middleware) and torch-mp what users pick (each skipped with a note when not installed).
+METHODS_QUICK = ("transfer", "shm-pipe", "iceoryx2", "torch-mp", "zmq-copy", "zmq-zerocopy")
 MODES_ALL = ("local", "compute", "remote", "gpu", "latency")
 
 #: Methods that run in every mode but ``remote``; ``remote`` has its own baseline.
@@ -48,6 +48,13 @@ def method_available(method: str) -> tuple[bool, str]:
 
         if importlib.util.find_spec("torch") is None:
             return False, "method torch-mp: PyTorch is not installed (pip install torch): skipped"
+    if method == "iceoryx2":
+        # Imported, not only found: the package is a native extension that may fail to load.
+        try:
+            import iceoryx2  # noqa: F401
+        except Exception as e:  # noqa: BLE001
+            return False, (f"method iceoryx2: iceoryx2 is not importable ({type(e).__name__}: {e}; "
+                           "pip install 'transfer[bench]'): skipped")
     return True, ""
 
 
@@ -60,6 +67,7 @@ METHOD_LABELS = {
     "mp-pipe": "multiprocessing.Pipe, pickle 5 out-of-band",
     "shm-pipe": "hand-rolled shm + pipe notify",
     "torch-mp": "torch.multiprocessing: a shared tensor, queue notify",
+    "iceoryx2": "iceoryx2 publish-subscribe: loaned samples, event notify",
     "nixl-raw": "raw NIXL READ by a consumer process (remote mode)",
     "limit:memcpy": "in-process memcpy (one core)",
     "limit:read": "in-process u64 read (one core)",

@@ -13,15 +13,20 @@ what a request costs when nothing else is in flight. Methods:
 * `zmq-copy`: a PAIR socket over `ipc://` each way (`copy=True`).
 * `torch-mp` (when PyTorch is installed): `torch.multiprocessing` queues; the
   consumer copies from the producer's shared tensor and answers on a queue.
+* `iceoryx2` (when installed): the bytes in a sample loaned from a publish-subscribe
+  service, sent, and an event to wake the consumer, which copies them out of the sample,
+  releases it and answers with an event of its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import shutil
 import tempfile
 import time
+import uuid
 from typing import Any, Callable
 
 import numpy as np
@@ -29,7 +34,7 @@ import numpy as np
 from .common import method_available
 
 NBYTES = 64
-METHODS = ("transfer", "transfer-socket", "transfer-trio", "shm-pipe", "zmq-copy", "torch-mp")
+METHODS = ("transfer", "transfer-socket", "transfer-trio", "shm-pipe", "iceoryx2", "zmq-copy", "torch-mp")
 
 
 def _stats(samples: list[float]) -> dict[str, float]:
@@ -205,6 +210,111 @@ def _torch_mp(rounds: int, warmup: int) -> list[float]:
         p.join(10)
 
 
+# --- iceoryx2: publish-subscribe for the bytes, an event each way --------------------------------------
+_IOX_QUIT = 1  # the ping event id that ends the consumer; 0 is "a sample is there"
+
+
+def _iox_ports(spec: dict, producer: bool) -> tuple[Any, list[Any], Any, Any]:
+    """(node, [services], the data port, (notifier, listener)) for one side of the round trip."""
+    import ctypes
+
+    import iceoryx2 as iox
+
+    from .channels import iox_event, iox_node
+
+    node = iox_node(spec)
+    data = (node.service_builder(iox.ServiceName.new(spec["service"] + "/data"))
+            .publish_subscribe(ctypes.c_uint8 * NBYTES).max_publishers(1).max_subscribers(1)
+            .history_size(0).subscriber_max_buffer_size(1).enable_safe_overflow(False).open_or_create())
+    ping = iox_event(node, spec["service"] + "/ping", 1)
+    pong = iox_event(node, spec["service"] + "/pong", 1)
+    if producer:
+        port = data.publisher_builder().max_loaned_samples(1).create()
+        ends = (ping.notifier_builder().create(), pong.listener_builder().create())
+    else:
+        port = data.subscriber_builder().buffer_size(1).create()
+        ends = (pong.notifier_builder().create(), ping.listener_builder().create())
+    return node, [data, ping, pong], port, ends
+
+
+def _iox_consumer(spec: dict) -> None:
+    import iceoryx2 as iox
+
+    node, services, sub, (pong, ping) = _iox_ports(spec, producer=False)
+    dst = np.empty(NBYTES, np.uint8)
+    ppid = os.getppid()
+    pong.notify()  # subscribed: the producer may start
+    try:
+        while True:
+            acts = ping.timed_wait(iox.Duration.from_millis(500))
+            if any(a.id.as_value == _IOX_QUIT for a in acts) or os.getppid() != ppid:
+                break
+            while (s := sub.receive()) is not None:
+                np.copyto(dst, np.frombuffer(_bytes_at(s.payload_ptr), np.uint8))
+                s.delete()  # released before the answer: the producer loans it again next round
+                pong.notify()
+    finally:
+        for port in (pong, ping, sub):
+            port.delete()
+        del services, node
+
+
+def _bytes_at(ptr: int) -> Any:
+    """A writable ctypes view of ``NBYTES`` at ``ptr`` (a sample's payload), for NumPy."""
+    import ctypes
+
+    return (ctypes.c_uint8 * NBYTES).from_address(ptr)
+
+
+def _iceoryx2(rounds: int, warmup: int) -> list[float]:
+    import glob
+
+    import iceoryx2 as iox
+
+    from .channels import iox_spec
+
+    root = tempfile.mkdtemp(prefix="tb-iox-")  # short: iceoryx2's unix sockets live here
+    run_id = f"transfer-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    spec = iox_spec(root, run_id, f"{run_id}/latency")
+    p = None
+    node = services = pub = ping = pong = None
+    try:
+        node, services, pub, (ping, pong) = _iox_ports(spec, producer=True)
+        p = mp.get_context("spawn").Process(target=_iox_consumer, args=(spec,), daemon=True)
+        p.start()
+        while not pong.timed_wait(iox.Duration.from_secs(1)):
+            if not p.is_alive():
+                raise RuntimeError(f"latency iceoryx2: the consumer died (exit code {p.exitcode})")
+        src = np.zeros(NBYTES, np.uint8)
+
+        def one() -> None:
+            src[0] ^= 1
+            s = pub.loan_uninit()
+            np.copyto(np.frombuffer(_bytes_at(s.payload_ptr), np.uint8), src)
+            s.assume_init().send()
+            ping.notify()
+            while not pong.blocking_wait():
+                pass
+
+        return _timed(one, rounds, warmup)
+    finally:
+        if ping is not None:
+            ping.notify_with_custom_event_id(iox.EventId.new(_IOX_QUIT))
+        if p is not None:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for port in (pong, ping, pub):
+            if port is not None:
+                port.delete()
+        del services, node
+        for f in glob.glob(f"/dev/shm/{spec['prefix']}*"):  # what a killed consumer may leave
+            with contextlib.suppress(OSError):
+                os.unlink(f)
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def run(methods: list[str], endpoint: str, *, rounds: int = 2000, warmup: int = 200,
         line: Callable[[str], None] = print) -> dict[str, Any]:
     """Round trips per method: {method: {p50_us, p99_us, mean_us, rounds}}, plus skips."""
@@ -227,6 +337,8 @@ def run(methods: list[str], endpoint: str, *, rounds: int = 2000, warmup: int = 
             samples = _zmq_copy(rounds, warmup)
         elif m == "torch-mp":
             samples = _torch_mp(rounds, warmup)
+        elif m == "iceoryx2":
+            samples = _iceoryx2(rounds, warmup)
         else:
             raise ValueError(f"latency mode: no method {m!r} (choose from {', '.join(METHODS)})")
         rows[m] = _stats(samples)

@@ -178,12 +178,13 @@ def render_table(results: list[dict], limits: dict[int, dict[str, dict]], title:
     return t
 
 
-_COLORS = {"transfer": "tab:red", "transfer-socket": "tab:pink", "torch-mp": "tab:olive", "zmq-copy": "tab:blue", "zmq-zerocopy": "tab:orange",
+_COLORS = {"transfer": "tab:red", "transfer-socket": "tab:pink", "torch-mp": "tab:olive", "iceoryx2": "tab:cyan", "zmq-copy": "tab:blue", "zmq-zerocopy": "tab:orange",
            "mp-queue": "tab:green", "mp-pipe": "tab:purple", "shm-pipe": "tab:brown",
            "nixl-raw": "tab:gray"}
 
 _METHOD_ORDER = {m: i for i, m in enumerate(
-    ("transfer", "transfer-socket", "shm-pipe", "torch-mp", "zmq-copy", "zmq-zerocopy", "mp-queue", "mp-pipe", "nixl-raw"))}
+    ("transfer", "transfer-socket", "shm-pipe", "iceoryx2", "torch-mp", "zmq-copy", "zmq-zerocopy", "mp-queue", "mp-pipe",
+     "nixl-raw"))}
 
 
 def markdown_table(results: list[dict], limits: dict[int, dict[str, dict]]) -> str:

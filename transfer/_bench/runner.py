@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .channels import make_plumbing
+from .channels import iox_prefix, make_plumbing
 from .common import BenchFailure, Cell, now
 from .workers import consumer_main, producer_main
 
@@ -101,7 +101,8 @@ class Runner:
     # ------------------------------------------------------------------ cleanup
 
     def _remove_shm(self) -> None:
-        for p in glob.glob(f"/dev/shm/{self.run_id}*"):
+        # The run's own files, and iceoryx2's (named with a shorter prefix: channels.iox_prefix).
+        for p in glob.glob(f"/dev/shm/{self.run_id}*") + glob.glob(f"/dev/shm/{iox_prefix(self.run_id)}*"):
             with contextlib.suppress(OSError):
                 os.unlink(p)
 

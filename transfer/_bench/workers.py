@@ -29,8 +29,11 @@ def producer_main(idx: int, cell: Cell, ctrl, spec: dict) -> None:
         cks, _ = get_checksum()
         ch = PRODUCERS[cell.method](cell, idx, spec)
         D, K, S = cell.depth, cell.batch, cell.size
-        views = [[ch.buffer[(d * K + i) * S:(d * K + i + 1) * S] for i in range(K)] for d in range(D)]
-        words = [[v.view(np.uint64) for v in slot] for slot in views]
+        if getattr(ch, "loan", None) is None:  # a fixed buffer of depth slots
+            views = [[ch.buffer[(d * K + i) * S:(d * K + i + 1) * S] for i in range(K)] for d in range(D)]
+            words = [[v.view(np.uint64) for v in slot] for slot in views]
+        else:  # iceoryx2: each group is written into memory the channel loans for it
+            views = words = []
         ctrl.send(("ready", {"idx": idx}))
         g = 0
         while True:
@@ -58,6 +61,7 @@ def producer_main(idx: int, cell: Cell, ctrl, spec: dict) -> None:
 
 def _run_rep(idx, cell: Cell, ch, views, words, cks, g, t_start, t_end, verify_every):
     D, K = cell.depth, cell.batch
+    loan = getattr(ch, "loan", None)
     inflight: dict[int, tuple[int, float]] = {}  # slot -> (group, submit time)
     lat: list[float] = []
     done_items = 0
@@ -85,15 +89,17 @@ def _run_rep(idx, cell: Cell, ch, views, words, cks, g, t_start, t_end, verify_e
         slot = g % D
         while slot in inflight:
             handle(ch.poll(True))
+        # Where this group is written: the slot of the fixed buffer, or memory loaned for it now.
+        vs, ws = (views[slot], words[slot]) if loan is None else loan(slot)
         seed = seed_base | (g * K)
         for i in range(K):
-            stamp(words[slot][i], seed + i)
+            stamp(ws[i], seed + i)
         verify = g % verify_every == 0
-        expected = [cks(v) for v in views[slot]] if verify else None
+        expected = [cks(v) for v in vs] if verify else None
         if verify:
             verified += 1
         if g == cell.corrupt_group:
-            views[slot][0][-1] ^= 0xFF  # after the checksum: every method must notice
+            vs[0][-1] ^= 0xFF  # after the checksum: every method must notice
         t0 = now()
         ch.submit(g, slot, verify, expected)
         inflight[slot] = (g, t0)

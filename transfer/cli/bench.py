@@ -1,8 +1,9 @@
-"""``transfer-bench``: measure transfer against pyzmq, multiprocessing and hand-rolled shm.
+"""``transfer-bench``: measure transfer against pyzmq, multiprocessing, iceoryx2, torch and hand-rolled shm.
 
     transfer-bench                 quick run (< 60 s): embedded daemon, 2 producer
                                    processes, 4 KiB (requests/s), 64 KiB, 1 MiB, 64 MiB,
-                                   transfer vs pyzmq copy/zero-copy and the physical limits
+                                   transfer vs hand-rolled shm, iceoryx2, torch.multiprocessing,
+                                   pyzmq copy/zero-copy and the physical limits
     transfer-bench full            the sweep: 4 KiB..256 MiB, producers 1..N, depth,
                                    modes local/compute/remote/gpu (remote: NIXL; gpu:
                                    CuPy; skipped when unavailable), every baseline
@@ -30,7 +31,7 @@ import time
 def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="transfer-bench",
-        description="Benchmark transfer against pyzmq, multiprocessing and hand-rolled shared memory.",
+        description="Benchmark transfer against hand-rolled shared memory, iceoryx2, torch.multiprocessing, pyzmq and multiprocessing.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Sizes accept K/M/G suffixes (binary), lists (4K,1M) and ranges in powers of 4 (4K..256M).",
     )
@@ -41,8 +42,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", help="groups in flight per producer, or a list (default 4)")
     p.add_argument("--batch", type=int, help="requests per group (default: 64 for 4 KiB, 256 KiB/size, >= 1)")
     p.add_argument("--modes", help="local,compute,remote,gpu,latency (quick: local,latency; full: all, unavailable skipped)")
-    p.add_argument("--methods", help="transfer,transfer-socket,shm-pipe,torch-mp,zmq-copy,zmq-zerocopy,mp-queue,mp-pipe,nixl-raw "
-                                     "(remote mode: transfer and nixl-raw only; nixl-raw: remote only)")
+    p.add_argument("--methods", help="transfer,transfer-socket,shm-pipe,iceoryx2,torch-mp,zmq-copy,zmq-zerocopy,mp-queue,mp-pipe,"
+                                     "nixl-raw (remote mode: transfer and nixl-raw only; nixl-raw: remote only; skipped with a note "
+                                     "when not installed: iceoryx2 (pip install 'transfer[bench]'), torch-mp (PyTorch))")
     p.add_argument("--verify-every", type=int, help="verify every Nth group (quick: 1 = all; full: 8)")
     p.add_argument("--reps", type=int, help="measured repetitions per cell (quick: 5, full: 3)")
     p.add_argument("--rep-seconds", type=float, help="duration of one repetition (quick: 0.3, full: 0.4)")
