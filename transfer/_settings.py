@@ -133,9 +133,12 @@ def _endpoints(raw: Any) -> tuple[str, ...]:
         raise ValueError("not a list of endpoints")
     if not items:
         raise ValueError("needs at least one endpoint")
+    from .transport._zmq import endpoint_error
+
     for ep in items:
-        if not (ep.startswith("ipc://") and len(ep) > 6) and not ep.startswith("tcp://"):
-            raise ValueError(f"{ep!r} is not ipc://PATH or tcp://HOST:PORT")
+        why = endpoint_error(ep)
+        if why is not None:
+            raise ValueError(why)
     return tuple(items)
 
 

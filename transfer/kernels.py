@@ -25,6 +25,7 @@ from ._checksum import checksum64_xp
 __all__ = [
     "DTYPES",
     "TensorRef",
+    "shape_tuple",
     "Kernel",
     "Registry",
     "REGISTRY",
@@ -59,6 +60,21 @@ class TensorRef:
 
     def to_wire(self) -> list[Any]:
         return [self.va, self.dtype, list(self.shape), None if self.strides is None else list(self.strides)]
+
+
+def shape_tuple(shape: Any) -> tuple[int, ...]:
+    """A shape as a tuple of ints (an int is one dimension), refusing negative dimensions
+    with a message that names them, before any arithmetic turns them into odd byte counts."""
+    dims = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    try:
+        out = tuple(int(d) for d in dims)
+    except (TypeError, ValueError):
+        raise E.InvalidField(f"shape {shape!r}: dimensions must be integers") from None
+    bad = [(i, d) for i, d in enumerate(out) if d < 0]
+    if bad:
+        i, d = bad[0]
+        raise E.InvalidField(f"shape {out}: dimension {i} is {d}; every dimension must be 0 or more")
+    return out
 
 
 def tensor_extent(t: TensorRef) -> int:
