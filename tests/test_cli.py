@@ -182,3 +182,19 @@ def test_sd_notify_is_a_no_op_outside_systemd(monkeypatch: pytest.MonkeyPatch, t
         monkeypatch.setenv("NOTIFY_SOCKET", "@" + name)
         assert notify(READY=1, STATUS="x") is True
         assert s.recv(100) == b"READY=1\nSTATUS=x"
+
+
+def test_the_systemd_unit_matches_the_daemon() -> None:
+    """deploy/transferd.service: notify readiness, a socket directory transferd accepts, no restart on exit 2."""
+    import configparser
+
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.optionxform = str  # type: ignore[assignment,method-assign]
+    unit.read(Path(__file__).parent.parent / "deploy" / "transferd.service")
+    svc = unit["Service"]
+    assert svc["Type"] == "notify" and svc["ExecStart"].split()[0].endswith("transferd")
+    assert int(svc["RuntimeDirectoryMode"], 8) & 0o077 == 0  # _prepare_ipc refuses anything wider
+    assert svc["Environment"].startswith("TRANSFER_") and "2" in svc["RestartPreventExitStatus"].split()
+    endpoint = [ln for ln in (Path(__file__).parent.parent / "deploy" / "transferd.service").read_text().splitlines()
+                if ln.startswith("Environment=TRANSFER_ENDPOINT=")][0].split("=", 2)[2]
+    assert endpoint.startswith(f"ipc:///run/{svc['RuntimeDirectory']}/")
