@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
+from .._version import __version__
 from .. import _settings as S
 from ._systemd import notify
 

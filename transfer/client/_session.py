@@ -18,6 +18,7 @@ import functools
 import logging
 import os
 import socket
+import stat
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Generator, Iterator, Sequence, TypeVar
 
@@ -420,6 +421,12 @@ def _probe_ipc(endpoint: str, path: Path) -> None:
     """Raise DaemonUnavailable now when no daemon can be listening at `path`."""
     if not path.exists():
         raise E.DaemonUnavailable(f"no daemon at {endpoint}: {path} does not exist (is transferd running?)")
+    try:
+        is_socket = stat.S_ISSOCK(path.stat().st_mode)
+    except OSError:
+        is_socket = True  # let the connect below say what is wrong
+    if not is_socket:
+        raise E.DaemonUnavailable(f"no daemon at {endpoint}: {path} is not a socket (is the endpoint's path right?)")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
         probe.connect(str(path))

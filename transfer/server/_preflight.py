@@ -136,7 +136,7 @@ def fmt_bytes(n: int) -> str:
 
 def startup_line(config: DaemonConfig, shm: ShmDir, backend: str, backend_reason: str, sessions: int, connections: int, memory: str) -> str:
     """The one line an operator reads to know what is running and with which limits."""
-    from .. import __version__
+    from .._version import __version__
     from ..protocol import VERSION
 
     def quota(n: int) -> str:
