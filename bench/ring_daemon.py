@@ -32,7 +32,7 @@ import numpy as np
 
 import transfer
 from transfer._ring import IMPLEMENTATION, Op
-from transfer.testing import start_daemon
+from transfer.testing import run_daemon
 
 SIZE = 64
 BATCH = 1024
@@ -120,10 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, default=300, help=f"batches of {BATCH} per path")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
-    shm = Path(tempfile.mkdtemp(prefix="ring-bench-shm-"))
-    daemon = start_daemon(["--backend", "numpy"], shm_dir=shm)
     results: dict[str, Any] = {}
-    try:
+    # Everything this run makes goes with it: the shm dir (tmpfs, as the daemon expects) and,
+    # through run_daemon, the daemon's socket directory; a daemon leaves its lock file behind.
+    shm_base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(prefix="ring-bench-shm-", dir=shm_base) as shm, \
+            run_daemon(["--backend", "numpy"], shm_dir=Path(shm)) as daemon:
         with transfer.connect(daemon.endpoint, ring=True) as c:
             seg = c.segment(1 << 20)
             seg.buffer[:] = np.random.default_rng(1).integers(0, 256, seg.nbytes, dtype=np.uint8)
@@ -133,12 +135,6 @@ def main(argv: list[str] | None = None) -> int:
         with transfer.connect(daemon.endpoint) as c:
             seg = c.segment(1 << 20)
             results["zmq"] = _client_paths(c, seg, max(1, args.n // 4), max(1, args.batches // 2))
-    finally:
-        daemon.stop()
-        try:
-            os.rmdir(shm)
-        except OSError:
-            pass
     if not ok:
         print("copies did not land: results are void", file=sys.stderr)
         return 1

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -255,3 +256,42 @@ def test_size_parsing() -> None:
     assert parse_sizes("4K,1M") == [4096, 1 << 20]
     with pytest.raises(ValueError):
         parse_size("3")
+
+
+def test_plot_without_matplotlib_fails_before_measuring(tmp_path: Path) -> None:
+    """matplotlib made unimportable (a shadow package first on the path): exit 2 at once, not 1 after the run."""
+    shadow = tmp_path / "shadow" / "matplotlib"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('No module named matplotlib (test shadow)')\n")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "transfer.cli.bench", "--methods", "shm-pipe", "--plot", str(tmp_path / "r.png")],
+                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=f"{shadow.parent}:{ROOT}"),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--plot needs matplotlib" in proc.stderr and "transfer[plot]" in proc.stderr
+    assert time.monotonic() - t0 < 20 and "limits" not in proc.stderr  # nothing measured
+
+
+def test_gpu_mode_without_a_gpu_exits_2_having_measured_nothing(tmp_path: Path) -> None:
+    from transfer._bench.gpu import available
+
+    if available()[0]:
+        pytest.skip("a GPU is usable here")
+    proc = subprocess.run([sys.executable, "-m", "transfer.cli.bench", "--modes", "gpu"],
+                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "nothing to measure: " in proc.stderr and "skipped mode gpu: " in proc.stderr
+
+
+def test_ring_daemon_bench_leaves_no_directory(tmp_path: Path) -> None:
+    """bench/ring_daemon.py: its daemon's socket dir (in $TMPDIR) and its shm dir go with it."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    before = {n for n in os.listdir("/dev/shm") if n.startswith("ring-bench-shm-")}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "ring_daemon.py"), "--n", "20", "--batches", "2"],
+                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmpdir)),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert os.listdir(tmpdir) == []
+    assert {n for n in os.listdir("/dev/shm") if n.startswith("ring-bench-shm-")} == before

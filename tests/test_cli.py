@@ -65,7 +65,7 @@ def test_auto_backend_says_why_it_chose_numpy(daemon_factory: Any, capfd: pytest
     assert d.stop() == 0
     err = capfd.readouterr().err  # the daemon's log (it inherits our stderr)
     assert "backend numpy: auto: CuPy is not installed" in err
-    assert "(backend numpy: auto: CuPy is not installed" in err  # the serving line says it too
+    assert "backend numpy (auto: CuPy is not installed" in err  # the startup line says it too
 
 
 def test_auto_warns_when_cupy_is_installed_but_unusable(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
@@ -82,3 +82,119 @@ def test_auto_warns_when_cupy_is_installed_but_unusable(monkeypatch: pytest.Monk
     assert backend.name == "numpy" and why == "auto: CuPy is installed but unusable (CUDARuntimeError: cudaErrorInsufficientDriver)"
     (rec,) = [r for r in caplog.records if r.name == "transfer.backends"]
     assert rec.levelno == logging.WARNING and why in rec.getMessage()
+
+
+# --- the daemon as a service (issue 19) -------------------------------------------------------
+def test_version_from_transferd_and_python_m_transfer() -> None:
+    for cmd in ([sys.executable, "-m", "transfer.cli.transferd"], [sys.executable, "-m", "transfer"]):
+        r = subprocess.run([*cmd, "--version"], capture_output=True, text=True, timeout=20)
+        assert r.returncode == 0 and r.stdout.startswith(f"transferd {transfer.__version__} (protocol ")
+
+
+def test_a_missing_shm_dir_is_refused_not_created(tmp_path: Path) -> None:
+    missing = tmp_path / "typo"
+    r = transferd("--endpoint", f"ipc://{tmp_path}/s/d.sock", "--shm-dir", str(missing))
+    assert r.returncode == 1 and f"shm dir {missing} does not exist: create it" in r.stderr
+    assert not missing.exists()
+
+
+def test_a_shm_dir_off_tmpfs_is_named_in_a_warning(daemon_factory: Any, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    from transfer.server._preflight import check_shm_dir
+
+    disk = tmp_path / "shm"
+    disk.mkdir(mode=0o700)
+    if check_shm_dir(disk).in_memory:
+        pytest.skip("the temp dir is on tmpfs here")
+    capfd.readouterr()
+    d = daemon_factory("--shm-dir", str(disk))
+    assert d.stop() == 0
+    assert f"shm dir {disk} is on " in capfd.readouterr().err
+
+
+def test_unknown_placement_is_a_config_error(tmp_path: Path) -> None:
+    r = transferd("--endpoint", f"ipc://{tmp_path}/s/d.sock", "--placement", "bad")
+    assert r.returncode == 2
+    assert "config error: placement = 'bad' from flag --placement: not one of size, least-loaded, round-robin" in r.stderr
+
+
+def test_a_taken_metrics_port_says_so(shm_dir: Path, tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = transferd("--endpoint", f"ipc://{tmp_path}/s/d.sock", "--shm-dir", str(shm_dir), "--backend", "numpy", "--metrics-port", str(port))
+    assert r.returncode == 1
+    assert f"cannot serve metrics on 127.0.0.1:{port}" in r.stderr and "--metrics-port" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_startup_line_and_systemd_readiness(shm_dir: Path, tmp_path: Path) -> None:
+    """A real transferd under a fake systemd: READY=1 on $NOTIFY_SOCKET once it serves, one
+    startup line on stderr at the default log level, STOPPING=1 when SIGTERM starts the drain."""
+    import os
+    import signal
+    import socket
+
+    notify_path = tmp_path / "notify"
+    sock_dir = tmp_path / "run"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as nsock:
+        nsock.bind(str(notify_path))
+        nsock.settimeout(20)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "transfer", "--endpoint", f"ipc://{sock_dir}/d.sock", "--shm-dir", str(shm_dir),
+             "--backend", "numpy", "--max-host-bytes", "1P", "--max-sessions", "7"],
+            stderr=subprocess.PIPE, text=True, env={**os.environ, "NOTIFY_SOCKET": str(notify_path)},
+        )
+        try:
+            ready = dict(kv.split("=", 1) for kv in nsock.recv(4096).decode().splitlines())
+            assert ready["READY"] == "1" and ready["MAINPID"] == str(proc.pid) and "serving" in ready["STATUS"]
+            with transfer.connect(f"ipc://{sock_dir}/d.sock") as c:
+                c.fence()
+            proc.send_signal(signal.SIGTERM)
+            assert "STOPPING=1" in nsock.recv(4096).decode().splitlines()
+            _, err = proc.communicate(timeout=20)
+        finally:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0
+    (line,) = [ln for ln in err.splitlines() if "transfer.daemon.startup" in ln]
+    for part in (f"transferd {transfer.__version__} (protocol", f"serving ipc://{sock_dir}/d.sock", f"shm dir {shm_dir} (tmpfs",
+                 "backend numpy (", "limits: 7 sessions", "host memory 1024 TiB", "shared memory available"):
+        assert part in line, (part, line)
+    # A quota the machine cannot honour is named, with what to change.
+    assert "--max-host-bytes is 1024 TiB but only" in err and "Lower --max-host-bytes" in err
+
+
+def test_sd_notify_is_a_no_op_outside_systemd(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import socket
+
+    from transfer.cli._systemd import notify
+
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    assert notify(READY=1) is False
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "gone"))
+    assert notify(READY=1) is False  # no listener: never raises
+    name = f"transfer-test-{tmp_path.name}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.bind("\0" + name)  # the abstract namespace, as systemd may use
+        monkeypatch.setenv("NOTIFY_SOCKET", "@" + name)
+        assert notify(READY=1, STATUS="x") is True
+        assert s.recv(100) == b"READY=1\nSTATUS=x"
+
+
+def test_the_systemd_unit_matches_the_daemon() -> None:
+    """deploy/transferd.service: notify readiness, a socket directory transferd accepts, no restart on exit 2."""
+    import configparser
+
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.optionxform = str  # type: ignore[assignment,method-assign]
+    unit.read(Path(__file__).parent.parent / "deploy" / "transferd.service")
+    svc = unit["Service"]
+    assert svc["Type"] == "notify" and svc["ExecStart"].split()[0].endswith("transferd")
+    assert int(svc["RuntimeDirectoryMode"], 8) & 0o077 == 0  # _prepare_ipc refuses anything wider
+    assert svc["Environment"].startswith("TRANSFER_") and "2" in svc["RestartPreventExitStatus"].split()
+    endpoint = [ln for ln in (Path(__file__).parent.parent / "deploy" / "transferd.service").read_text().splitlines()
+                if ln.startswith("Environment=TRANSFER_ENDPOINT=")][0].split("=", 2)[2]
+    assert endpoint.startswith(f"ipc:///run/{svc['RuntimeDirectory']}/")

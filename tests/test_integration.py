@@ -251,9 +251,9 @@ def test_connecting_to_nothing_is_a_clear_error(tmp_path: Path) -> None:
     stale = tmp_path / "stale.sock"
     stale.touch()
     t0 = time.monotonic()
-    with pytest.raises(transfer.DaemonUnavailable, match="within"):
+    with pytest.raises(transfer.DaemonUnavailable, match="is not a socket"):
         transfer.connect(f"ipc://{stale}", connect_timeout=0.5)
-    assert time.monotonic() - t0 < 3
+    assert time.monotonic() - t0 < 0.5  # refused at once, not after the connect timeout
 
 
 def test_poll_collects_replies_without_blocking(daemon) -> None:

@@ -6,7 +6,7 @@ Producers and the daemon share a mapping table of segments addressed by
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from ._version import __version__ as __version__
 
 from ._checksum import checksum64
 from .addressing import make_va, split_va

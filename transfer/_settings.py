@@ -133,9 +133,12 @@ def _endpoints(raw: Any) -> tuple[str, ...]:
         raise ValueError("not a list of endpoints")
     if not items:
         raise ValueError("needs at least one endpoint")
+    from .transport._zmq import endpoint_error
+
     for ep in items:
-        if not (ep.startswith("ipc://") and len(ep) > 6) and not ep.startswith("tcp://"):
-            raise ValueError(f"{ep!r} is not ipc://PATH or tcp://HOST:PORT")
+        why = endpoint_error(ep)
+        if why is not None:
+            raise ValueError(why)
     return tuple(items)
 
 
@@ -211,6 +214,7 @@ def _defaults() -> tuple[Setting, ...]:
 
     from .protocol import Limits
     from .server._config import DaemonConfig
+    from .server._placement import POLICIES
 
     d, lim = DaemonConfig(), Limits()
     table: list[tuple[Any, ...]] = [
@@ -233,7 +237,7 @@ def _defaults() -> tuple[Setting, ...]:
         ("max_reply_backlog", parse_size, "unread reply bytes the daemon parks for one client before it ends that session", "--max-reply-backlog", {"minimum": 1 << 16, "metavar": "BYTES"}),
         ("inline_bytes", parse_size, "data work touching fewer bytes runs on the event loop, larger on a worker thread", "--inline-bytes", {"minimum": 0, "metavar": "BYTES"}),
         ("threads", _int, "worker threads for large copies", "--threads", {"minimum": 1, "maximum": 256}),
-        ("placement", _str, "placement of host-only work: size, least-loaded or round-robin", "--placement", {}),
+        ("placement", _str, "placement of host-only work: size, least-loaded or round-robin", "--placement", {"choices": tuple(POLICIES)}),
         ("size_threshold", parse_size, "size placement: inputs below this many bytes go to a CPU device", "--size-threshold", {"minimum": 0, "metavar": "BYTES"}),
         ("shutdown_grace_s", _float, "seconds SIGTERM/SIGINT waits for queued work before releasing everything", "--shutdown-grace", {"minimum": 0, "metavar": "SECONDS"}),
         ("arena_ids", _int, "segment ids in each session's deferred-allocation arena, per device", "--arena-ids", {"minimum": 1}),
@@ -495,4 +499,9 @@ def setup_logging(level: str = "WARNING", json_lines: bool = False, stream: Any 
         root.removeHandler(h)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    # The daemon's one startup line (version, endpoint, shm dir, backend, limits) shows at the
+    # default level too; only ERROR and above silence it.
+    startup = logging.getLogger("transfer.daemon.startup")
+    chosen = logging.getLevelName(level.upper())
+    startup.setLevel(logging.INFO if chosen <= logging.WARNING else chosen)
     return handler

@@ -17,7 +17,12 @@ and checksums them (for ``transfer`` the daemon does both, reading the
 producer's shared memory in place). ``remote`` mode: the producer's own
 (non-shared) memory is registered with NIXL; the daemon READs it
 (``transfer``) or a consumer process does (``nixl-raw``, the baseline).
-Any checksum mismatch fails the run (exit status 1). See docs/benchmarks.md.
+Exit status: 0 measured, every check passed; 1 a check failed during the run
+(a checksum mismatch); 2 nothing was run: bad arguments, or nothing asked for
+can run here (every mode in --modes unavailable, e.g. gpu without a GPU;
+--plot without matplotlib), found before measuring; 130 interrupted. An
+unavailable mode beside others that run is skipped with a note. See
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -119,6 +124,13 @@ def _main(args) -> int:
         if not ok:
             methods.remove(m)
             notes.append(why)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as e:
+            print(f"transfer-bench: --plot needs matplotlib ({e}): pip install 'transfer[plot]', or drop --plot "
+                  "(nothing was measured)", file=sys.stderr)
+            return 2
     run_modes = []
     for m in modes:
         ok, why = runner.mode_available(m)
@@ -152,6 +164,12 @@ def _main(args) -> int:
     if "nixl-raw" in methods and "remote" not in run_modes and args.methods:
         notes.append("method nixl-raw: runs in remote mode only, which is not in this run")
 
+    if not cells and not {"gpu", "latency"} & set(run_modes):
+        # Every mode asked for is unavailable here (or has no method): exiting 0 with an
+        # empty table would read as success.
+        why = "; ".join(notes) or "no mode has a method to run"
+        print(f"transfer-bench: nothing to measure: {why}", file=sys.stderr)
+        return 2
     progress = _Progress(len(cells), len(sizes), plain=args.no_progress or not sys.stderr.isatty())
     for n in notes:
         progress.line(f"note: {n}")

@@ -3,20 +3,30 @@
 Settings come from flags > ``TRANSFER_*`` environment > a TOML file
 (``--config`` / ``$TRANSFER_CONFIG``) > defaults; `transfer._settings` holds
 the schema. ``--print-config`` shows the effective values and where each came
-from. Exit codes: 0 clean shutdown, 1 startup failure (endpoint busy,
-refused bind, unusable shm dir), 2 bad configuration or usage.
+from. ``python -m transfer`` is the same program.
+
+Exit codes (docs/operations.md): 0 clean shutdown (or --version, --help,
+--print-config), 1 startup failure (endpoint in use, refused bind, missing or
+unusable shm dir, metrics port taken, --backend cupy without a usable GPU),
+2 bad configuration or usage ("transferd: config error: ..."). Under systemd
+(``Type=notify``) it reports READY=1 once it serves and STOPPING=1 when it
+begins to drain (deploy/transferd.service).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
+from .._version import __version__
 from .. import _settings as S
+from ._systemd import notify
 
 log = logging.getLogger("transfer.daemon")
 
@@ -37,8 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the effective configuration with each value's source, then exit",
     )
     p.add_argument("--ready", action="store_true", help="print one JSON line to stdout once serving")
+    p.add_argument("--version", action="version", version=version_text(), help="print the version and exit")
     S.add_flags(p)
     return p
+
+
+def version_text() -> str:
+    from ..protocol import VERSION
+
+    return f"transferd {__version__} (protocol {VERSION}, Python {sys.version.split()[0]})"
 
 
 def config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None) -> S.Resolved:
@@ -67,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
     async def main_task() -> None:
         async with trio.open_nursery() as nursery:
-            server = await nursery.start(serve, config)
+            server = await nursery.start(functools.partial(serve, config, on_drain=lambda: notify(STOPPING=1, STATUS="draining")))
             metrics_port = _start_metrics(server, config) if config.metrics_port else 0
             if args.ready:
                 ready: dict[str, Any] = {
@@ -77,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                 if metrics_port:
                     ready["metrics"] = f"http://{config.metrics_addr}:{metrics_port}/metrics"
                 print(json.dumps(ready), flush=True)
+            notify(READY=1, MAINPID=os.getpid(), STATUS=f"serving {', '.join(config.endpoints)} ({server.backend.name})")
 
     try:
         trio.run(main_task)
@@ -101,7 +119,13 @@ def _start_metrics(server: Any, config: Any) -> int:
         except AttributeError:  # a slotted Server: the endpoint still serves the Stats counters
             pass
     metrics.set_stats_source(server.stats)
-    port = metrics.start_http(config.metrics_port, config.metrics_addr)
+    try:
+        port = metrics.start_http(config.metrics_port, config.metrics_addr)
+    except OSError as exc:
+        raise RuntimeError(
+            f"cannot serve metrics on {config.metrics_addr}:{config.metrics_port}: {exc.strerror or exc} "
+            "(another transferd or exporter holds the port? choose another --metrics-port, or 0 to turn metrics off)"
+        ) from None
     log.info("metrics on http://%s:%d/metrics", config.metrics_addr, port)
     return port
 

@@ -221,12 +221,27 @@ class ClientCore:
                 # The daemon could not read one of our frames: nothing can be trusted now.
                 self.fail_all(r.error or E.ProtocolError("frame rejected"))
                 continue
+            if isinstance(r.error, E.NoSession) and self.session_id:
+                # The daemon answering no longer knows our session: it restarted on this
+                # endpoint, or ended the session. Nothing of it is left: say so, once, for all.
+                self.fail_all(self.session_gone(r.error))
+                continue
             p = pending.pop(r.id, None)
             if p is None:
                 continue  # a ping's reply, or a request already failed locally
             p._finish(r.result, r.error)
             if r.error is not None:
                 self.unobserved.append(p)
+
+    def session_gone(self, cause: E.TransferError) -> E.TransferError:
+        """What requests of a session the daemon no longer knows raise (not NoSession, which
+        reads as "you never said hello"): the session and everything it held are gone."""
+        err = E.SessionClosed(
+            f"the daemon no longer has session {self.session_id}: it restarted on this endpoint, or ended "
+            "the session (silent too long, shutting down); connect again"
+        )
+        err.add_note(f"daemon said: {cause.message}")
+        return err
 
     def fail_all(self, err: E.TransferError) -> None:
         self.broken = err
@@ -245,6 +260,8 @@ class ClientCore:
         failed, self.unobserved = self.unobserved, []
         failed.sort(key=lambda p: p.id)  # the first submitted, whichever transport answered first
         errs = [p._error for p in failed if not p._observed and p._error is not None]
+        for p in failed:
+            p._observed = True  # reported here (the first raised, the rest counted): not again by a pool
         if not errs:
             return None
         first = errs[0]

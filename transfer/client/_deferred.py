@@ -23,7 +23,7 @@ import numpy as np
 from .. import errors as E
 from .. import protocol as P
 from ..addressing import OFFSET_BITS
-from ..kernels import DTYPES, OPERATORS, TensorRef, tensor_extent
+from ..kernels import DTYPES, OPERATORS, TensorRef, shape_tuple, tensor_extent
 from ._resources import Addressed
 
 __all__ = ["Arena", "DeferredBuffer", "Tensor", "Plan", "DeferredState", "creation_site"]
@@ -85,7 +85,7 @@ class Tensor:
 
     def set(self, *, shape: Sequence[int] | None = None, dtype: Any = None, offset: int | None = None, strides: Sequence[int] | None = None) -> "Tensor":
         """Change the description; a new version is sent with the next use."""
-        shape = tuple(int(d) for d in (shape if shape is not None else self.ref.shape))
+        shape = shape_tuple(shape if shape is not None else self.ref.shape)
         dt = np.dtype(dtype if dtype is not None else self.ref.dtype)
         if dt.name not in DTYPES:
             raise TypeError(f"dtype {dt} is not supported; use one of {', '.join(DTYPES)}")
@@ -158,7 +158,12 @@ class DeferredState:
                 f"({_human(arena.used)} in use)"
             )
         if not arena.free_ids:
-            raise E.QuotaExceeded(f"alloc at {site}: the session's arena on device {device} has no free ids ({arena.count})")
+            raise E.QuotaExceeded(
+                f"alloc at {site}: this session already holds {arena.count} device buffers on device {device}, the most "
+                f"one session may (the daemon's --arena-ids). Free buffers you no longer need (client.free), "
+                "allocate one larger buffer and address parts of it (buf.va + offset), or ask the operator "
+                "to raise --arena-ids"
+            )
         sid = arena.free_ids.pop()
         arena.used += nbytes
         buf = DeferredBuffer(sid << OFFSET_BITS, nbytes, device, site)

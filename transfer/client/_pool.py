@@ -25,7 +25,7 @@ from typing import Any, Callable, Generator, Sequence
 import numpy as np
 
 from .. import errors as E
-from ..kernels import TensorRef
+from ..kernels import TensorRef, shape_tuple
 from ._pending import Pending
 from ._resources import DeviceBuffer, HostSegment, make_tensor
 
@@ -58,7 +58,7 @@ class Slot:
         """A writable view into the slot (no copy). It turns read-only when the slot is submitted."""
         self._check_writable("hand out a view")
         dt = np.dtype(dtype)
-        shape_t = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(d) for d in shape)
+        shape_t = shape_tuple(shape)
         n = int(np.prod(shape_t, dtype=np.int64)) * dt.itemsize
         if offset < 0 or offset + n > self.nbytes:
             raise E.OutOfBounds(f"view of {n} bytes at offset {offset} exceeds the slot's {self.nbytes} bytes")
@@ -131,6 +131,9 @@ class SlotPool:
         self._in_flight: deque[Slot] = deque()
         #: Set while an acquire waits for a slot the caller's own code holds.
         self._released: Pending | None = None
+        #: Failed submits whose slots came back (by acquire or in_flight) before anyone
+        #: looked at the failure: drain() and close() raise them.
+        self._failed: list[Pending] = []
 
     @staticmethod
     def stride(slot_nbytes: int, slots: int, align: int = 4096) -> int:
@@ -156,6 +159,9 @@ class SlotPool:
             (done if slot.pending is not None and slot.pending.done() else still).append(slot)
         self._in_flight = still
         for slot in done:
+            p = slot.pending
+            if p is not None and not p._observed and (p._error is not None or any(d._error is not None for d in p._deps or ())):
+                self._failed.append(p)
             self._give_back(slot)
 
     def _take(self) -> Slot:
@@ -189,18 +195,22 @@ class SlotPool:
         return len(self._in_flight)
 
     def drain(self, timeout: float | None = None) -> Any:
-        """Wait until every slot is back; raise the first failure among them nobody looked at."""
+        """Wait until every slot is back; raise the first failed submit nobody looked at since
+        the last drain (slots that came back through `acquire` or `in_flight` included)."""
         return self.client._run(self._op_drain(), timeout)
 
     def _op_drain(self) -> Generator[Pending, None, None]:
         pendings = [s.pending for s in self._in_flight if s.pending is not None]
         for p in pendings:
-            yield p
+            yield p  # waits; a failed request does not raise here (a timeout does)
         self._reap()
-        for p in pendings:
-            err = None if p._observed else p.exception()
-            if err is not None:
-                raise err
+        failed, self._failed = self._failed, []
+        errs = [err for p in sorted(failed, key=lambda p: p.id) if not p._observed and (err := p.exception()) is not None]
+        if errs:
+            first = errs[0]
+            if len(errs) > 1:
+                first.add_note(f"{len(errs) - 1} more submit(s) from this pool also failed")
+            raise first
 
     def close(self) -> Any:
         """Drain, then free the segment (awaitable on a trio client)."""

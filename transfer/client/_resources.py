@@ -13,7 +13,7 @@ from typing import Any, Protocol, Sequence, Union
 import numpy as np
 
 from .. import errors as E
-from ..kernels import DTYPES, TensorRef, tensor_extent
+from ..kernels import DTYPES, TensorRef, shape_tuple, tensor_extent
 from ..memory import ShmFile
 
 __all__ = ["Addressed", "Addressable", "HostSegment", "DeviceBuffer", "SharedSegment", "resolve_va", "make_tensor"]
@@ -24,7 +24,7 @@ def make_tensor(owner: Any, shape: int | Sequence[int], dtype: Any, offset: int,
     dt = np.dtype(dtype)
     if dt.name not in DTYPES:
         raise TypeError(f"dtype {dt} is not supported on the wire; use one of {', '.join(DTYPES)}")
-    shape_t = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(d) for d in shape)
+    shape_t = shape_tuple(shape)
     t = TensorRef(owner.va + offset, dt.name, shape_t, None if strides is None else tuple(int(x) for x in strides))
     if offset < 0 or offset + tensor_extent(t) > owner.nbytes:
         raise E.OutOfBounds(f"tensor {shape_t} {dt} at offset {offset} exceeds {owner.nbytes} bytes")
@@ -86,7 +86,7 @@ class HostSegment(Addressed):
         dt = np.dtype(dtype)
         if dt.hasobject:
             raise TypeError("object dtypes cannot live in shared memory")
-        shape_t = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        shape_t = shape_tuple(shape)
         count = int(np.prod(shape_t, dtype=np.int64)) if shape_t else 1
         nbytes = count * dt.itemsize
         if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:

@@ -17,6 +17,9 @@ import contextlib
 import functools
 import logging
 import os
+import socket
+import stat
+from pathlib import Path
 from typing import Any, Callable, ContextManager, Generator, Iterator, Sequence, TypeVar
 
 import numpy as np
@@ -26,7 +29,7 @@ from .. import errors as E
 from .. import protocol as P
 from ..memory import ShmFile
 from ..transport import _curve
-from ..transport._zmq import ipc_path
+from ..transport._zmq import endpoint_error, ipc_path
 from ._core import ClientCore
 from ._deferred import DeferredBuffer, Plan, Tensor, creation_site
 from ._pending import Pending
@@ -384,10 +387,17 @@ class Session:
 
 
 def open_socket(endpoint: str, server_key: Any, client_keys: Any, connect_timeout: float) -> zmq.Socket:
-    """A connected DEALER socket (CURVE on tcp:// when keyed); a refused handshake fails now."""
+    """A connected DEALER socket (CURVE on tcp:// when keyed); a refused handshake fails now.
+
+    On ipc:// a socket file nobody listens on (a daemon killed with -9 leaves one) is
+    refused at once by a plain connect, instead of waiting out `connect_timeout` on zmq.
+    """
+    why = endpoint_error(endpoint)
+    if why is not None:
+        raise ValueError(f"bad endpoint: {why}")
     path = ipc_path(endpoint)
-    if path is not None and not path.exists():
-        raise E.DaemonUnavailable(f"no daemon at {endpoint}: {path} does not exist (is transferd running?)")
+    if path is not None:
+        _probe_ipc(endpoint, path)
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
@@ -405,3 +415,29 @@ def open_socket(endpoint: str, server_key: Any, client_keys: Any, connect_timeou
         sock.close(0)
         raise
     return sock
+
+
+def _probe_ipc(endpoint: str, path: Path) -> None:
+    """Raise DaemonUnavailable now when no daemon can be listening at `path`."""
+    if not path.exists():
+        raise E.DaemonUnavailable(f"no daemon at {endpoint}: {path} does not exist (is transferd running?)")
+    try:
+        is_socket = stat.S_ISSOCK(path.stat().st_mode)
+    except OSError:
+        is_socket = True  # let the connect below say what is wrong
+    if not is_socket:
+        raise E.DaemonUnavailable(f"no daemon at {endpoint}: {path} is not a socket (is the endpoint's path right?)")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        probe.connect(str(path))
+    except ConnectionRefusedError:
+        raise E.DaemonUnavailable(
+            f"no daemon at {endpoint}: {path} is a stale socket (its daemon exited without removing it); "
+            "start transferd, which replaces it"
+        ) from None
+    except FileNotFoundError:
+        raise E.DaemonUnavailable(f"no daemon at {endpoint}: {path} does not exist (is transferd running?)") from None
+    except OSError:
+        pass  # too long a path, a permission: let zmq try and report
+    finally:
+        probe.close()

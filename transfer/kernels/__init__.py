@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from . import _basic, _images, _layers  # noqa: F401  (registers the operators)
 from ._registry import OPERATORS, REGISTRY, Kernel, Operator, Registry, Sig, signature
-from ._tensors import ALL, DTYPES, FLOATS, HALVES, INTS, MAX_DIMS, NUMERIC, TensorRef, acc_dtype, storage_dtype, tensor_extent, tensor_nbytes
+from ._tensors import ALL, DTYPES, FLOATS, HALVES, INTS, MAX_DIMS, NUMERIC, TensorRef, acc_dtype, shape_tuple, storage_dtype, tensor_extent, tensor_nbytes
 
 __all__ = [
     "DTYPES",
@@ -40,6 +40,7 @@ __all__ = [
     "Sig",
     "signature",
     "tensor_extent",
+    "shape_tuple",
     "tensor_nbytes",
     "acc_dtype",
     "storage_dtype",

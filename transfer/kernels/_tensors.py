@@ -11,9 +11,11 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from .. import errors as E
+
 __all__ = [
     "DTYPES", "FLOATS", "HALVES", "INTS", "SIGNED", "UNSIGNED", "NUMERIC", "ALL", "MAX_DIMS",
-    "TensorRef", "tensor_extent", "tensor_nbytes", "acc_dtype", "storage_dtype",
+    "TensorRef", "tensor_extent", "tensor_nbytes", "acc_dtype", "storage_dtype", "shape_tuple",
 ]
 
 #: dtypes a tensor may have on the wire (names as NumPy spells them; bfloat16 from ml_dtypes).
@@ -69,6 +71,21 @@ class TensorRef:
 
     def to_wire(self) -> list[Any]:
         return [self.va, self.dtype, list(self.shape), None if self.strides is None else list(self.strides)]
+
+
+def shape_tuple(shape: Any) -> tuple[int, ...]:
+    """A shape as a tuple of ints (an int is one dimension), refusing negative dimensions
+    with a message that names them, before any arithmetic turns them into odd byte counts."""
+    dims = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    try:
+        out = tuple(int(d) for d in dims)
+    except (TypeError, ValueError):
+        raise E.InvalidField(f"shape {shape!r}: dimensions must be integers") from None
+    bad = [(i, d) for i, d in enumerate(out) if d < 0]
+    if bad:
+        i, d = bad[0]
+        raise E.InvalidField(f"shape {out}: dimension {i} is {d}; every dimension must be 0 or more")
+    return out
 
 
 def tensor_extent(t: TensorRef) -> int:

@@ -16,6 +16,7 @@ import zmq
 
 from ..transport._zmq import SocketPump, check_endpoint, ipc_path
 from ._config import DaemonConfig, connection_limit, session_limit
+from ._preflight import STARTUP_LOGGER, check_memory, check_shm_dir, startup_line
 from ._server import Server
 
 __all__ = ["serve", "run"]
@@ -83,8 +84,12 @@ async def serve(
     *,
     task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
     stop: trio.Event | None = None,
+    on_drain: Callable[[], None] | None = None,
 ) -> None:
-    """Serve until SIGINT/SIGTERM (or `stop` is set, for an embedded daemon); then drain and release everything."""
+    """Serve until SIGINT/SIGTERM (or `stop` is set, for an embedded daemon); then drain and release
+    everything. `on_drain` is called when the drain begins (transferd tells systemd: STOPPING=1)."""
+    shm = check_shm_dir(config.shm_dir)  # before anything is probed or bound: a typo fails at once
+    memory = check_memory(config)
     server = Server(config)
     nofile = _raise_fd_limit()
     server.front.max_sessions = session_limit(config, nofile)
@@ -143,9 +148,8 @@ async def serve(
                 nursery.start_soon(server.reap_silent)
                 nursery.start_soon(_guard_connections, sock, max_connections)
                 nursery.start_soon(server.fds.serve)  # clients collect their memfds here (server._fds)
-                log.info(
-                    "transferd %d serving %s (backend %s: %s)", os.getpid(), ", ".join(config.endpoints),
-                    server.backend.name, server.backend_reason,
+                logging.getLogger(STARTUP_LOGGER).info(
+                    "%s", startup_line(config, shm, server.backend.name, server.backend_reason, server.front.max_sessions, max_connections, memory)
                 )
                 task_status.started(server)
                 if signals is None:
@@ -155,6 +159,8 @@ async def serve(
                     async for signum in signals:
                         log.info("signal %d: draining", signum)
                         break
+                if on_drain is not None:
+                    on_drain()
                 await _drain(server, [pump] if secure_pump is None else [pump, secure_pump], config.shutdown_grace_s)
                 nursery.cancel_scope.cancel()
     finally:

@@ -20,6 +20,7 @@ import trio
 
 from .. import errors as E
 from ..addressing import OFFSET_MASK, SegmentKind
+from ..kernels import shape_tuple
 from ._config import DaemonConfig
 from ._daemon import serve
 from ._placement import VirtualDevice
@@ -128,7 +129,7 @@ class EmbeddedDaemon:
         if seg is None:
             raise E.UnknownSegment(f"VA {va:#x}: no such segment (freed?)")
         dt = np.dtype(dtype)
-        shape_t = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(d) for d in shape)
+        shape_t = shape_tuple(shape)
         start = (va & OFFSET_MASK) + offset
         n = int(np.prod(shape_t, dtype=np.int64)) * dt.itemsize
         if start < 0 or start + n > seg.nbytes:

@@ -118,8 +118,7 @@ class Server:
     # --- lifecycle ---------------------------------------------------------------------------
     def open(self) -> list[str]:
         """Take the instance lock and sweep what dead daemons left; return swept names."""
-        shm_dir = self.config.shm_dir
-        shm_dir.mkdir(parents=True, exist_ok=True)
+        shm_dir = self.config.shm_dir  # never created here: a missing one is refused (_preflight)
         swept = sweep_stale(shm_dir)
         self._lock = DaemonLock(shm_dir)
         try:

@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 import trio
 import zmq
 
-__all__ = ["SocketPump", "ipc_path", "check_endpoint", "default_endpoint"]
+__all__ = ["SocketPump", "ipc_path", "check_endpoint", "endpoint_error", "default_endpoint"]
 
 #: Messages received per pass before yielding to other tasks (fairness).
 _RECV_BURST = 256
@@ -145,6 +145,20 @@ class SocketPump:
 
 def ipc_path(endpoint: str) -> Path | None:
     return Path(endpoint[len("ipc://") :]) if endpoint.startswith("ipc://") else None
+
+
+def endpoint_error(endpoint: str) -> str | None:
+    """Why `endpoint` is not one transfer can use (None if it is): the one syntax check
+    that the daemon's settings and the clients share, before zmq's bare "Invalid argument"."""
+    if endpoint.startswith("ipc://"):
+        return None if len(endpoint) > len("ipc://") else "ipc:// needs a socket path (ipc:///run/transfer/transferd.sock)"
+    if endpoint.startswith("tcp://"):
+        rest = endpoint[len("tcp://"):]
+        host, sep, port = rest.rpartition(":")
+        if not (host and sep and port.isdigit()):
+            return f"{endpoint!r} is not tcp://HOST:PORT"
+        return None
+    return f"{endpoint!r} is not ipc://PATH or tcp://HOST:PORT (the scheme is required)"
 
 
 def default_endpoint() -> str:

@@ -1,0 +1,185 @@
+"""What a new user hit first (issue 19): each rough edge, as that user meets it, against a real daemon."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+
+import transfer
+
+
+# --- endpoints ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("endpoint", ["foo", "/run/transferd.sock", "ipc://", "tcp://127.0.0.1"])
+def test_an_endpoint_without_a_scheme_is_a_clear_error(endpoint: str) -> None:
+    with pytest.raises(ValueError, match="bad endpoint: .*(ipc://|tcp://)"):
+        transfer.connect(endpoint)
+
+    async def main() -> None:
+        async with transfer.open_client(endpoint):
+            pass
+
+    with pytest.raises(ValueError, match="bad endpoint"):
+        trio.run(main)
+
+
+def test_a_stale_socket_is_refused_at_once(tmp_path: Path) -> None:
+    path = tmp_path / "transferd.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(path))  # bound, never listening: what a daemon killed with -9 leaves
+    t0 = time.monotonic()
+    with pytest.raises(transfer.DaemonUnavailable, match="stale socket"):
+        transfer.connect(f"ipc://{path}", connect_timeout=5.0)
+    assert time.monotonic() - t0 < 1.0  # not the 5 s hello timeout
+
+
+# --- shapes and allocations ---------------------------------------------------------------------
+def test_a_negative_shape_names_the_dimension(daemon: Any) -> None:
+    with transfer.connect(daemon.endpoint) as c:
+        seg = c.segment(4096)
+        msg = r"shape \(2, -3\): dimension 1 is -3; every dimension must be 0 or more"
+        with pytest.raises(transfer.InvalidField, match=msg):
+            seg.ndarray((2, -3), np.uint8)
+        with pytest.raises(transfer.InvalidField, match=msg):
+            seg.tensor((2, -3), np.uint8)
+        with pytest.raises(transfer.InvalidField, match=msg):
+            c.tensor(seg, (2, -3))
+        with c.pool(4096, slots=1) as pool, pool.acquire() as slot:
+            with pytest.raises(transfer.InvalidField, match=msg):
+                slot.ndarray((2, -3))
+
+
+def test_running_out_of_buffer_ids_says_what_to_do(daemon_factory: Any) -> None:
+    d = daemon_factory("--arena-ids", "4")
+    with transfer.connect(d.endpoint) as c:
+        bufs = [c.alloc(64) for _ in range(4)]
+        with pytest.raises(transfer.QuotaExceeded, match=r"already holds 4 device buffers on device \d+.*--arena-ids") as info:
+            c.alloc(64)
+        assert "free ids" not in str(info.value) and "arena on device" not in str(info.value)
+        c.free(bufs[0])
+        c.alloc(64)  # a freed id is reused
+
+
+# --- pools ---------------------------------------------------------------------------------------
+def _failing_submit(pool: Any, dst: Any) -> None:
+    slot = pool.acquire(timeout=10)
+    slot.ndarray(8)[:] = 1
+    slot.submit(to=dst.va + dst.nbytes - 4, nbytes=8)  # runs past the buffer: fails in the daemon
+
+
+def test_a_failed_submit_reaped_by_acquire_still_fails_drain(daemon: Any) -> None:
+    with transfer.connect(daemon.endpoint) as c:
+        dst = c.segment(4096)
+        pool = c.pool(4096, slots=1)
+        _failing_submit(pool, dst)
+        pool.acquire(timeout=10).release()  # the failed slot came back here, unlooked-at
+        with pytest.raises(transfer.OutOfBounds):
+            pool.drain()
+        pool.drain()  # reported once
+        _failing_submit(pool, dst)
+        assert pool.in_flight in (0, 1)
+        time.sleep(0.2)
+        assert pool.in_flight == 0  # reaped by the property, not seen by anyone yet
+        with pytest.raises(transfer.OutOfBounds):
+            pool.close()  # the segment is freed all the same
+        assert pool.segment._shm is None
+
+
+def test_pool_drain_reports_every_failure_once_in_order(daemon: Any) -> None:
+    with transfer.connect(daemon.endpoint) as c:
+        dst = c.segment(4096)
+        with pytest.raises(transfer.OutOfBounds) as info:
+            with c.pool(4096, slots=2) as pool:
+                _failing_submit(pool, dst)
+                _failing_submit(pool, dst)
+        assert any("1 more submit(s) from this pool also failed" in n for n in getattr(info.value, "__notes__", []))
+
+
+def test_trio_pool_close_raises_a_failed_submit(daemon: Any) -> None:
+    async def main() -> None:
+        async with transfer.open_client(daemon.endpoint) as c:
+            dst = await c.segment(4096)
+            pool = await c.pool(4096, slots=1)
+            slot = await pool.acquire()
+            slot.submit(to=dst.va + 4092, nbytes=8)
+            (await pool.acquire()).release()
+            with pytest.raises(transfer.OutOfBounds):
+                await pool.close()
+
+    trio.run(main)
+
+
+# --- a daemon that goes away ---------------------------------------------------------------------
+def test_a_restarted_daemon_gives_session_closed_not_no_session(daemon: Any) -> None:
+    # watch_daemon_pid=False: as a client on another host would, it learns from the new daemon.
+    with transfer.connect(daemon.endpoint, ring=False, watch_daemon_pid=False) as c:
+        seg = c.segment(4096)
+        daemon.restart()
+        with pytest.raises((transfer.SessionClosed, transfer.ConnectionLost)) as info:
+            c.fill(seg, 4096, 1).result(timeout=10)
+        assert not isinstance(info.value, transfer.NoSession)
+        with pytest.raises(transfer.SessionError, match="no longer has session"):
+            c.fence()  # and every later call says the same
+
+
+@pytest.mark.parametrize("ring", [False, True])
+def test_a_daemon_shutting_down_never_reads_as_no_session(daemon_factory: Any, ring: bool) -> None:
+    for _ in range(3):
+        d = daemon_factory()
+        with transfer.connect(d.endpoint, ring=ring) as c:
+            seg = c.segment(4096)
+            d.stop()
+            with pytest.raises((transfer.SessionClosed, transfer.ConnectionLost, transfer.ShuttingDown)) as info:
+                for _ in range(1000):
+                    c.fill(seg, 4096, 1).result(timeout=15)
+            assert not isinstance(info.value, transfer.NoSession)
+
+
+# --- the trio client's errors are plain exceptions -----------------------------------------------
+def _trio_raises(body: Any, endpoint: str) -> BaseException:
+    async def main() -> None:
+        async with transfer.open_client(endpoint) as c:
+            await body(c)
+
+    try:
+        trio.run(main)
+    except BaseException as exc:  # noqa: BLE001 - the point is what type arrives
+        return exc
+    raise AssertionError("nothing raised")
+
+
+def test_trio_client_errors_are_not_exception_groups(daemon: Any, tmp_path: Path) -> None:
+    async def bad_request(c: Any) -> None:
+        await c.fill(0x1234 << 40, 8, 0)
+
+    async def user_error(c: Any) -> None:
+        raise KeyError("mine")
+
+    async def unobserved(c: Any) -> None:
+        c.fill(0x1234 << 40, 8, 0)
+        await c.fence()
+
+    for body, cls in ((bad_request, transfer.UnknownSegment), (user_error, KeyError), (unobserved, transfer.UnknownSegment)):
+        exc = _trio_raises(body, daemon.endpoint)
+        assert type(exc) is cls, repr(exc)
+    exc = _trio_raises(user_error, f"ipc://{tmp_path}/nobody.sock")
+    assert type(exc) is transfer.DaemonUnavailable, repr(exc)
+
+
+def test_trio_client_sees_its_daemon_die_as_a_plain_error(daemon_factory: Any) -> None:
+    d = daemon_factory()
+
+    async def body(c: Any) -> None:
+        seg = await c.segment(4096)
+        d.kill()
+        for _ in range(1000):
+            await c.fill(seg, 4096, 1)
+            await trio.sleep(0.01)
+
+    exc = _trio_raises(body, d.endpoint)
+    assert isinstance(exc, (transfer.ConnectionLost, transfer.SessionClosed)) and not isinstance(exc, BaseExceptionGroup), repr(exc)
