@@ -220,7 +220,7 @@ def _iox_ports(spec: dict, producer: bool) -> tuple[Any, list[Any], Any, Any]:
 
     import iceoryx2 as iox
 
-    from .channels import iox_event, iox_node
+    from ._iceoryx import iox_event, iox_node
 
     node = iox_node(spec)
     data = (node.service_builder(iox.ServiceName.new(spec["service"] + "/data"))
@@ -271,7 +271,7 @@ def _iceoryx2(rounds: int, warmup: int) -> list[float]:
 
     import iceoryx2 as iox
 
-    from .channels import iox_spec
+    from ._iceoryx import iox_spec
 
     root = tempfile.mkdtemp(prefix="tb-iox-")  # short: iceoryx2's unix sockets live here
     run_id = f"transfer-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"

@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .channels import iox_prefix, make_plumbing
+from ._iceoryx import iox_prefix
+from .channels import make_plumbing
 from .common import BenchFailure, Cell, now
 from .workers import consumer_main, producer_main
 
