@@ -3,6 +3,7 @@ same operators run one request at a time; every refusal from the wire, with the 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -169,7 +170,9 @@ def test_graph_equals_its_operators_one_by_one(client: transfer.Client, chain, r
         client.free(s)
 
 
-def test_graph_memory_is_counted_and_freed(client: transfer.Client, gdaemon: DaemonProcess) -> None:
+def test_graph_memory_is_counted_and_freed(daemon: DaemonProcess) -> None:
+    client = transfer.connect(daemon.endpoint)
+
     def device_bytes() -> int:
         return client.stats()["daemon"]["device_bytes"]
 
@@ -187,7 +190,7 @@ def test_graph_memory_is_counted_and_freed(client: transfer.Client, gdaemon: Dae
     client.free(g)
     assert device_bytes() == before
     # ... and with the session.
-    with transfer.connect(gdaemon.endpoint) as other:
+    with transfer.connect(daemon.endpoint) as other:
         g2 = other.graph()
         g2.input("x", (4,), "float32")
         g2.tensor("h", (1 << 20,), "float32")
@@ -198,7 +201,11 @@ def test_graph_memory_is_counted_and_freed(client: transfer.Client, gdaemon: Dae
         t = other.segment(16)
         other.run_graph(g2, [s], [t]).result()
         assert device_bytes() == before + (4 << 20)
+    deadline = time.monotonic() + 5  # a closed session is released after its Close is answered
+    while device_bytes() != before and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert device_bytes() == before
+    client.close()
 
 
 def test_placement_overrides_per_graph(client: transfer.Client) -> None:
