@@ -130,6 +130,8 @@ DEFAULT_LIMITS = Limits()
 
 
 _definition = bounded()
+#: A graph nests one level deeper: definition -> nodes -> node -> params -> a list parameter.
+_graph_definition = bounded(max_depth=5)
 
 #: Define kinds.
 DEF_ALLOC, DEF_FREE, DEF_TENSOR, DEF_PLAN, DEF_GRAPH = 1, 2, 3, 4, 5
@@ -550,7 +552,7 @@ def _check_compute(w: _ComputeWire, limits: Limits) -> Compute:
 
 
 def _check_define(r: Define, limits: Limits) -> Define:
-    _definition(r.definition, "Define.definition")
+    (_graph_definition if r.kind == DEF_GRAPH else _definition)(r.definition, "Define.definition")
     return r
 
 
