@@ -143,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         if err > 1e-3:
             raise SystemExit("the graph's outputs disagree with NumPy")
         if args.compare:
+            xs = [batch_of(i, args.batch) for i in range(min(args.batches, 50))]
+            t0 = time.perf_counter()
+            for x in xs:
+                reference(x, ws)
+            print(f"in-process NumPy, same math: {len(xs) / (time.perf_counter() - t0):,.0f} batches/s")
             rate1, err1 = run(daemon.endpoint, c, ws, wtoken, args.batches, args.batch, per_op=True)
             print(f"one request per operator: {rate1:,.0f} batches/s, max abs error {err1:.2e}; graph/per-operator = {rate / rate1:.2f}x")
             if err1 > 1e-3:
