@@ -26,3 +26,13 @@ def test_dataloader_comparison_small() -> None:
     pytest.importorskip("torch")
     out = run("dataloader.py", "--batches", "8", "--batch", "4", "--size", "32", "--workers", "2", "--backend", "numpy")
     assert "outputs agree" in out
+
+
+def test_mlp_forward_small() -> None:
+    out = run("mlp_forward.py", "--batches", "20", "--batch", "16", "--backend", "numpy", "--compare")
+    assert "max abs error" in out and "one request per operator" in out
+
+
+def test_image_preprocess_small() -> None:
+    out = run("image_preprocess.py", "--batches", "6", "--batch", "4", "--size", "32", "--backend", "numpy")
+    assert "all 12 batches verified" in out

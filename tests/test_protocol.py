@@ -68,10 +68,11 @@ requests = st.one_of(
         st.lists(st.tuples(u64, u32), max_size=4),
         u32,
     ),
+    st.builds(P.RunGraph, rid, u64, st.lists(u64, max_size=16), st.lists(u64, max_size=16), st.booleans(), u32),
     st.builds(
         P.Define,
         rid,
-        st.sampled_from([P.DEF_ALLOC, P.DEF_FREE, P.DEF_TENSOR, P.DEF_PLAN]),
+        st.sampled_from([P.DEF_ALLOC, P.DEF_FREE, P.DEF_TENSOR, P.DEF_PLAN, P.DEF_GRAPH]),
         u64,
         u32,
         st.recursive(st.none() | st.integers(0, 2**64 - 1) | st.text(max_size=10), lambda i: st.lists(i, max_size=4), max_leaves=8),
@@ -100,7 +101,7 @@ def same(a: P.Request, b: P.Request) -> bool:
 
 
 def test_every_message_type_is_covered() -> None:
-    assert set(P.REQUEST_TYPES) == {1, 2, 3, 4, 10, 11, 12, 13, 14, 16, 17, 18, 20, 21, 22, 23, 24, 25, 30, 40, 50}
+    assert set(P.REQUEST_TYPES) == {1, 2, 3, 4, 10, 11, 12, 13, 14, 16, 17, 18, 20, 21, 22, 23, 24, 25, 26, 30, 40, 50}
 
 
 @given(st.lists(requests, min_size=1, max_size=20))

@@ -11,6 +11,7 @@ from ._version import __version__ as __version__
 from ._checksum import checksum64
 from .addressing import make_va, split_va
 from .client import Client, DeviceBuffer, HostSegment, Pending, TrioClient, connect, open_client
+from .client._deferred import Graph
 from .kernels import OPERATORS, TensorRef
 from .server import DeviceView, serve_in_process
 from .errors import *  # noqa: F403  (the whole hierarchy is public)
@@ -27,6 +28,7 @@ __all__ = [
     "checksum64",
     "TensorRef",
     "OPERATORS",
+    "Graph",
     "serve_in_process",
     "DeviceView",
     "make_va",

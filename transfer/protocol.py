@@ -27,11 +27,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Union
+from typing import Annotated, Any, ClassVar, Union
 
 import msgspec
 import numpy as np
-from msgspec import UNSET, Raw, UnsetType
+from msgspec import UNSET, Meta, Raw, UnsetType
 
 from . import errors as E
 from ._fields import (  # noqa: F401 - validators and limits are public: server/_deferred.py uses them
@@ -69,7 +69,7 @@ from ._fields import (  # noqa: F401 - validators and limits are public: server/
     u32,
     u64,
 )
-from .kernels import TensorRef
+from .kernels import MAX_GRAPH_NODES, MAX_GRAPH_TENSORS, TensorRef  # noqa: F401 - graph limits are the protocol's
 
 __all__ = [
     "VERSION",
@@ -80,6 +80,7 @@ __all__ = [
     "Ping",
     "Wait",
     "ComputeRef",
+    "RunGraph",
     "Define",
     "RegisterHost",
     "Unregister",
@@ -129,9 +130,13 @@ DEFAULT_LIMITS = Limits()
 
 
 _definition = bounded()
+#: A graph nests one level deeper: definition -> nodes -> node -> params -> a list parameter.
+_graph_definition = bounded(max_depth=5)
 
 #: Define kinds.
-DEF_ALLOC, DEF_FREE, DEF_TENSOR, DEF_PLAN = 1, 2, 3, 4
+DEF_ALLOC, DEF_FREE, DEF_TENSOR, DEF_PLAN, DEF_GRAPH = 1, 2, 3, 4, 5
+#: A RunGraph binds at most this many VAs to the graph's inputs, and as many to its outputs.
+GraphVAs = Annotated[list[U64], Meta(max_length=MAX_TENSORS)]
 
 
 # --- requests ----------------------------------------------------------------
@@ -307,6 +312,21 @@ class ComputeRef(Request, tag=25):
     stream: U32 = 0
 
 
+class RunGraph(Request, tag=26):
+    """Run a defined graph (Define kind 5) on inputs and outputs bound by VA.
+
+    `graph` is the graph's VA: a segment of the session's arena, which holds the
+    graph's intermediates. With `profile`, the result reports each operator's
+    device, kernel and time; else it is nil.
+    """
+
+    graph: U64
+    inputs: GraphVAs
+    outputs: GraphVAs
+    profile: bool = False
+    stream: U32 = 0
+
+
 class Define(Request, tag=50):
     """A deferred creation travelling with its first use: alloc, free, tensor or plan (see DEF_*)."""
 
@@ -348,6 +368,7 @@ REQUEST_TYPES: dict[int, type[Request]] = {
         Checksum,
         Compute,
         ComputeRef,
+        RunGraph,
         Define,
         Fence,
         Stats,
@@ -531,7 +552,7 @@ def _check_compute(w: _ComputeWire, limits: Limits) -> Compute:
 
 
 def _check_define(r: Define, limits: Limits) -> Define:
-    _definition(r.definition, "Define.definition")
+    (_graph_definition if r.kind == DEF_GRAPH else _definition)(r.definition, "Define.definition")
     return r
 
 

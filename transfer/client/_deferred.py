@@ -23,10 +23,10 @@ import numpy as np
 from .. import errors as E
 from .. import protocol as P
 from ..addressing import OFFSET_BITS
-from ..kernels import DTYPES, OPERATORS, TensorRef, shape_tuple, tensor_extent
+from ..kernels import DTYPES, OPERATORS, GraphNode, GraphSpec, TensorRef, graph_wire, parse_graph, shape_tuple, tensor_extent
 from ._resources import Addressed
 
-__all__ = ["Arena", "DeferredBuffer", "Tensor", "Plan", "DeferredState", "creation_site"]
+__all__ = ["Arena", "DeferredBuffer", "Tensor", "Plan", "Graph", "Touch", "DeferredState", "creation_site"]
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -132,6 +132,109 @@ class Plan:
         return f"<Plan #{self.id} v{self.version} {self.op}>"
 
 
+class Graph:
+    """A computation graph: operators over named tensors, defined on the daemon at its first run.
+
+    Declare the tensors (`input`, `output`, `tensor` for intermediates, `weight` for
+    memory the graph reads at a fixed VA), then the operators in an order where each
+    comes after the operators whose outputs it reads (`op`). The first run checks the
+    graph here (`transfer.kernels.parse_graph`, the daemon's own check), takes an id
+    for its memory from the session's arena, and sends the definition with the run;
+    from then on a run carries only VAs. A graph is immutable once run.
+    """
+
+    def __init__(self, *, device: int = -1, placement: str = "") -> None:
+        self.site = creation_site()
+        self.device = device
+        self.placement = placement
+        self.version = 1
+        self.sent_version = -1
+        self._tensors: dict[str, tuple[str, tuple[int, ...], int | None]] = {}
+        self._nodes: list[GraphNode] = []
+        self._inputs: list[str] = []
+        self._outputs: list[str] = []
+        #: The checked graph and its memory (an arena id), from the first run on.
+        self.spec: GraphSpec | None = None
+        self.memory: DeferredBuffer | None = None
+
+    @property
+    def va(self) -> int:
+        """The graph's handle on the wire (the VA of its memory); set by the first run."""
+        if self.memory is None:
+            raise E.InvalidField(f"the graph created at {self.site} has not been run yet")
+        return self.memory.va
+
+    def _declare(self, name: str, shape: Sequence[int], dtype: Any, va: int | None) -> str:
+        if self.spec is not None:
+            raise E.InvalidField(f"the graph created at {self.site} was already run: graphs are immutable, build a new one")
+        if name in self._tensors:
+            raise E.InvalidField(f"graph created at {self.site}: tensor {name!r} is declared twice")
+        dt = np.dtype(dtype)
+        if dt.name not in DTYPES:
+            raise TypeError(f"dtype {dt} is not supported; use one of {', '.join(DTYPES)}")
+        self._tensors[name] = (dt.name, tuple(int(d) for d in shape), va)
+        return name
+
+    def input(self, name: str, shape: Sequence[int], dtype: Any) -> str:
+        """A tensor each run binds to a VA (contiguous)."""
+        self._inputs.append(name)
+        return self._declare(name, shape, dtype, None)
+
+    def output(self, name: str, shape: Sequence[int], dtype: Any) -> str:
+        """A tensor each run writes at a VA it binds (contiguous)."""
+        self._outputs.append(name)
+        return self._declare(name, shape, dtype, None)
+
+    def tensor(self, name: str, shape: Sequence[int], dtype: Any) -> str:
+        """An intermediate: lives in the daemon's memory for this graph, never addressed here."""
+        return self._declare(name, shape, dtype, None)
+
+    def weight(self, name: str, ref: "TensorRef | Tensor") -> str:
+        """A tensor at a fixed VA (a device buffer's `tensor(...)`, or a `Tensor` descriptor)."""
+        r = ref.ref if isinstance(ref, Tensor) else ref
+        if r.strides is not None:
+            raise E.InvalidField(f"graph created at {self.site}: weight {name!r} must be contiguous")
+        return self._declare(name, r.shape, r.dtype, r.va)
+
+    def op(self, op: str, inputs: Sequence[str], outputs: Sequence[str] | str, params: dict[str, Any] | None = None,
+           *, device: int = -1, placement: str = "") -> None:
+        """Append an operator reading `inputs` and writing `outputs` (names); `device` and
+        `placement` override the graph's for this operator."""
+        if self.spec is not None:
+            raise E.InvalidField(f"the graph created at {self.site} was already run: graphs are immutable, build a new one")
+        outs = (outputs,) if isinstance(outputs, str) else tuple(outputs)
+        self._nodes.append(GraphNode(op, tuple(inputs), outs, dict(params or {}), device, placement))
+
+    def definition(self) -> list[Any]:
+        return graph_wire([(n, dt, shape, va) for n, (dt, shape, va) in self._tensors.items()],
+                          self._nodes, self._inputs, self._outputs, self.device, self.placement)
+
+    def weight_vas(self) -> list[int]:
+        return [va for _, _, va in self._tensors.values() if va is not None]
+
+    def prepare(self, state: "DeferredState") -> None:
+        """Check the graph (once) and take its memory's id from the arena."""
+        if self.memory is not None:
+            if self.memory.freed:
+                raise E.SegmentFreed(f"the graph created at {self.site} was freed")
+            return
+        spec = parse_graph(self.definition(), f"graph created at {self.site}")
+        self.memory = state.reserve(spec.scratch_nbytes, self.device, self.site)
+        self.spec = spec
+
+    def __repr__(self) -> str:
+        return f"<Graph {len(self._nodes)} ops {self._inputs} -> {self._outputs} {'defined' if self.spec else 'pending'}>"
+
+
+class Touch:
+    """VAs a request uses that `_touched` cannot see (a graph run's): their allocations go first."""
+
+    version, sent_version = 1, 0
+
+    def __init__(self, vas: Sequence[int]) -> None:
+        self.vas = vas
+
+
 class DeferredState:
     """Arenas, pending definitions and frees: what the next frame must carry first."""
 
@@ -170,6 +273,14 @@ class DeferredState:
         self.buffers[sid] = buf
         return buf
 
+    def reserve(self, nbytes: int, device: int, site: str) -> DeferredBuffer:
+        """An arena id and bytes for memory the daemon fills in itself (a graph's): no alloc
+        definition travels for it; the graph's definition allocates it."""
+        buf = self.alloc(nbytes, device, site)
+        del self.buffers[buf.va >> OFFSET_BITS]
+        buf.defined = True
+        return buf
+
     def free(self, buf: DeferredBuffer) -> None:
         if buf.freed:
             raise E.SegmentFreed(f"buffer created at {buf.site} was already freed")
@@ -200,6 +311,14 @@ class DeferredState:
                 buf.defined = True
                 out.append(new(P.Define, P.DEF_ALLOC, 0, 0, [buf.va, buf.nbytes, buf.device], buf.site))
         for obj in objects:
+            if isinstance(obj, Touch):
+                out.extend(self.definitions_for(obj.vas, (), new))
+                continue
+            if isinstance(obj, Graph) and obj.sent_version != obj.version:
+                out.extend(self.definitions_for(obj.weight_vas(), (), new))  # weights before the graph reads them
+                out.append(new(P.Define, P.DEF_GRAPH, obj.va, obj.version, obj.definition(), obj.site))
+                obj.sent_version = obj.version
+                continue
             if obj.sent_version != obj.version:
                 if isinstance(obj, Tensor):
                     for d in self.definitions_for([obj.ref.va], (), new):

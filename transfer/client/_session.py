@@ -31,7 +31,7 @@ from ..memory import ShmFile
 from ..transport import _curve
 from ..transport._zmq import endpoint_error, ipc_path
 from ._core import ClientCore
-from ._deferred import DeferredBuffer, Plan, Tensor, creation_site
+from ._deferred import DeferredBuffer, Graph, Plan, Tensor, Touch, creation_site
 from ._pending import Pending
 from ._pool import SlotPool
 from ._remote import RemoteAgent, RemoteSegment, register as register_remote
@@ -204,6 +204,10 @@ class Session:
             assert core.deferred is not None
             with self._io_lock():
                 core.deferred.free(resource)  # travels with the next frame
+        elif isinstance(resource, Graph):
+            if resource.memory is not None and core.deferred is not None:
+                with self._io_lock():
+                    core.deferred.free(resource.memory)  # its intermediates go with the next frame
         elif isinstance(resource, RemoteSegment):
             if not resource.freed:
                 yield from self._op_call(P.Unregister, resource.va)  # the daemon lets go first, then we deregister
@@ -363,6 +367,30 @@ class Session:
         ins = [t.ref if isinstance(t, Tensor) else t for t in inputs]
         outs = [t.ref if isinstance(t, Tensor) else t for t in outputs]
         return self._submit(P.Compute, op, ins, outs, dict(params or {}), device, placement, stream)
+
+    def graph(self, *, device: int = -1, placement: str = "") -> Graph:
+        """A computation graph to build, then run with `run_graph` (defined at its first run).
+
+        `device` pins where its operators run and its intermediates live (default: the
+        session's home device); `placement` names the policy for operators whose
+        operands are all host memory (default: the daemon's `--placement`)."""
+        if self._core.deferred is None:
+            raise E.SessionError("graphs need deferred creation (the default; this client has deferred=False)")
+        return Graph(device=device, placement=placement)
+
+    def run_graph(self, graph: Graph, inputs: Sequence[Addressable], outputs: Sequence[Addressable], *,
+                  profile: bool = False, stream: int = 0) -> Any:
+        """Run the whole graph on inputs and outputs bound by VA (one request).
+
+        The pending result is None, or with `profile` a dict whose "nodes" list gives
+        each operator's device, kernel signature and time in microseconds."""
+        ins, outs = [resolve_va(x) for x in inputs], [resolve_va(x) for x in outputs]
+        state = self._core.deferred
+        if state is None:
+            raise E.SessionError("graphs need deferred creation (this client has deferred=False)")
+        with self._io_lock():
+            graph.prepare(state)
+        return self._submit(P.RunGraph, graph.va, ins, outs, profile, stream, objects=[graph, Touch(ins + outs)])
 
     # --- machinery ----------------------------------------------------------------------------
     def _submit(self, cls: type[P.Request], *args: Any, objects: Sequence[Any] = (), blocking: bool = False) -> Any:

@@ -14,7 +14,7 @@ whose dtypes it has no kernel for to a CPU device (`Registry.select`).
 
 Modules: `_tensors` (dtypes, TensorRef), `_registry` (Operator, Kernel,
 Registry), `_checks` (parameter checks), `_basic`, `_layers`, `_images` (the
-operators and their kernels), `_cuda` (CUDA sources compiled through CuPy).
+operators and their kernels), `_graph` (graphs of operators, checked once), `_cuda` (CUDA sources compiled through CuPy).
 docs/operators.md lists every operator, its signatures and tolerances.
 """
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from . import _basic, _images, _layers  # noqa: F401  (registers the operators)
 from ._registry import OPERATORS, REGISTRY, Kernel, Operator, Registry, Sig, signature
+from ._graph import GRAPH_ALIGN, MAX_GRAPH_NODES, MAX_GRAPH_TENSORS, GraphNode, GraphSpec, graph_wire, parse_graph
 from ._tensors import ALL, DTYPES, FLOATS, HALVES, INTS, MAX_DIMS, NUMERIC, TensorRef, acc_dtype, shape_tuple, storage_dtype, tensor_extent, tensor_nbytes
 
 __all__ = [
@@ -45,4 +46,11 @@ __all__ = [
     "acc_dtype",
     "storage_dtype",
     "OPERATORS",
+    "GraphNode",
+    "GraphSpec",
+    "parse_graph",
+    "graph_wire",
+    "MAX_GRAPH_NODES",
+    "MAX_GRAPH_TENSORS",
+    "GRAPH_ALIGN",
 ]

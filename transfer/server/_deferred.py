@@ -14,11 +14,11 @@ from typing import Any
 from .. import errors as E
 from .. import protocol as P
 from ..addressing import OFFSET_BITS, SegmentKind
-from ..kernels import OPERATORS, TensorRef
+from ..kernels import OPERATORS, REGISTRY, TensorRef, parse_graph, signature, tensor_extent
 from ._resources import Resources
 from ._session import Session
 
-__all__ = ["define", "resolve"]
+__all__ = ["define", "resolve", "define_graph"]
 
 
 def _human(n: int) -> str:
@@ -36,16 +36,7 @@ def define(resources: Resources, session: Session, req: P.Define) -> Any:
         if type(d) is not list or len(d) != 3 or not all(type(x) is int for x in d):
             raise E.InvalidField("alloc definition is [va, nbytes, device]")
         va, nbytes, device = d
-        sid = va >> OFFSET_BITS
-        if va & ((1 << OFFSET_BITS) - 1) or not any(first <= sid < first + n for first, n in session.arenas.values()):
-            raise E.InvalidAddress(f"alloc{where}: VA {va:#x} is not a segment of this session's arenas")
-        arena_dev = next(dev for dev, (first, n) in session.arenas.items() if first <= sid < first + n)
-        if device not in (-1, arena_dev):
-            raise E.InvalidField(f"alloc{where}: VA {va:#x} belongs to the arena of device {arena_dev}, not {device}")
-        try:
-            return resources.alloc_at(session, sid, nbytes, arena_dev)
-        except E.TransferError as exc:
-            raise type(exc)(f"alloc of {_human(nbytes)}{where}: {exc.message}") from None
+        return _alloc(resources, session, va, nbytes, device, "alloc", where)
     if req.kind == P.DEF_FREE:
         if type(d) is not int:
             raise E.InvalidField("free definition is the buffer's VA")
@@ -69,7 +60,67 @@ def define(resources: Resources, session: Session, req: P.Define) -> Any:
         P.text(32)(placement, f"plan #{req.obj}.placement")
         session.defs[("plan", req.obj)] = (req.version, (op, params, device, placement), req.site)
         return None
+    if req.kind == P.DEF_GRAPH:
+        return define_graph(resources, session, req.obj, d, req.site)
     raise E.InvalidField(f"unknown definition kind {req.kind}")
+
+
+def _alloc(resources: Resources, session: Session, va: int, nbytes: int, device: int, what: str, where: str) -> dict[str, Any]:
+    """Materialize an arena allocation at `va` (a buffer's, or a graph's memory)."""
+    sid = va >> OFFSET_BITS
+    if va & ((1 << OFFSET_BITS) - 1) or not any(first <= sid < first + n for first, n in session.arenas.values()):
+        raise E.InvalidAddress(f"{what}{where}: VA {va:#x} is not a segment of this session's arenas")
+    arena_dev = next(dev for dev, (first, n) in session.arenas.items() if first <= sid < first + n)
+    if device not in (-1, arena_dev):
+        raise E.InvalidField(f"{what}{where}: VA {va:#x} belongs to the arena of device {arena_dev}, not {device}")
+    try:
+        return resources.alloc_at(session, sid, nbytes, arena_dev)
+    except E.TransferError as exc:
+        raise type(exc)(f"{what} of {_human(nbytes)}{where}: {exc.message}") from None
+
+
+def define_graph(resources: Resources, session: Session, va: int, d: Any, site: str) -> None:
+    """A graph (Define kind 5, `obj` = the graph's VA in an arena): checked whole, then its
+    intermediates allocated as one device segment at that VA, which carries the graph.
+
+    Everything from the wire is checked before memory is taken: structure, names and
+    cycles, every node's shapes, dtypes and parameters (`parse_graph`), that the graph's
+    device has a kernel for every node that touches its intermediates, and that every
+    weight is memory this session may read. The allocation is the session's like any
+    other (quota, freed with the graph's VA or with the session).
+    """
+    where = f" created at {site}" if site else ""
+    what = f"graph {va:#x}{where}"
+    spec = parse_graph(d, what)
+    for i, node in enumerate(spec.nodes):
+        P.params(node.params, f"{what}, node {i} ({node.op}).params")
+    ndev = len(resources.devices)
+    for i, node in enumerate(spec.nodes):
+        pinned = node.device if node.device != -1 else spec.device
+        if pinned != -1 and pinned >= ndev:
+            raise E.InvalidField(f"{what}, node {i} ({node.op}): device {pinned} does not exist (this daemon has {ndev})")
+    for name, t in spec.tensors.items():
+        if t.va:
+            try:
+                resources.table.translate(t.va, tensor_extent(t), session.id)
+            except E.TransferError as exc:
+                raise type(exc)(f"{what}: weight {name!r}: {exc.message}") from None
+    sid = va >> OFFSET_BITS
+    arena = next((dev for dev, (first, n) in session.arenas.items() if first <= sid < first + n), None)
+    if arena is not None:
+        kind = resources.devices[arena].kind
+        for i, node in enumerate(spec.nodes):
+            if any(n in spec.offsets for n in (*node.inputs, *node.outputs)):
+                refs = [spec.tensors[n] for n in node.inputs], [spec.tensors[n] for n in node.outputs]
+                try:
+                    REGISTRY.lookup(node.op, signature(*refs), kind)
+                except E.TransferError as exc:
+                    raise type(exc)(f"{what}, node {i}: {exc.message} (its intermediates live on device {arena})") from None
+    _alloc(resources, session, va, spec.scratch_nbytes, spec.device, "graph", where)
+    seg = resources.table.get(sid)
+    assert seg is not None
+    seg.info["graph"] = spec
+    seg.info["site"] = site
 
 
 def _cached(session: Session, kind: str, ref: tuple[int, int]) -> tuple[Any, str]:

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 __all__ = [
-    "VirtualDevice", "Placement", "SizePlacement", "LeastLoaded", "RoundRobin", "POLICIES", "make_policy", "choose_home",
+    "VirtualDevice", "Placement", "SizePlacement", "LeastLoaded", "RoundRobin", "CostPlacement", "POLICIES", "make_policy",
+    "choose_home",
 ]
 
 
@@ -48,11 +49,14 @@ def choose_home(devices: Sequence[VirtualDevice], homed: Mapping[int, int]) -> V
 
 
 class Placement:
-    """Chooses a device for work whose operands are all host memory."""
+    """Chooses a device for work whose operands are all host memory.
+
+    `nbytes`: the bytes its operands span (what would move to a device); `work`: the
+    bytes of elements its kernel touches (0 for copies and fills: `nbytes` then)."""
 
     name = "base"
 
-    def choose(self, devices: Sequence[VirtualDevice], nbytes: int) -> VirtualDevice:
+    def choose(self, devices: Sequence[VirtualDevice], nbytes: int, work: int = 0) -> VirtualDevice:
         raise NotImplementedError
 
 
@@ -64,7 +68,7 @@ class SizePlacement(Placement):
     def __init__(self, threshold: int = 1 << 20) -> None:
         self.threshold = threshold
 
-    def choose(self, devices: Sequence[VirtualDevice], nbytes: int) -> VirtualDevice:
+    def choose(self, devices: Sequence[VirtualDevice], nbytes: int, work: int = 0) -> VirtualDevice:
         want = "cpu" if nbytes < self.threshold else "gpu"
         pool = [d for d in devices if d.kind == want] or list(devices)
         return min(pool, key=lambda d: d.queued_bytes)
@@ -73,7 +77,7 @@ class SizePlacement(Placement):
 class LeastLoaded(Placement):
     name = "least-loaded"
 
-    def choose(self, devices: Sequence[VirtualDevice], nbytes: int) -> VirtualDevice:
+    def choose(self, devices: Sequence[VirtualDevice], nbytes: int, work: int = 0) -> VirtualDevice:
         return min(devices, key=lambda d: (d.queued_bytes, d.index))
 
 
@@ -83,14 +87,44 @@ class RoundRobin(Placement):
     def __init__(self) -> None:
         self._next = itertools.count()
 
-    def choose(self, devices: Sequence[VirtualDevice], nbytes: int) -> VirtualDevice:
+    def choose(self, devices: Sequence[VirtualDevice], nbytes: int, work: int = 0) -> VirtualDevice:
         return devices[next(self._next) % len(devices)]
+
+
+class CostPlacement(Placement):
+    """The device that finishes soonest: bytes moved to it, plus its queue, plus the work.
+
+    Host operands reach a GPU over its link (`link` bytes/s, PCIe) and are read in place
+    by a CPU; a device works through `rate` bytes of elements per second. So small work
+    stays on a CPU (moving it costs more than computing it there), large work goes to a
+    GPU, and a busy device loses to an idle one. The figures are estimates, per kind;
+    only their ratios matter.
+    """
+
+    name = "cost"
+    #: Element bytes per second a device of each kind works through.
+    RATE = {"cpu": 5e9, "gpu": 300e9}
+    #: Bytes per second host operands move to a device of each kind (None: read in place).
+    LINK: dict[str, float | None] = {"cpu": None, "gpu": 12e9}
+    #: Fixed cost of sending work to a device of each kind (a launch, a thread hop), seconds.
+    LATENCY = {"cpu": 20e-6, "gpu": 50e-6}
+
+    def cost(self, d: VirtualDevice, nbytes: int, work: int) -> float:
+        """Estimated seconds until `d` would have finished this work."""
+        rate = self.RATE.get(d.kind, self.RATE["cpu"])
+        link = self.LINK.get(d.kind)
+        moved = 0.0 if link is None else nbytes / link
+        return self.LATENCY.get(d.kind, 0.0) + moved + (d.queued_bytes + (work or nbytes)) / rate
+
+    def choose(self, devices: Sequence[VirtualDevice], nbytes: int, work: int = 0) -> VirtualDevice:
+        return min(devices, key=lambda d: (self.cost(d, nbytes, work), d.index))
 
 
 POLICIES: dict[str, Callable[[], Placement]] = {
     "size": SizePlacement,
     "least-loaded": LeastLoaded,
     "round-robin": RoundRobin,
+    "cost": CostPlacement,
 }
 
 

@@ -8,6 +8,7 @@ decides where work runs; for host-only work the policy does.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -16,14 +17,14 @@ from .. import errors as E
 from .. import protocol as P
 from ..addressing import MappingTable, Segment, SegmentKind
 from ..backends import Span
-from ..kernels import OPERATORS, REGISTRY, TensorRef, signature, tensor_extent, tensor_nbytes
+from ..kernels import OPERATORS, REGISTRY, GraphSpec, TensorRef, signature, tensor_extent, tensor_nbytes
 from ._ops import SOCKET, Op, hulls, lane_of
 from ._placement import Placement, VirtualDevice
 from ._remote import names_remote, plan_remote_copies, plan_remote_copy, pull_input
 
 __all__ = ["Planner", "CopyRun", "Refusal", "plan_batch", "VECTOR_RUN"]
 
-_KIND_NAMES = {P.Copy: "copy", P.CopyV: "copyv", P.Fill: "fill", P.Checksum: "checksum", P.Compute: "compute"}
+_KIND_NAMES = {P.Copy: "copy", P.CopyV: "copyv", P.Fill: "fill", P.Checksum: "checksum", P.Compute: "compute", P.RunGraph: "compute"}
 #: Plain copies in a row planned as one vector op (validated with NumPy at once).
 VECTOR_RUN = 8
 #: A request refused at planning: (id, route, error).
@@ -69,7 +70,7 @@ class Planner:
             )
         return seg, off
 
-    def _device_of(self, segs: Iterable[Segment[Any]], nbytes: int, pinned: int = -1, policy: str = "") -> VirtualDevice:
+    def _device_of(self, segs: Iterable[Segment[Any]], nbytes: int, pinned: int = -1, policy: str = "", work: int = 0) -> VirtualDevice:
         """The placement rule: device memory decides; else the policy (or the pinned device)."""
         homes = {s.device for s in segs if s.kind == SegmentKind.DEVICE}
         if len(homes) > 1:
@@ -90,7 +91,7 @@ class Planner:
             chooser = self.policies.get(policy)  # type: ignore[assignment]
             if chooser is None:
                 raise E.InvalidField(f"unknown placement {policy!r}; choose one of {', '.join(self.policies)}")
-        return chooser.choose(self.devices, nbytes)
+        return chooser.choose(self.devices, nbytes, work)
 
     @staticmethod
     def _span(seg: Segment[Any], off: int, nbytes: int) -> Span:
@@ -136,6 +137,8 @@ class Planner:
             return self.plan_copies(owner, req.id, req.dst, req.src, req.nbytes)
         if isinstance(req, P.Compute):
             return self._plan_compute(owner, req)
+        if isinstance(req, P.RunGraph):
+            return self._plan_graph(owner, req)
         raise E.UnknownOperation(f"{type(req).__name__} is not a data request")
 
     def _copy_backend(self, dseg: Segment[Any], sseg: Segment[Any], dev: VirtualDevice) -> Any:
@@ -237,7 +240,7 @@ class Planner:
                     if not same:
                         raise E.InvalidField(f"{req.op}: output {k} overlaps {'input' if j < len(reads) else 'output'} {j if j < len(reads) else j - len(reads)}")
         nbytes = sum(ext for *_, ext in placed)
-        dev = self._device_of((seg for _, seg, _, _ in placed), nbytes, req.device, req.placement)
+        dev = self._device_of((seg for _, seg, _, _ in placed), nbytes, req.device, req.placement, work)
         # The kernel by dtype signature; a light operator the device has no kernel for may run
         # on a device of the registry's fallback kind, when its operands are all host memory.
         host_only = req.device == -1 and all(seg.kind == SegmentKind.HOST for _, seg, _, _ in placed)
@@ -262,6 +265,92 @@ class Planner:
                     self.remote.release_staging(pull.info)
 
         return [*pulls, Op(req.id, reads, writes, dev, nbytes, run, work=work)]
+
+    def _plan_graph(self, owner: Any, req: P.RunGraph) -> list[Op]:
+        """A graph run: each node planned as the compute request it is (`_plan_compute`:
+        translation, checks, kernel by dtype, placement), then one op that answers.
+
+        The nodes' ops have no request id of their own; each runs only if the nodes it
+        reads succeeded, and the answering op, ordered after all of them by its hazard
+        ranges, reports the first failure or (with `profile`) each node's device, kernel
+        and time.
+        """
+        seg = self.table.lookup(req.graph, owner)
+        graph: GraphSpec | None = seg.info.get("graph")
+        if graph is None or req.graph != seg.va:
+            raise E.InvalidField(f"RunGraph: {req.graph:#x} is not a graph's VA (define the graph first)")
+        if len(req.inputs) != len(graph.inputs) or len(req.outputs) != len(graph.outputs):
+            raise E.InvalidField(
+                f"RunGraph: the graph takes {len(graph.inputs)} input and {len(graph.outputs)} output VA(s), "
+                f"got {len(req.inputs)} and {len(req.outputs)}"
+            )
+        site = seg.info.get("site", "")
+        refs = {n: graph.bind(n, va) for n, va in (*zip(graph.inputs, req.inputs), *zip(graph.outputs, req.outputs))}
+        for n, off in graph.offsets.items():
+            refs[n] = graph.bind(n, seg.va + off)
+        ops: list[Op] = []
+        nodes: list[Op] = []
+        times = [0.0] * len(graph.nodes)
+        for i, node in enumerate(graph.nodes):
+            compute = P.Compute(0, node.op, [refs.get(n) or graph.tensors[n] for n in node.inputs],
+                                [refs.get(n) or graph.tensors[n] for n in node.outputs], node.params,
+                                node.device if node.device != -1 else graph.device,
+                                node.placement or graph.placement, req.stream)
+            try:
+                planned = self._plan_compute(owner, compute)
+            except E.TransferError as exc:
+                raise type(exc)(f"graph{' created at ' + site if site else ''}, node {i} ({node.op}): {exc.message}") from None
+            op = planned[-1] if isinstance(planned, list) else planned
+            op.run = _guarded(op.run, [nodes[j] for j in graph.deps[i]], times, i, node.op)
+            op.info = _Kernel(compute)  # the signature, for the profile
+            ops.extend(planned if isinstance(planned, list) else (planned,))
+            nodes.append(op)
+        done = [r for op in nodes for r in op.writes]
+
+        def answer() -> Any:
+            for op in nodes:
+                if op.error is not None:
+                    raise op.error
+            if not req.profile:
+                return None
+            return {"nodes": [
+                {"node": i, "op": graph.nodes[i].op, "device": op.device.index, "kind": op.device.kind,
+                 "kernel": op.info.sig, "us": round(times[i] * 1e6, 1)}
+                for i, op in enumerate(nodes)
+            ]}
+
+        ops.append(Op(req.id, done, [], nodes[-1].device, 0, answer))
+        return ops
+
+
+class _Kernel:
+    """What the profile says of a node's kernel: its dtype signature."""
+
+    __slots__ = ("sig",)
+
+    def __init__(self, req: P.Compute) -> None:
+        s = signature(req.inputs, req.outputs)
+        n = len(req.inputs)
+        self.sig = f"({', '.join(s[:n])}) -> ({', '.join(s[n:])})"
+
+
+def _guarded(run: Any, deps: list[Op], times: list[float], i: int, name: str) -> Any:
+    """A graph node's work: skipped with its producer's error if one failed, timed, and its
+    own error named by node."""
+
+    def node() -> Any:
+        for dep in deps:
+            if dep.error is not None:
+                raise dep.error
+        t0 = time.perf_counter()
+        try:
+            return run()
+        except E.TransferError as exc:
+            raise type(exc)(f"graph node {i} ({name}): {exc.message}") from None
+        finally:
+            times[i] = time.perf_counter() - t0
+
+    return node
 
 
 

@@ -1,0 +1,318 @@
+"""Graphs through a real daemon: defined once, run by VA, checked against NumPy and against the
+same operators run one request at a time; every refusal from the wire, with the daemon serving on."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import transfer
+from transfer import errors as E
+from transfer import protocol as P
+from transfer.kernels import GraphNode, graph_wire, parse_graph
+from transfer.server._placement import CostPlacement, VirtualDevice
+from transfer.testing import DaemonProcess, start_daemon
+
+from conftest import FAST
+
+RNG = np.random.default_rng(11)
+
+
+@pytest.fixture(scope="module")
+def gdaemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    """Two CPU devices and a small per-session device quota (for the over-quota refusal)."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path_factory.mktemp("shm")
+    shm = base / f"transfer-graphs-{RNG.integers(1 << 30):x}"
+    shm.mkdir(mode=0o700)
+    wd = tmp_path_factory.mktemp("run")
+    wd.chmod(0o700)
+    d = start_daemon([*FAST, "--devices", "2", "--max-device-bytes-per-session", "64M"], workdir=wd, shm_dir=shm)
+    try:
+        yield d
+    finally:
+        d.stop()
+        for f in shm.iterdir():
+            f.unlink()
+        shm.rmdir()
+
+
+@pytest.fixture
+def client(gdaemon: DaemonProcess) -> Iterator[transfer.Client]:
+    with transfer.connect(gdaemon.endpoint) as c:
+        yield c
+
+
+def weights(c: transfer.Client, *arrays: np.ndarray) -> list[transfer.TensorRef]:
+    """Arrays copied into one device buffer; their tensor references there."""
+    total = sum(a.nbytes for a in arrays)
+    seg, buf = c.segment(total), c.alloc(total)
+    refs, off = [], 0
+    for a in arrays:
+        seg.ndarray(a.shape, a.dtype, offset=off)[...] = a
+        refs.append(buf.tensor(a.shape, a.dtype, offset=off))
+        off += a.nbytes
+    c.copy(buf, seg).result()
+    c.free(seg)
+    return refs
+
+
+def mlp(c: transfer.Client, batch: int, sizes: list[int], dtype: str = "float32") -> tuple[transfer.Graph, list[np.ndarray]]:
+    """A linear/relu/.../linear graph and its weights."""
+    ws = []
+    for k in range(len(sizes) - 1):
+        ws += [(RNG.standard_normal((sizes[k + 1], sizes[k])) / np.sqrt(sizes[k])).astype(dtype),
+               RNG.standard_normal(sizes[k + 1]).astype(dtype)]
+    refs = weights(c, *ws)
+    g = c.graph()
+    g.input("x", (batch, sizes[0]), dtype)
+    prev = "x"
+    for k in range(len(sizes) - 1):
+        g.weight(f"w{k}", refs[2 * k])
+        g.weight(f"b{k}", refs[2 * k + 1])
+        last = k == len(sizes) - 2
+        h = g.output("y", (batch, sizes[k + 1]), dtype) if last else g.tensor(f"h{k}", (batch, sizes[k + 1]), dtype)
+        g.op("linear", [prev, f"w{k}", f"b{k}"], h)
+        if not last:
+            prev = g.tensor(f"a{k}", (batch, sizes[k + 1]), dtype)
+            g.op("relu", [h], prev)
+    return g, ws
+
+
+def mlp_ref(x: np.ndarray, ws: list[np.ndarray]) -> np.ndarray:
+    h = x.astype(np.float64)
+    for k in range(0, len(ws), 2):
+        h = h @ ws[k].T.astype(np.float64) + ws[k + 1]
+        if k + 2 < len(ws):
+            h = np.maximum(h, 0)
+    return h
+
+
+def test_mlp_graph_matches_numpy_and_profiles(client: transfer.Client) -> None:
+    g, ws = mlp(client, 16, [32, 24, 24, 8])
+    xs, ys = client.segment(16 * 32 * 4), client.segment(16 * 8 * 4)
+    x = xs.ndarray((16, 32), np.float32)
+    for _ in range(3):  # the definition travels once; later runs carry only VAs
+        x[...] = RNG.standard_normal((16, 32))
+        assert client.run_graph(g, [xs], [ys]).result() is None
+        np.testing.assert_allclose(ys.ndarray((16, 8), np.float32), mlp_ref(x, ws), rtol=1e-4, atol=1e-4)
+    prof = client.run_graph(g, [xs], [ys], profile=True).result()
+    nodes = prof["nodes"]
+    assert [n["op"] for n in nodes] == ["linear", "relu", "linear", "relu", "linear"]
+    assert all(n["device"] == client.home_device and n["kind"] == "cpu" and n["us"] >= 0 for n in nodes)
+    assert nodes[0]["kernel"] == "(float32, float32, float32) -> (float32)"
+    assert client.stats()["session"]["defines"] >= 1
+
+
+def test_dag_with_two_branches(client: transfer.Client) -> None:
+    n = 12
+    g = client.graph()
+    g.input("x", (n, n), "float64")
+    g.tensor("a", (n, n), "float64")
+    g.tensor("b", (n, n), "float64")
+    g.output("y", (n, n), "float64")
+    g.output("s", (n,), "float64")
+    g.op("relu", ["x"], "a")
+    g.op("scale_add", ["x"], "b", {"a": -2.0, "b": 0.5})
+    g.op("matmul", ["a", "b"], "y")
+    g.op("sum", ["b"], "s", {"axis": 0})
+    xs, ys, ss = client.segment(n * n * 8), client.segment(n * n * 8), client.segment(n * 8)
+    x = xs.ndarray((n, n), np.float64)
+    x[...] = RNG.standard_normal((n, n))
+    client.run_graph(g, [xs], [ys, ss]).result()
+    b = x * -2.0 + 0.5
+    np.testing.assert_allclose(ys.ndarray((n, n), np.float64), np.maximum(x, 0) @ b, rtol=1e-12)
+    np.testing.assert_allclose(ss.ndarray((n,), np.float64), b.sum(axis=0), rtol=1e-12)
+
+
+# A chain of shape-preserving operators: (name, params).
+_UNARY = st.sampled_from([("relu", {}), ("gelu", {}), ("gelu", {"approximate": "tanh"}), ("softmax", {}),
+                          ("scale_add", {"a": 0.5, "b": 1.0}), ("scale_add", {"a": -1.5})])
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(chain=st.lists(_UNARY, min_size=1, max_size=5), rows=st.integers(1, 9), cols=st.integers(1, 9),
+       dtype=st.sampled_from(["float32", "float64", "float16"]))
+def test_graph_equals_its_operators_one_by_one(client: transfer.Client, chain, rows: int, cols: int, dtype: str) -> None:
+    """A graph run leaves exactly the bytes its operators leave run one request at a time."""
+    nb = rows * cols * np.dtype(dtype).itemsize
+    xs = client.segment(nb)
+    x = xs.ndarray((rows, cols), dtype)
+    x[...] = RNG.standard_normal((rows, cols))
+    g = client.graph()
+    g.input("x", (rows, cols), dtype)
+    prev = "x"
+    for k, (op, params) in enumerate(chain):
+        name = g.output("y", (rows, cols), dtype) if k == len(chain) - 1 else g.tensor(f"t{k}", (rows, cols), dtype)
+        g.op(op, [prev], name, params)
+        prev = name
+    ys = client.segment(nb)
+    client.run_graph(g, [xs], [ys]).result()
+    # The same operators, each its own compute request, intermediates in client buffers.
+    bufs = [client.alloc(nb) for _ in chain]
+    src = xs.tensor((rows, cols), dtype)
+    for (op, params), buf in zip(chain, bufs):
+        dst = buf.tensor((rows, cols), dtype)
+        client.compute(op, [src], [dst], params)
+        src = dst
+    zs = client.segment(nb)
+    client.copy(zs, bufs[-1], nb).result()
+    assert ys.ndarray((rows, cols), dtype).tobytes() == zs.ndarray((rows, cols), dtype).tobytes()
+    for b in bufs:
+        client.free(b)
+    client.free(g)
+    for s in (xs, ys, zs):
+        client.free(s)
+
+
+def test_graph_memory_is_counted_and_freed(daemon: DaemonProcess) -> None:
+    client = transfer.connect(daemon.endpoint)
+
+    def device_bytes() -> int:
+        return client.stats()["daemon"]["device_bytes"]
+
+    before = device_bytes()
+    g = client.graph()
+    g.input("x", (256, 256), "float32")
+    g.tensor("h", (256, 256), "float32")
+    g.output("y", (256, 256), "float32")
+    g.op("relu", ["x"], "h")
+    g.op("gelu", ["h"], "y")
+    xs = client.segment(256 * 256 * 4)
+    ys = client.segment(256 * 256 * 4)
+    client.run_graph(g, [xs], [ys]).result()
+    assert device_bytes() == before + 256 * 256 * 4  # one intermediate
+    client.free(g)
+    assert device_bytes() == before
+    # ... and with the session.
+    with transfer.connect(daemon.endpoint) as other:
+        g2 = other.graph()
+        g2.input("x", (4,), "float32")
+        g2.tensor("h", (1 << 20,), "float32")
+        g2.output("y", (4,), "float32")
+        g2.op("relu", ["x"], "y")
+        g2.op("fill", [], "h", {"value": 1})
+        s = other.segment(16)
+        t = other.segment(16)
+        other.run_graph(g2, [s], [t]).result()
+        assert device_bytes() == before + (4 << 20)
+    deadline = time.monotonic() + 5  # a closed session is released after its Close is answered
+    while device_bytes() != before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert device_bytes() == before
+    client.close()
+
+
+def test_placement_overrides_per_graph(client: transfer.Client) -> None:
+    """A node whose operands are all host memory goes where the graph's policy says."""
+    g = client.graph(placement="round-robin")
+    g.input("x", (8,), "float32")
+    g.output("y", (8,), "float32")
+    g.op("relu", ["x"], "y")
+    xs, ys = client.segment(32), client.segment(32)
+    seen = {client.run_graph(g, [xs], [ys], profile=True).result()["nodes"][0]["device"] for _ in range(4)}
+    assert seen == {0, 1}
+    pinned = client.graph(device=1)
+    pinned.input("x", (8,), "float32")
+    pinned.output("y", (8,), "float32")
+    pinned.op("relu", ["x"], "y")
+    assert client.run_graph(pinned, [xs], [ys], profile=True).result()["nodes"][0]["device"] == 1
+
+
+# --- refusals from the wire ---------------------------------------------------------------------
+def _define(c: transfer.Client, d) -> tuple[int, object]:
+    """A raw graph definition at a fresh arena VA; (va, the Define's outcome)."""
+    mem = c._core.deferred.reserve(4096, -1, "test")  # an arena id, as Graph.prepare takes one
+    try:
+        return mem.va, c._call(P.Define, P.DEF_GRAPH, mem.va, 1, d, "test_graphs.py:1")
+    except E.TransferError as exc:
+        return mem.va, exc
+
+
+def _wire(tensors, nodes, inputs=("x",), outputs=("y",), device=-1, placement=""):
+    return graph_wire(tensors, [GraphNode(*n) for n in nodes], inputs, outputs, device, placement)
+
+
+_X = ("x", "float32", [4, 4], None)
+_Y = ("y", "float32", [4, 4], None)
+
+
+@pytest.mark.parametrize("d, err, words", [
+    (_wire([_X, _Y], [("relu", ("x",), ("z",), {})]), E.InvalidField, "unknown tensor 'z'"),
+    (_wire([_X, _Y, ("h", "float32", [4, 4], None)], [("relu", ("h",), ("y",), {}), ("relu", ("x",), ("h",), {})]),
+     E.InvalidField, "before any node writes it"),
+    (_wire([_X, _Y], [("relu", ("y",), ("y",), {})]), E.InvalidField, "a cycle"),
+    (_wire([_X, _Y, ("h", "float32", [4, 5], None)], [("relu", ("x",), ("h",), {}), ("relu", ("h",), ("y",), {})]),
+     E.InvalidField, "relu"),
+    (_wire([_X, _Y, ("h", "float64", [4, 4], None)], [("relu", ("x",), ("h",), {}), ("relu", ("h",), ("y",), {})]),
+     E.InvalidField, "kernel"),
+    (_wire([_X, _Y], [("nope", ("x",), ("y",), {})]), E.UnknownOperation, "nope"),
+    (_wire([_X, _Y], [("relu", ("x",), ("y",), {}), ("gelu", ("x",), ("y",), {})]), E.InvalidField, "already written"),
+    (_wire([_X, _Y], [("relu", ("x",), ("y",), {})], device=7), E.InvalidField, "device 7"),
+    (_wire([_X, _Y, ("h", "float32", [1 << 26], None)], [("relu", ("x",), ("y",), {}), ("fill", (), ("h",), {"value": 0})]),
+     E.QuotaExceeded, "quota"),
+    (_wire([_X, _Y, ("w", "float32", [4, 4], (1 << 23) << 40)], [("matmul", ("x", "w"), ("y",), {})]), E.AddressError, "weight 'w'"),
+    ([[], [], [], [], -1, ""], E.InvalidField, "nodes"),
+    ("graph", E.InvalidField, "a graph is"),
+])
+def test_wire_refusals(client: transfer.Client, d, err, words: str) -> None:
+    _, got = _define(client, d)
+    assert isinstance(got, err), got
+    assert words in str(got)
+    client.fill(client.segment(8), 8, 1).result()  # the daemon serves on
+
+
+def test_run_refusals(client: transfer.Client) -> None:
+    g = client.graph()
+    g.input("x", (4, 4), "float32")
+    g.output("y", (4, 4), "float32")
+    g.op("relu", ["x"], "y")
+    xs, small = client.segment(64), client.segment(16)
+    client.run_graph(g, [xs], [client.segment(64)]).result()
+    with pytest.raises(E.OutOfBounds, match="node 0"):
+        client.run_graph(g, [xs], [small]).result()
+    with pytest.raises(E.InvalidField, match="takes 1 input"):
+        client._call(P.RunGraph, g.va, [xs.va, xs.va], [small.va])
+    with pytest.raises(E.InvalidField, match="not a graph"):
+        client._call(P.RunGraph, xs.va, [xs.va], [small.va])
+    with pytest.raises(E.UnknownSegment):
+        client._call(P.RunGraph, 12345 << 40, [xs.va], [small.va])
+    client.free(g)
+    client.fence()
+    with pytest.raises(E.AddressError):  # its arena id is free again: nothing is there
+        client._call(P.RunGraph, g.va, [xs.va], [small.va])
+    assert client.fill(xs, 64, 0).result() is None
+
+
+def test_parse_graph_is_pure_and_lays_out_intermediates() -> None:
+    spec = parse_graph(_wire([_X, _Y, ("h", "float32", [4, 4], None), ("w", "float32", [4, 4], 1 << 40)],
+                             [("matmul", ("x", "w"), ("h",), {}), ("relu", ("h",), ("y",), {})]))
+    assert spec.offsets == {"h": 0} and spec.scratch_nbytes == 256
+    assert spec.deps == ((), (0,)) and spec.param_bytes() == 64
+
+
+def test_cost_placement() -> None:
+    cpu, gpu = VirtualDevice(0, "cpu", None), VirtualDevice(1, "gpu", None)
+    cost = CostPlacement()
+    assert cost.choose([cpu, gpu], 4096, 4096) is cpu  # moving it costs more than computing it
+    assert cost.choose([cpu, gpu], 64 << 20, 64 << 20) is gpu
+    gpu.queued_bytes = 1 << 40  # a busy GPU loses
+    assert cost.choose([cpu, gpu], 64 << 20, 64 << 20) is cpu
+
+
+def test_mlp_graph_on_each_backend(backend_daemon: DaemonProcess) -> None:
+    """The GPU path too (the stream simulation without a GPU): lanes, pipelined passes, sync."""
+    with transfer.connect(backend_daemon.endpoint) as c:
+        g, ws = mlp(c, 8, [16, 12, 4], "float32")
+        xs, ys = c.segment(8 * 16 * 4), c.segment(8 * 4 * 4)
+        x = xs.ndarray((8, 16), np.float32)
+        for _ in range(3):
+            x[...] = RNG.standard_normal((8, 16))
+            prof = c.run_graph(g, [xs], [ys], profile=True).result()
+            np.testing.assert_allclose(ys.ndarray((8, 4), np.float32), mlp_ref(x, ws), rtol=1e-4, atol=1e-4)
+        assert {n["kind"] for n in prof["nodes"]} == {"cpu" if c.backend["backend"] == "numpy" else "gpu"}
