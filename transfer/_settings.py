@@ -237,7 +237,7 @@ def _defaults() -> tuple[Setting, ...]:
         ("max_reply_backlog", parse_size, "unread reply bytes the daemon parks for one client before it ends that session", "--max-reply-backlog", {"minimum": 1 << 16, "metavar": "BYTES"}),
         ("inline_bytes", parse_size, "data work touching fewer bytes runs on the event loop, larger on a worker thread", "--inline-bytes", {"minimum": 0, "metavar": "BYTES"}),
         ("threads", _int, "worker threads for large copies", "--threads", {"minimum": 1, "maximum": 256}),
-        ("placement", _str, "placement of host-only work: size, least-loaded or round-robin", "--placement", {"choices": tuple(POLICIES)}),
+        ("placement", _str, "placement of host-only work: size, least-loaded, round-robin or cost", "--placement", {"choices": tuple(POLICIES)}),
         ("size_threshold", parse_size, "size placement: inputs below this many bytes go to a CPU device", "--size-threshold", {"minimum": 0, "metavar": "BYTES"}),
         ("shutdown_grace_s", _float, "seconds SIGTERM/SIGINT waits for queued work before releasing everything", "--shutdown-grace", {"minimum": 0, "metavar": "SECONDS"}),
         ("arena_ids", _int, "segment ids in each session's deferred-allocation arena, per device", "--arena-ids", {"minimum": 1}),

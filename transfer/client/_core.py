@@ -299,4 +299,6 @@ def _touched(cls: type[P.Request], args: tuple[Any, ...]) -> list[int]:
         return [int(x) << 40 for x in np.unique(both).tolist()]
     if cls is P.Compute:
         return [t.va for t in (*args[1], *args[2])]
+    if cls is P.RunGraph:
+        return [*args[1], *args[2]]
     return []

@@ -26,7 +26,7 @@ from ..addressing import OFFSET_BITS
 from ..kernels import DTYPES, OPERATORS, GraphNode, GraphSpec, TensorRef, graph_wire, parse_graph, shape_tuple, tensor_extent
 from ._resources import Addressed
 
-__all__ = ["Arena", "DeferredBuffer", "Tensor", "Plan", "Graph", "Touch", "DeferredState", "creation_site"]
+__all__ = ["Arena", "DeferredBuffer", "Tensor", "Plan", "Graph", "DeferredState", "creation_site"]
 
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -226,15 +226,6 @@ class Graph:
         return f"<Graph {len(self._nodes)} ops {self._inputs} -> {self._outputs} {'defined' if self.spec else 'pending'}>"
 
 
-class Touch:
-    """VAs a request uses that `_touched` cannot see (a graph run's): their allocations go first."""
-
-    version, sent_version = 1, 0
-
-    def __init__(self, vas: Sequence[int]) -> None:
-        self.vas = vas
-
-
 class DeferredState:
     """Arenas, pending definitions and frees: what the next frame must carry first."""
 
@@ -311,9 +302,6 @@ class DeferredState:
                 buf.defined = True
                 out.append(new(P.Define, P.DEF_ALLOC, 0, 0, [buf.va, buf.nbytes, buf.device], buf.site))
         for obj in objects:
-            if isinstance(obj, Touch):
-                out.extend(self.definitions_for(obj.vas, (), new))
-                continue
             if isinstance(obj, Graph) and obj.sent_version != obj.version:
                 out.extend(self.definitions_for(obj.weight_vas(), (), new))  # weights before the graph reads them
                 out.append(new(P.Define, P.DEF_GRAPH, obj.va, obj.version, obj.definition(), obj.site))

@@ -31,7 +31,7 @@ from ..memory import ShmFile
 from ..transport import _curve
 from ..transport._zmq import endpoint_error, ipc_path
 from ._core import ClientCore
-from ._deferred import DeferredBuffer, Graph, Plan, Tensor, Touch, creation_site
+from ._deferred import DeferredBuffer, Graph, Plan, Tensor, creation_site
 from ._pending import Pending
 from ._pool import SlotPool
 from ._remote import RemoteAgent, RemoteSegment, register as register_remote
@@ -390,7 +390,7 @@ class Session:
             raise E.SessionError("graphs need deferred creation (this client has deferred=False)")
         with self._io_lock():
             graph.prepare(state)
-        return self._submit(P.RunGraph, graph.va, ins, outs, profile, stream, objects=[graph, Touch(ins + outs)])
+        return self._submit(P.RunGraph, graph.va, ins, outs, profile, stream, objects=[graph])
 
     # --- machinery ----------------------------------------------------------------------------
     def _submit(self, cls: type[P.Request], *args: Any, objects: Sequence[Any] = (), blocking: bool = False) -> Any:
