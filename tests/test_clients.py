@@ -75,6 +75,30 @@ def test_copy_many_fill_and_batch(client: Any) -> None:
     assert (got == np.arange(8, dtype=np.uint8)[:, None]).all()
 
 
+def test_checksum_many(client: Any) -> None:
+    n = 96
+    seg = client.segment(n * 4096)
+    seg.buffer[:] = np.arange(n * 4096) % 249
+    srcs = seg.va + np.arange(n, dtype=np.uint64) * 4096
+    sizes = np.array([4096 - (i % 7) for i in range(n)], np.uint64)  # odd tails too
+    got = client.checksum_many(srcs, sizes).result()
+    want = [transfer.checksum64(seg.buffer[i * 4096 : i * 4096 + int(sizes[i])]) for i in range(n)]
+    assert got.dtype == np.uint64 and got.tolist() == want
+    # Inside a batch, on a deferred buffer: its allocation goes first.
+    buf = client.alloc(8192)
+    with client.batch():
+        client.fill(buf, 8192, 3)
+        p = client.checksum_many([buf.va, buf.va + 4096], [4096, 4096])
+    assert p.result().tolist() == [transfer.checksum64(bytes([3]) * 4096)] * 2
+    # One bad range fails the whole, once: a later fence does not raise it again.
+    bad = client.checksum_many([seg.va, 0xFFFFF0 << 40, seg.va], [64, 64, 64])
+    with pytest.raises(transfer.UnknownSegment):
+        bad.result()
+    client.fence()
+    with pytest.raises(ValueError):
+        client.checksum_many([seg.va], [1, 2])
+
+
 def test_compute_tensors_and_plans(client: Any) -> None:
     imgs = client.segment(2 * 3 * 8 * 8)
     imgs.ndarray((2, 3, 8, 8), np.uint8)[:] = 128

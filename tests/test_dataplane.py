@@ -34,7 +34,8 @@ _BAD_SEG = 0xFFFFF0  # a segment id nobody has (nor had: ids are handed out upwa
 
 def _outcome(p: Any) -> Any:
     try:
-        return ("ok", p.result(timeout=30))
+        r = p.result(timeout=30)
+        return ("ok", r.tolist() if isinstance(r, np.ndarray) else r)
     except E.TransferError as exc:
         return ("err", type(exc).__name__)
 
@@ -48,6 +49,7 @@ _op = st.one_of(
     st.tuples(st.just("fill"), _where, _size, st.integers(0, 255)),
     st.tuples(st.just("checksum"), _where, _size),
     st.tuples(st.just("copy_many"), st.lists(st.tuples(_where, _where, st.integers(0, 512)), min_size=1, max_size=12)),
+    st.tuples(st.just("checksum_many"), st.lists(st.tuples(_where, st.integers(0, 512)), min_size=1, max_size=12)),
     st.tuples(st.just("fence")),
 )
 
@@ -83,6 +85,8 @@ class _Rig:
             elif op[0] == "copy_many":
                 pieces = op[1]
                 pending.append(c.copy_many([va(d) for d, _, _ in pieces], [va(s) for _, s, _ in pieces], [n for _, _, n in pieces]))
+            elif op[0] == "checksum_many":
+                pending.append(c.checksum_many([va(w) for w, _ in op[1]], [n for _, n in op[1]]))
             else:
                 answers.extend(_outcome(p) for p in pending)
                 pending.clear()

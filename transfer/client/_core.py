@@ -112,6 +112,36 @@ class ClientCore:
             reqs.append(marker)
         return reqs, pending
 
+    def prepare_many(self, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> tuple[list[P.Request], Pending]:
+        """Checksums of many ranges as one call: their definitions first, then one Checksum
+        request per range (each its own descriptor or frame entry, as `checksum` sends), and
+        one Pending that finishes with all their values as an array (or the first failure).
+
+        Vectorised where `prepare` is per request: the fields are checked as arrays, and no
+        per-range Python beyond creating the request and its Pending."""
+        self.check_usable()
+        n = len(srcs)
+        if n == 0:
+            raise ValueError("checksum_many needs at least one range")
+        P.check_ints(P.Checksum, (0, 0, stream))  # the ranges are uint64 arrays already
+        defs = self._definitions(P.CopyV, (srcs, srcs), ())
+        gather = _Gather(self, n)
+        reqs = list(defs)
+        rid0 = self._next_id
+        self._next_id += n
+        cls, pcls, waiter, pending = P.Checksum, self._pending_cls, self._waiter, self.pending
+        for k, (va, nb) in enumerate(zip(srcs.tolist(), sizes.tolist())):
+            reqs.append(cls(rid0 + k, va, nb, stream))
+            part = pending[rid0 + k] = pcls(rid0 + k, waiter)
+            part._waker = gather
+            gather.parts.append(part)
+        # The whole carries the last part's id: completions come in order, so a client waits
+        # on it as on that request (whose answer comes last), ring or socket.
+        whole = gather.whole = pcls(rid0 + n - 1, waiter)
+        if defs:
+            whole._deps = [self.pending[d.id] for d in defs if d.id in self.pending]
+        return reqs, whole
+
     def _definitions(self, cls: type[P.Request], args: tuple[Any, ...], objects: Sequence[Any]) -> list[P.Request]:
         """Deferred definitions a request needs first: allocations it touches, descriptors it names."""
         state = self.deferred
@@ -286,6 +316,32 @@ class ClientCore:
 
 #: Requests that may take the ring: their integer fields are checked at submission.
 _CHECKED = frozenset((P.Copy, P.Fill, P.Checksum))
+
+
+class _Gather:
+    """The waker of a `prepare_many` call's parts: finishes the whole once every part has.
+    A failure is reported once, by the whole: its parts count as observed."""
+
+    __slots__ = ("core", "left", "parts", "whole")
+
+    def __init__(self, core: ClientCore, n: int) -> None:
+        self.core = core
+        self.left = n
+        self.parts: list[Pending] = []
+        self.whole: Pending | None = None
+
+    def set(self) -> None:
+        self.left -= 1
+        if self.left or self.whole is None:
+            return
+        err = next((p._error for p in self.parts if p._error is not None), None)
+        if err is None:
+            self.whole._finish(np.fromiter((p._value for p in self.parts), np.uint64, len(self.parts)), None)
+            return
+        for p in self.parts:
+            p._observed = True
+        self.whole._finish(None, err)
+        self.core.unobserved.append(self.whole)
 
 
 def _touched(cls: type[P.Request], args: tuple[Any, ...]) -> list[int]:
