@@ -135,12 +135,12 @@ def pool_vs_copy(endpoint: str, nbytes: int, seconds: float) -> dict[str, float]
                 i = n % 4
                 if name == "pool":
                     slot = pool.acquire(timeout=30)
-                    slot.ndarray((nbytes,), np.uint8)[:8] = n
+                    slot.ndarray((nbytes,), np.uint8)[:8] = n & 0xFF
                     slot.submit(dev.va + i * nbytes)
                 else:
                     if len(inflight) == 4:
                         inflight.pop(0).result()
-                    views[i][:8] = n
+                    views[i][:8] = n & 0xFF
                     inflight.append(c.copy(dev.va + i * nbytes, seg.va + i * nbytes, nbytes))
                 n += 1
             if name == "pool":

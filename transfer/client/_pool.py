@@ -18,6 +18,8 @@ operations, so `pool.acquire()` blocks on a `Client` and is awaited on a
 
 from __future__ import annotations
 
+import math
+
 import inspect
 from collections import deque
 from typing import Any, Callable, Generator, Sequence
@@ -59,7 +61,7 @@ class Slot:
         self._check_writable("hand out a view")
         dt = np.dtype(dtype)
         shape_t = shape_tuple(shape)
-        n = int(np.prod(shape_t, dtype=np.int64)) * dt.itemsize
+        n = math.prod(shape_t) * dt.itemsize
         if offset < 0 or offset + n > self.nbytes:
             raise E.OutOfBounds(f"view of {n} bytes at offset {offset} exceeds the slot's {self.nbytes} bytes")
         view = self.pool.segment.ndarray(shape_t, dt, offset=self.offset + offset)

@@ -8,6 +8,8 @@ and size, so `seg.va + offset` names a byte without asking the daemon.
 
 from __future__ import annotations
 
+import math
+
 from typing import Any, Protocol, Sequence, Union
 
 import numpy as np
@@ -87,7 +89,7 @@ class HostSegment(Addressed):
         if dt.hasobject:
             raise TypeError("object dtypes cannot live in shared memory")
         shape_t = shape_tuple(shape)
-        count = int(np.prod(shape_t, dtype=np.int64)) if shape_t else 1
+        count = math.prod(shape_t) if shape_t else 1
         nbytes = count * dt.itemsize
         if offset < 0 or nbytes < 0 or offset + nbytes > self.nbytes:
             raise E.OutOfBounds(f"view of {nbytes} bytes at offset {offset} exceeds the segment's {self.nbytes} bytes")
