@@ -116,6 +116,20 @@ static inline int tdp_table_init(tdp_table_t *t)
     return rc;
 }
 
+/* Room for one more element in a growable array (doubling from `first`). 0, or -1: no memory. */
+static inline int tdp_grow(void **items, uint32_t n, uint32_t *cap, size_t size, uint32_t first)
+{
+    if (n < *cap)
+        return 0;
+    uint32_t c = *cap ? 2 * *cap : first;
+    void *p = realloc(*items, (size_t)c * size);
+    if (!p)
+        return -1;
+    *items = p;
+    *cap = c;
+    return 0;
+}
+
 /* Index of sid, or of where it would go (*found = 0). Call under either lock. */
 static inline uint32_t tdp_find(const tdp_table_t *t, uint32_t sid, int *found)
 {
@@ -139,14 +153,8 @@ static inline int tdp_table_add(tdp_table_t *t, uint32_t sid, uint8_t *base, uin
     uint32_t i = tdp_find(t, sid, &found);
     if (found)
         return -2;
-    if (t->n == t->cap) {
-        uint32_t cap = t->cap ? 2 * t->cap : 64;
-        tdp_seg_t *s = realloc(t->segs, (size_t)cap * sizeof *s);
-        if (!s)
-            return -1;
-        t->segs = s;
-        t->cap = cap;
-    }
+    if (tdp_grow((void **)&t->segs, t->n, &t->cap, sizeof *t->segs, 64) < 0)
+        return -1;
     memmove(&t->segs[i + 1], &t->segs[i], (size_t)(t->n - i) * sizeof *t->segs);
     t->segs[i] = (tdp_seg_t){sid, device, base, nbytes, owner, NULL, 0, 0, keep};
     t->n++;
@@ -184,14 +192,8 @@ static inline int tdp_table_guest(tdp_table_t *t, uint32_t sid, uint64_t session
     }
     if (!allow)
         return 0;
-    if (e->nguests == e->guest_cap) {
-        uint32_t cap = e->guest_cap ? 2 * e->guest_cap : 4;
-        uint64_t *g = realloc(e->guests, (size_t)cap * sizeof *g);
-        if (!g)
-            return -1;
-        e->guests = g;
-        e->guest_cap = cap;
-    }
+    if (tdp_grow((void **)&e->guests, e->nguests, &e->guest_cap, sizeof *e->guests, 4) < 0)
+        return -1;
     e->guests[e->nguests++] = session;
     return 0;
 }
