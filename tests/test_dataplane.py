@@ -230,3 +230,25 @@ def test_idle_workers_sleep(daemon: DaemonProcess) -> None:
         time.sleep(2.0)
         used = _cpu_seconds(daemon.pid) - before
         assert used < 0.1, f"an idle daemon with two ring workers used {used:.3f} s of CPU in 2 s"
+
+
+def test_ring_only_traffic_keeps_a_session_alive(daemon: DaemonProcess) -> None:
+    """A client that only pushes ring descriptors (no pings) for longer than the session
+    timeout is busy, not silent: its worker's progress counts as traffic."""
+    from transfer._ring import Op
+
+    with transfer.connect(daemon.endpoint) as c:
+        seg = c.segment(4096)
+        c._stop_heartbeat.set()  # no pings from here on: only the ring speaks
+        ring = c._ring.ring
+        timeout = 2.0  # FAST's --session-timeout
+        t0 = time.monotonic()
+        rid = 1 << 40
+        while time.monotonic() - t0 < 1.5 * timeout:
+            rid += 1
+            assert ring.push((int(Op.COPY), rid, seg.va + 2048, seg.va, 64, 0, 0, 0, 0, 0))
+            assert ring.wait(timeout=5) >= 1, "no completion: the session was reaped"
+            comp = ring.pop()
+            assert comp[0] == rid and comp[1] == 0
+            time.sleep(0.01)
+        assert c.stats()["daemon"]["sessions"] == 1

@@ -226,6 +226,10 @@ class Front:
         """Reclaim sessions that sent nothing (not even a ping) for session_timeout_s."""
         now = time.monotonic()
         for session in list(self.sessions.values()):
+            worker = session.worker
+            if worker is not None and worker.done != session.info.get("worker_done"):
+                session.info["worker_done"] = worker.done  # its ring worker served it: not silent
+                session.last_seen = now
             if now - session.last_seen > self.config.session_timeout_s and session.running:
                 self.end_soon(session, "heartbeat timeout")
 
