@@ -209,7 +209,7 @@ class ClientCore:
         (The daemon takes what is in the ring before each frame it reads, so the other
         direction, ring then socket, is ordered already.)"""
         link = self.ring
-        if link is None or not all(link.takes(r) for r in reqs):
+        if link is None or not link.takes_all(reqs):
             return False
         return len(self.pending) - len(link.outstanding) - unsent == 0
 

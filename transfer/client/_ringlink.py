@@ -30,7 +30,7 @@ __all__ = ["RingLink", "descriptors_of"]
 
 #: A completion whose error message follows on the control socket (server._rings).
 _DETAIL = 1
-_RING_TYPES = (P.Copy, P.CopyV, P.Fill, P.Checksum, P.Fence, P.Wait)
+_RING_TYPES = frozenset((P.Copy, P.CopyV, P.Fill, P.Checksum, P.Fence, P.Wait))
 _COPY, _FILL, _CHECKSUM, _FENCE = (int(o) for o in (RingOp.COPY, RingOp.FILL, RingOp.CHECKSUM, RingOp.FENCE))
 
 
@@ -124,6 +124,13 @@ class RingLink:
         if t is P.CopyV:
             return 0 < len(req.dst) <= min(MAX_CHAIN, self.credits)
         return t in _RING_TYPES
+
+    def takes_all(self, reqs: Sequence[P.Request]) -> bool:
+        """`takes` for every one of `reqs`, by kind: one set, not a call per request."""
+        kinds = {type(r) for r in reqs}
+        if not kinds.issubset(_RING_TYPES):
+            return False
+        return P.CopyV not in kinds or all(self.takes(r) for r in reqs if type(r) is P.CopyV)
 
     def push(self, reqs: Sequence[P.Request], pending: dict[int, Pending], wait_credits: Callable[[int], None]) -> None:
         """Publish `reqs` (all `takes`), waiting for credits when the window is full; a
