@@ -147,7 +147,9 @@ class TransferLoader:
     separate `transferd` (CPU batches only, copied once by the daemon into
     this process's segment). `device="cuda"` needs a daemon in this process
     with a GPU backend: the daemon copies each slot into a device buffer and
-    the batch comes through DLPack. `hold`: how many batches stay valid at once.
+    the batch comes through DLPack. `backend` and `daemon_options` (keyword
+    arguments of `serve_in_process`, e.g. `shm_dir`) configure the daemon the
+    loader starts. `hold`: how many batches stay valid at once.
     """
 
     def __init__(
@@ -170,6 +172,7 @@ class TransferLoader:
         device: str | torch.device = "cpu",
         daemon: EmbeddedDaemon | str | None = None,
         backend: str = "auto",
+        daemon_options: dict[str, Any] | None = None,
         hold: int = 1,
     ) -> None:
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
@@ -204,7 +207,7 @@ class TransferLoader:
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, self._res.close)
         try:
-            self._setup(daemon, backend, cuda, slot_nbytes, stride)
+            self._setup(daemon, dict(daemon_options or {}, backend=backend), cuda, slot_nbytes, stride)
         except BaseException:
             self.close()
             raise
@@ -215,9 +218,9 @@ class TransferLoader:
             prefetch_factor=self.prefetch_factor, persistent_workers=persistent_workers,
         )
 
-    def _setup(self, daemon: EmbeddedDaemon | str | None, backend: str, cuda: bool, slot_nbytes: int, stride: int) -> None:
+    def _setup(self, daemon: EmbeddedDaemon | str | None, options: dict[str, Any], cuda: bool, slot_nbytes: int, stride: int) -> None:
         if daemon is None:
-            daemon = self._res.daemon = serve_in_process(backend=backend)
+            daemon = self._res.daemon = serve_in_process(**options)
         self._daemon = daemon if isinstance(daemon, EmbeddedDaemon) else None
         endpoint = daemon.endpoint if isinstance(daemon, EmbeddedDaemon) else daemon
         self._stride, self._slot_nbytes = stride, slot_nbytes
@@ -248,10 +251,10 @@ class TransferLoader:
         return len(self.batch_sampler)
 
     def __iter__(self) -> "_Iterator":
-        if self._res.inner is not None and not getattr(self._loader, "persistent_workers", False):
-            self._res.end_iteration()  # one live iteration per loader: the old workers stop writing first
-        if self._finalizer.alive is False:
+        if not self._finalizer.alive:
             raise RuntimeError("this TransferLoader is closed")
+        if self._res.inner is not None and not self._loader.persistent_workers:
+            self._res.end_iteration()  # one live iteration per loader: the old workers stop writing first
         self._res.inner = iter(self._loader)
         return _Iterator(self, self._res.inner)
 
