@@ -173,3 +173,25 @@ def test_guide_section_runs() -> None:
     ns: dict[str, object] = {}
     for code in blocks:
         exec(compile(code, "guide.md (PyTorch)", "exec"), ns)
+
+
+def test_bench_runs(tmp_path: Path) -> None:
+    """bench/torch_loader.py end to end at a tiny scale: both loaders, equal checksums, the JSON."""
+    import importlib.util
+    import json
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "torch_loader.py"
+    spec = importlib.util.spec_from_file_location("torch_loader_bench", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "r.json"
+    threads = torch.get_num_threads()
+    try:
+        assert mod.main(["--repeats", "1", "--scale", "0.02", "--warmup", "2", "--json", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    doc = json.loads(out.read_text())
+    assert set(doc["results"]) == set(mod.WORKLOADS)
+    for res in doc["results"].values():
+        assert set(res["paths"]) == {"stock DataLoader", "TransferLoader"}
