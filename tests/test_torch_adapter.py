@@ -195,3 +195,17 @@ def test_bench_runs(tmp_path: Path) -> None:
     assert set(doc["results"]) == set(mod.WORKLOADS)
     for res in doc["results"].values():
         assert set(res["paths"]) == {"stock DataLoader", "TransferLoader"}
+
+
+def test_core_never_imports_torch_and_the_adapter_names_its_extra() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, transfer, transfer.cli.transferd\n"
+        "assert 'torch' not in sys.modules\n"
+        "sys.modules['torch'] = None\n"
+        "try:\n    import transfer.torch\nexcept ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "transfer[torch]" in out
