@@ -60,6 +60,35 @@ def test_many_in_flight_without_a_thread(daemon: Any, ring: bool) -> None:
     run(main)
 
 
+def test_a_tight_await_loop_does_not_starve_other_tasks(daemon: Any) -> None:
+    """An await answered at once (a ring reply reaped in the waiter; here, deterministically,
+    a request already done) does not suspend; the client still yields to the loop at
+    least every millisecond, so other tasks (its heartbeats too) run."""
+
+    async def main() -> None:
+        async with transfer.open_asyncio_client(daemon.endpoint, ring=True) as c:
+            seg = await c.segment(4096)
+            ticks = 0
+
+            async def other() -> None:
+                nonlocal ticks
+                while True:
+                    ticks += 1
+                    await asyncio.sleep(0)
+
+            task = asyncio.create_task(other())
+            p = c.copy(seg.va + 64, seg.va, 64)
+            await p
+            start = ticks
+            end = time.monotonic() + 0.3
+            while time.monotonic() < end:
+                await p
+            task.cancel()
+            assert ticks - start > 30, ticks - start  # about one per millisecond
+
+    run(main)
+
+
 @RINGS
 def test_cancelling_an_awaiting_task_leaves_the_session_usable(daemon: Any, ring: bool) -> None:
     async def main() -> None:

@@ -21,6 +21,7 @@ import contextlib
 import functools
 import logging
 import os
+import time
 from typing import Any, AsyncIterator, Coroutine
 
 import zmq
@@ -36,6 +37,10 @@ from ._session import open_socket
 log = logging.getLogger("transfer.client")
 
 __all__ = ["AsyncioClient", "AsyncioPending", "open_asyncio_client"]
+
+#: The longest a run of awaits answered at once (ring replies reaped in the waiter) goes
+#: without letting the loop run other tasks.
+_FAIR_S = 1e-3
 
 
 class AsyncioPending(AwaitablePending):
@@ -54,6 +59,7 @@ class AsyncioClient(LoopSession):
         self._ring_kick = asyncio.Event()  # set when descriptors go out: the reaper has work
         self._tasks: set[asyncio.Task[None]] = set()
         self._pidfd = -1
+        self._yielded_at = time.perf_counter()
 
     async def close(self) -> None:
         """End the session: the daemon releases everything it holds for us (`open_asyncio_client`
@@ -83,18 +89,27 @@ class AsyncioClient(LoopSession):
 
     # --- asyncio's primitives (client._evloop does the rest) ---------------------------------
     async def _checkpoint(self) -> None:
-        """Nothing: asyncio asks no checkpoint of an await that completes at once (a ring
-        answer reaped in the waiter costs no loop iteration)."""
+        """Yield to the loop only if this client has not for `_FAIR_S`: asyncio asks no
+        checkpoint of an await that completes at once, and a loop iteration per ring reply
+        would cost more than the reply, but `while True: await c.copy(...)` must not starve
+        the program's other tasks (or this client's heartbeats)."""
+        now = time.perf_counter()
+        if now - self._yielded_at > _FAIR_S:
+            self._yielded_at = now
+            await asyncio.sleep(0)
 
     async def _sleep(self, p: Pending, timeout: float | None) -> None:
         if p._waker is None:
             p._waker = asyncio.Event()
-        if timeout is None:
-            await p._waker.wait()
-            return
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout):
+        try:
+            if timeout is None:
                 await p._waker.wait()
+                return
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await p._waker.wait()
+        finally:
+            self._yielded_at = time.perf_counter()
 
     def _kick_ring(self) -> None:
         self._ring_kick.set()
