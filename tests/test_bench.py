@@ -134,7 +134,7 @@ def test_latency_mode(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     _assert_nothing_left(tag)
     lat = json.loads(out.read_text())["latency"]
-    assert set(lat["rows"]) == {"transfer", "transfer-socket", "transfer-trio", "shm-pipe", "zmq-copy"}
+    assert set(lat["rows"]) == {"transfer", "transfer-socket", "transfer-trio", "transfer-asyncio", "shm-pipe", "zmq-copy"}
     for r in lat["rows"].values():
         assert r["rounds"] > 0 and r["p99_us"] >= r["p50_us"] > 0
     assert "latency" in proc.stdout and "x shm-pipe" in proc.stdout

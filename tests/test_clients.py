@@ -1,5 +1,6 @@
-"""The shared client suite: every test body runs against the blocking client and the
-trio client (through tests/_clients.py's facade), with and without the request ring."""
+"""The shared client suite: every test body runs against the blocking client, the trio
+client and the asyncio client (through tests/_clients.py's facades), with and without
+the request ring."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import trio
 import transfer
 from _clients import connect
 
-VARIANTS = [("sync", False), ("sync", True), ("trio", False), ("trio", True)]
-IDS = ["sync", "sync-ring", "trio", "trio-ring"]
+KINDS = ("sync", "trio", "asyncio")
+VARIANTS = [(kind, ring) for kind in KINDS for ring in (False, True)]
+IDS = [f"{kind}-ring" if ring else kind for kind, ring in VARIANTS]
 
 
 @pytest.fixture(params=VARIANTS, ids=IDS)
@@ -170,11 +172,11 @@ def _errors(c: Any) -> list[tuple[str, str]]:
 @pytest.mark.parametrize("ring", [False, True], ids=["socket", "ring"])
 def test_errors_are_the_same_class_and_message_on_both(daemon: Any, ring: bool) -> None:
     got = {}
-    for kind in ("sync", "trio"):
+    for kind in KINDS:
         with connect(kind, daemon.endpoint, ring=ring) as c:
             got[kind] = _errors(c)
             c.fill(c.segment(64), 64, 1).result()  # the session still serves
-    assert got["sync"] == got["trio"]
+    assert got["sync"] == got["trio"] == got["asyncio"]
     names = [name for name, _ in got["sync"]]
     assert names == [
         "UnknownSegment", "OutOfBounds", "OutOfBounds", "InvalidField", "UnknownOperation",
@@ -242,16 +244,17 @@ def test_poll_and_stats(client: Any) -> None:
     assert client.server_pid > 0 and client.backend
 
 
-def test_trio_client_has_every_public_method_of_the_blocking_client() -> None:
+@pytest.mark.parametrize("cls", [transfer.TrioClient, transfer.AsyncioClient], ids=["trio", "asyncio"])
+def test_async_clients_have_every_public_method_of_the_blocking_client(cls: type) -> None:
     def public(cls: type) -> dict[str, Any]:
         return {n: getattr(cls, n) for n in dir(cls) if not n.startswith("_")}
 
-    sync, trio_ = public(transfer.Client), public(transfer.TrioClient)
-    assert set(sync) <= set(trio_), set(sync) - set(trio_)
+    sync, other = public(transfer.Client), public(cls)
+    assert set(sync) <= set(other), set(sync) - set(other)
     for name, member in sync.items():
         if callable(member):
-            assert inspect.signature(member) == inspect.signature(trio_[name]), name
-    assert inspect.iscoroutinefunction(transfer.TrioClient.close)
+            assert inspect.signature(member) == inspect.signature(other[name]), name
+    assert inspect.iscoroutinefunction(cls.close)
 
 
 @pytest.mark.parametrize("ring", [False, True], ids=["socket", "ring"])

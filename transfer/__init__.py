@@ -10,7 +10,7 @@ from ._version import __version__ as __version__
 
 from ._checksum import checksum64
 from .addressing import make_va, split_va
-from .client import Client, DeviceBuffer, HostSegment, Pending, TrioClient, connect, open_client
+from .client import AsyncioClient, Client, DeviceBuffer, HostSegment, Pending, TrioClient, connect, open_asyncio_client, open_client
 from .client._deferred import Graph
 from .kernels import OPERATORS, TensorRef
 from .server import DeviceView, serve_in_process
@@ -22,6 +22,8 @@ __all__ = [
     "Client",
     "open_client",
     "TrioClient",
+    "open_asyncio_client",
+    "AsyncioClient",
     "HostSegment",
     "DeviceBuffer",
     "Pending",

@@ -6,7 +6,8 @@ what a request costs when nothing else is in flight. Methods:
 
 * `transfer`: `copy(dev, seg, 64).result()` with the default blocking client
   (the shared-memory ring on the same host); `transfer-socket`: the same with
-  `ring=False`; `transfer-trio`: `await copy(...)` with the trio client (ring).
+  `ring=False`; `transfer-trio`: `await copy(...)` with the trio client (ring);
+  `transfer-asyncio`: the same with the asyncio client (ring).
   The consumer is the daemon, which copies in place.
 * `shm-pipe`: the bytes in a shared-memory file, one byte over a pipe each way;
   the consumer process copies them into its buffer before it answers.
@@ -34,7 +35,7 @@ import numpy as np
 from .common import method_available
 
 NBYTES = 64
-METHODS = ("transfer", "transfer-socket", "transfer-trio", "shm-pipe", "iceoryx2", "zmq-copy", "torch-mp")
+METHODS = ("transfer", "transfer-socket", "transfer-trio", "transfer-asyncio", "shm-pipe", "iceoryx2", "zmq-copy", "torch-mp")
 
 
 def _stats(samples: list[float]) -> dict[str, float]:
@@ -70,13 +71,14 @@ def _transfer(endpoint: str, ring: bool | None, rounds: int, warmup: int) -> lis
         return samples
 
 
-def _transfer_trio(endpoint: str, rounds: int, warmup: int) -> list[float]:
-    import trio
-
+def _transfer_async(loop: str, endpoint: str, rounds: int, warmup: int) -> list[float]:
+    """`await copy(...)` round trips with the trio or the asyncio client: one body, two loops."""
     import transfer
 
+    opener = transfer.open_client if loop == "trio" else transfer.open_asyncio_client
+
     async def main() -> list[float]:
-        async with transfer.open_client(endpoint) as c:
+        async with opener(endpoint) as c:
             seg, dev = await c.segment(4096), await c.alloc(4096)
             seg.buffer[:NBYTES] = 7
             clock = time.perf_counter
@@ -88,7 +90,13 @@ def _transfer_trio(endpoint: str, rounds: int, warmup: int) -> list[float]:
                     out.append(clock() - t)
             return out
 
-    return trio.run(main)
+    if loop == "trio":
+        import trio
+
+        return trio.run(main)
+    import asyncio
+
+    return asyncio.run(main())
 
 
 # --- hand-rolled baselines: the consumer is a child process -----------------------------------------
@@ -329,8 +337,8 @@ def run(methods: list[str], endpoint: str, *, rounds: int = 2000, warmup: int = 
             samples = _transfer(endpoint, None, rounds, warmup)
         elif m == "transfer-socket":
             samples = _transfer(endpoint, False, rounds, warmup)
-        elif m == "transfer-trio":
-            samples = _transfer_trio(endpoint, rounds, warmup)
+        elif m in ("transfer-trio", "transfer-asyncio"):
+            samples = _transfer_async(m.removeprefix("transfer-"), endpoint, rounds, warmup)
         elif m == "shm-pipe":
             samples = _shm_pipe(rounds, warmup)
         elif m == "zmq-copy":

@@ -201,8 +201,8 @@ def _main(args) -> int:
 
                 from transfer.testing import run_daemon
 
-                # With --methods, the latency mode runs those it has (and the trio client with transfer).
-                wanted = set(methods) | ({"transfer-trio"} if "transfer" in methods else set())
+                # With --methods, the latency mode runs those it has (and the async clients with transfer).
+                wanted = set(methods) | ({"transfer-trio", "transfer-asyncio"} if "transfer" in methods else set())
                 lat_methods = [m for m in latency.METHODS
                                if (not args.methods or m in wanted) and common.method_available(m)[0]]
                 with run_daemon(**daemon_args) as d:

@@ -1,5 +1,7 @@
-"""Clients for producers: blocking (`connect`) and trio (`open_client`), one API over one core."""
+"""Clients for producers: blocking (`connect`), trio (`open_client`) and asyncio
+(`open_asyncio_client`), one API over one core."""
 
+from ._asyncio import AsyncioClient, AsyncioPending, open_asyncio_client
 from ._pending import Pending
 from ._pool import Slot, SlotPool
 from ._remote import RemoteSegment
@@ -7,4 +9,4 @@ from ._resources import DeviceBuffer, HostSegment, SharedSegment
 from ._sync import Client, connect
 from ._trio import TrioClient, TrioPending, open_client
 
-__all__ = ["Client", "connect", "TrioClient", "TrioPending", "open_client", "HostSegment", "DeviceBuffer", "SharedSegment", "RemoteSegment", "Pending", "Slot", "SlotPool"]
+__all__ = ["Client", "connect", "TrioClient", "TrioPending", "open_client", "AsyncioClient", "AsyncioPending", "open_asyncio_client", "HostSegment", "DeviceBuffer", "SharedSegment", "RemoteSegment", "Pending", "Slot", "SlotPool"]

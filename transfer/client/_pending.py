@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from .. import errors as E
 
-__all__ = ["Pending"]
+__all__ = ["Pending", "AwaitablePending"]
 
 
 class Pending:
@@ -59,3 +59,24 @@ class Pending:
     def __repr__(self) -> str:
         state = "pending" if not self._done else ("failed" if self._error else "done")
         return f"<{type(self).__name__} #{self.id} {state}>"
+
+
+class AwaitablePending(Pending):
+    """A request in flight in an event-loop client (trio, asyncio): await it for its result.
+
+    `result()` cannot wait there (it would block the loop that must deliver the reply),
+    so it only reads a request that is done."""
+
+    __slots__ = ()
+
+    def exception(self, timeout: float | None = None) -> E.TransferError | None:
+        if not self._done:
+            raise RuntimeError("in an async client, await the request instead of calling result()")
+        return super().exception(timeout)
+
+    async def wait(self) -> Any:
+        await self._waiter(self, None)
+        return self.result()
+
+    def __await__(self) -> Any:
+        return self.wait().__await__()

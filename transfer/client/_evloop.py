@@ -1,0 +1,237 @@
+"""What the event-loop clients (trio, asyncio) share: all but the loop's own primitives.
+
+Submitting never waits on an event loop, so requests beyond the daemon's credits
+(or the ring's room) are *held*, in order, and handed to the ring or the socket as
+completions free credits (`_release_held`). Waiting for a request first reaps the
+ring in place for a few microseconds, since most ring answers come that fast, and
+only then sleeps on the loop. The ring's completion reaper is a generator
+(`_reaper`) that says what it waits for next; each client drives it with its own
+primitives, as it drives operations (`_drive`). So the trio and asyncio clients
+differ only in how they sleep, yield, and watch file descriptors.
+
+A client supplies `_checkpoint`, `_sleep`, `_kick_ring` and `_spawn_reaper`, and a
+socket pump with `send_nowait(parts)` that calls `_on_message` with what arrives.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any, Generator, Sequence, TypeVar
+
+import zmq
+
+from .. import errors as E
+from .. import protocol as P
+from ._pending import AwaitablePending, Pending
+from ._ringlink import RingLink, descriptors_of
+from ._session import Op, Session
+
+__all__ = ["LoopSession", "SPIN_S", "YIELD", "IDLE", "BELL"]
+
+#: How long a waiter, or the reaper, polls the ring for a completion before it sleeps.
+SPIN_S = 30e-6
+
+#: What the ring reaper waits for next (`LoopSession._reaper`): let other tasks run;
+#: nothing is outstanding, so wait for `_kick_ring`; the completion doorbell is armed,
+#: so wait until the ring link's `cbell_fd` is readable.
+YIELD, IDLE, BELL = "yield", "idle", "bell"
+
+T = TypeVar("T")
+
+
+class LoopSession(Session):
+    """A session driven by an event loop: operations are coroutines, requests are awaitable."""
+
+    #: The daemon makes the ring's completion doorbell (a pipe) only when asked: an
+    #: event loop can poll a pipe, but cannot sleep on the ring's futex.
+    _completion_bell = True
+
+    def __init__(self, endpoint: str, sock: zmq.Socket, pending_cls: type[AwaitablePending], liveness_timeout: float,
+                 max_inflight: int) -> None:
+        super().__init__(endpoint, pending_cls, self._wait)
+        self._sock = sock
+        self._pump: Any = None  # the client's socket pump: send_nowait(parts)
+        self._liveness_timeout = liveness_timeout
+        self._core.max_inflight = max(1, max_inflight)
+        #: Submitted, not yet handed to the ring or the socket (credits), in order.
+        self._held: deque[P.Request] = deque()
+        self._last_rx = time.monotonic()
+        self._closed = False
+
+    # --- what each loop supplies ------------------------------------------------------------
+    async def _checkpoint(self) -> None:
+        """Let other tasks run (trio requires it of every await that completes)."""
+        raise NotImplementedError
+
+    async def _sleep(self, p: Pending, timeout: float | None) -> None:
+        """Until `p` finishes (its `_waker` is set) or `timeout` passes; return either way."""
+        raise NotImplementedError
+
+    def _kick_ring(self) -> None:
+        """Wake the reaper: descriptors went out."""
+        raise NotImplementedError
+
+    def _spawn_reaper(self, link: RingLink) -> None:
+        """Start a background task that drives `_reaper(link)`."""
+        raise NotImplementedError
+
+    # --- the API's remaining method -----------------------------------------------------------
+    def poll(self) -> int:
+        """Take in what the ring has completed (the socket's replies come in by themselves);
+        return how many requests are still pending."""
+        self._core.check_usable()
+        if self._core.reap_ring():
+            self._release_held()
+        return len(self._core.pending)
+
+    # --- how these clients wait: awaiting ---------------------------------------------------
+    def _run(self, op: Op[T], timeout: float | None = None) -> Any:
+        return self._drive(op, timeout)
+
+    async def _drive(self, op: Op[T], timeout: float | None) -> T:
+        """Run an operation, awaiting each request it yields."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        failed: BaseException | None = None
+        while True:
+            try:
+                p = op.throw(failed) if failed is not None else op.send(None)
+            except StopIteration as stop:
+                await self._checkpoint()
+                return stop.value  # type: ignore[no-any-return]
+            failed = None
+            try:
+                await self._wait(p, None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except BaseException as exc:  # thrown in (a cancellation too): the operation may clean up
+                failed = exc
+
+    async def _wait(self, p: Pending, timeout: float | None) -> None:
+        if self._batch:  # requests held back by batch() must leave before we can wait on them
+            reqs, self._batch = self._batch, []
+            self._send(reqs)
+        link = self._core.ring
+        if not p._done and link is not None and p.id in link.outstanding:
+            # On the ring, the answer is usually microseconds away: reap it here rather than
+            # hop through the reaper task (two task switches and a doorbell).
+            until = time.perf_counter() + SPIN_S
+            while not p._done and time.perf_counter() < until:
+                if link.ring.available() and self._core.reap_ring():
+                    self._release_held()
+        if not p._done:
+            await self._sleep(p, timeout)
+            if not p._done:
+                raise E.RequestTimeout(f"no reply within {timeout}s")
+        else:
+            await self._checkpoint()
+
+    # --- how these clients move bytes: queued for the tasks ---------------------------------
+    def _send(self, reqs: Sequence[P.Request]) -> None:
+        self._held.extend(reqs)
+        self._release_held()
+
+    def _release_held(self) -> None:
+        """Hand held requests, in order, to the ring or the socket as far as credits go."""
+        held, core = self._held, self._core
+        if not held:
+            return
+        pending = core.pending
+        unsent = sum(1 for r in held if r.id in pending) + len(self._batch or ())
+        while held:
+            link = core.ring
+            if link is not None and core.ring_route([held[0]], unsent):
+                n, used, room = 0, 0, link.room
+                while n < len(held) and link.takes(held[n]) and used + descriptors_of(held[n]) <= room:
+                    used += descriptors_of(held[n])
+                    n += 1
+                if n == 0:
+                    return  # the ring is full: the reaper calls again as completions come
+                chunk = [held.popleft() for _ in range(n)]
+                self._push(link, chunk)
+                self._kick_ring()
+            else:
+                room = core.socket_room(unsent)
+                if room <= 0:
+                    return  # out of credits: replies call again
+                chunk = [held.popleft() for _ in range(min(room, len(held)))]
+                for frame in core.encode(chunk):
+                    self._pump.send_nowait([frame])
+                    self.frames_sent += 1
+            unsent -= sum(1 for r in chunk if r.id in pending)
+
+    def _push(self, link: RingLink, chunk: list[P.Request]) -> None:
+        def full(need: int) -> None:
+            raise AssertionError("pushed beyond the ring's credits")
+
+        try:
+            link.push(chunk, self._core.pending, full)
+        except E.TransferError as exc:  # a field out of range: those requests fail, nothing else
+            for r in chunk:
+                if r.id not in link.outstanding:
+                    p = self._core.pending.pop(r.id, None)
+                    if p is not None:
+                        p._finish(None, exc)
+                        self._core.unobserved.append(p)
+
+    def _on_message(self, parts: list[bytes]) -> None:
+        """The pump's delivery: replies finish their requests, and free credits."""
+        self._last_rx = time.monotonic()
+        for part in parts:
+            self._core.on_frame(part)
+        self._release_held()
+
+    def _link(self, info: dict[str, Any]) -> RingLink:
+        link = RingLink(info, self._core.shm_dir, self._core.collect, completion_bell=True)
+        self._spawn_reaper(link)
+        return link
+
+    # --- background work, sans waiting ----------------------------------------------------------
+    def _reaper(self, link: RingLink) -> Generator[str, None, None]:
+        """Finish ring requests as completions come: reap; if none, arm the completion
+        inbox, re-check (the daemon's push either sees the armed word and rings the
+        doorbell, or our re-check sees its completion), then sleep until the doorbell
+        is readable. Yields what to wait for (YIELD, IDLE, BELL); ends with the ring."""
+        core, ring = self._core, link.ring
+        while core.broken is None:
+            if core.reap_ring():
+                self._release_held()
+                yield YIELD
+                continue
+            if not link.outstanding:
+                yield IDLE
+                continue
+            # A short spin first: a completion due within microseconds costs no doorbell,
+            # no epoll round and no wakeup (the daemon's worker answers most that fast).
+            until = time.perf_counter() + SPIN_S
+            while not ring.available() and time.perf_counter() < until:
+                pass
+            if ring.arm():
+                ring.disarm()
+                continue
+            if ring.peer_closed:
+                core.ring_closed()
+                return
+            # No timeout needed: the daemon holds the pipe's only write end, so its end of the
+            # session (or its death) makes the pipe readable with EOF; liveness covers the rest.
+            yield BELL
+            gone = link.drain_bell()
+            ring.disarm()
+            if gone:  # the daemon closed its end: the session ended, or the daemon died
+                core.reap_ring()
+                if ring.peer_closed:
+                    core.ring_closed()
+                else:
+                    core.fail_all(E.ConnectionLost(f"the daemon (pid {core.server_pid}) closed the ring's doorbell"))
+                return
+
+    def _heartbeat(self) -> bool:
+        """One liveness beat: ping the daemon, or fail the session (and return False) when
+        it has been silent longer than the liveness timeout."""
+        if time.monotonic() - self._last_rx > self._liveness_timeout:
+            self._core.fail_all(E.ConnectionLost(f"the daemon at {self.endpoint} has not answered for {self._liveness_timeout}s"))
+            return False
+        self._send([self._core.ping()])
+        return True
+
+    def _daemon_exited(self) -> None:
+        """The daemon's pidfd turned readable: it is gone, and every request with it."""
+        self._core.fail_all(E.ConnectionLost(f"the daemon (pid {self.server_pid}) exited"))
