@@ -21,6 +21,7 @@ are not overwritten by the daemon's next copy.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import deque
 from typing import Any, Iterator, Sequence
@@ -134,6 +135,17 @@ class _Resources:
                 self.daemon = None
 
 
+def _finalize(res: _Resources) -> None:
+    """A loader nobody closed: the garbage collector may call this on any thread, the embedded
+    daemon's own, or one inside some trio run. Closing blocks (it waits for the daemon), so
+    it runs on a thread of its own, joined unless this is the daemon's thread."""
+    worker = threading.Thread(target=res.close, name="transfer-loader-close", daemon=True)
+    worker.start()
+    daemon_thread = getattr(res.daemon, "_thread", None)
+    if threading.current_thread() is not daemon_thread:
+        worker.join(60)
+
+
 class TransferLoader:
     """A `DataLoader` drop-in whose workers write samples into shared-memory batch slots.
 
@@ -205,7 +217,7 @@ class TransferLoader:
         cuda = self.device.type == "cuda"
         self._slots = _Slots(self.slots_count, cuda=cuda and torch.cuda.is_available())
         self._res = _Resources()
-        self._finalizer = weakref.finalize(self, self._res.close)
+        self._finalizer = weakref.finalize(self, _finalize, self._res)
         try:
             self._setup(daemon, dict(daemon_options or {}, backend=backend), cuda, slot_nbytes, stride)
         except BaseException:
