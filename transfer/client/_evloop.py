@@ -152,7 +152,11 @@ class LoopSession(Session):
                 room = core.socket_room(unsent)
                 if room <= 0:
                     return  # out of credits: replies call again
-                chunk = [held.popleft() for _ in range(min(room, len(held)))]
+                take = min(room, len(held))
+                if link is not None and type(held[0]) is P.Define:
+                    # Definitions go alone; what needs them takes the ring once they are answered.
+                    take = min(take, core.definitions_first(list(held)) or take)
+                chunk = [held.popleft() for _ in range(take)]
                 for frame in core.encode(chunk):
                     self._pump.send_nowait([frame])
                     self.frames_sent += 1
