@@ -265,13 +265,16 @@ def test_event_loop_clients_take_the_ring_after_a_definition(daemon: DaemonProce
             seg = await c.segment(4 * 65536)
             dev = await c.alloc(4 * 65536)
             inflight: list[Any] = []
+            frames = c.frames_sent
             for g in range(400):
                 if len(inflight) == 4:
                     await inflight.pop(0)
                 inflight.append(c.copy(dev.va + (g % 4) * 65536, seg.va + (g % 4) * 65536, 65536))
             for p in inflight:
                 await p
-            return (await c.stats())["daemon"]
+            sent = c.frames_sent - frames
+            return {**(await c.stats())["daemon"], "frames_sent": sent}
 
     stats = trio.run(main)
-    assert stats["native_requests"] >= 390, stats
+    assert stats["frames_sent"] == 1, stats  # the definition alone: every copy took the ring
+    assert stats["native_requests"] >= 400, stats

@@ -213,20 +213,6 @@ class ClientCore:
             return False
         return len(self.pending) - len(link.outstanding) - unsent == 0
 
-    def definitions_first(self, reqs: Sequence[P.Request]) -> int:
-        """How many leading deferred definitions an event-loop client sends alone, on the
-        socket, holding what follows them for the ring until they are answered (0: no such
-        split). Otherwise the data requests would follow their definitions onto the socket,
-        and every later request would too while any of them were pending. (The blocking
-        client has nowhere to hold them without waiting, which deferred creation must not.)"""
-        link = self.ring
-        k = 0
-        while k < len(reqs) and type(reqs[k]) is P.Define:
-            k += 1
-        if link is None or k == 0 or k == len(reqs) or not link.takes_all(reqs[k:]):
-            return 0
-        return k
-
     def socket_room(self, unsent: int) -> int:
         """How many more requests the socket may carry within the daemon's credits."""
         outstanding = len(self.ring.outstanding) if self.ring is not None else 0
