@@ -28,6 +28,12 @@ from conftest import FAST
 
 pytestmark = pytest.mark.skipif(native_module() is None, reason="the native extension is not built")
 
+
+@pytest.fixture
+def daemon(daemon_factory: Any) -> DaemonProcess:
+    """A daemon whose rings are served by native workers (opt-in: `--ring-workers`)."""
+    return daemon_factory("--ring-workers")
+
 SEG = 64 << 10
 _BAD_SEG = 0xFFFFF0  # a segment id nobody has (nor had: ids are handed out upwards from 1)
 
@@ -105,7 +111,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Two daemons, one with ring workers and one without, and a rig on each."""
     made: list[DaemonProcess] = []
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tmp_path_factory.getbasetemp())
-    for name, extra in (("native", []), ("python", ["--no-ring-workers"])):
+    for name, extra in (("native", ["--ring-workers"]), ("python", ["--no-ring-workers"])):
         wd = tmp_path_factory.mktemp(f"dp-{name}")
         shm = base / f"transfer-test-dp-{name}-{os.getpid()}"
         shm.mkdir(mode=0o700, exist_ok=True)

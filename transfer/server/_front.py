@@ -110,12 +110,12 @@ class Front:
         if not session.accepting:
             self._refuse(identity, session, reqs, E.SessionClosed("the session is closing"))
             return
-        if session.ring is not None:
-            self.rings.before_frame(session)  # what the client pushed before this frame goes first
         if session.inflight + len(reqs) > self.config.max_inflight:
             # Clients keep within the credits announced in hello; only a misbehaving one gets here.
             self._refuse(identity, session, reqs, E.QuotaExceeded(f"more than {self.config.max_inflight} requests in flight for this session"))
             return
+        if session.ring is not None:
+            self.rings.before_frame(session)  # what the client pushed before this frame goes first
         session.queue.extend([(r, SOCKET) for r in reqs])
         session.inflight += len(reqs)
         self.pass_.kick(session)

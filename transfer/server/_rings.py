@@ -306,6 +306,8 @@ class Rings:
             return 0
         if session.worker is not None and session.worker.mode != PYTHON:
             return 0
+        if session.ring_wait is not None and not front:
+            return 0  # a frame waits for what the ring holds: `catch_up` queues it ahead of the frame
         try:
             avail = ring.available()
             if not avail:
@@ -482,8 +484,8 @@ class Rings:
         ready = False
         for session in list(self.sessions.values()):
             ring = session.ring
-            if ring is None or not session.accepting:
-                continue
+            if ring is None or not session.accepting or session.ring_wait is not None:
+                continue  # (a waiting frame's `catch_up` takes that ring's requests, not the loop)
             if session.worker is not None:
                 if session.worker.mode != PYTHON:
                     continue  # the worker sleeps on the ring itself
