@@ -259,28 +259,3 @@ def test_ring_only_traffic_keeps_a_session_alive(daemon: DaemonProcess) -> None:
             time.sleep(0.01)
         assert c.stats()["daemon"]["sessions"] == 1
 
-
-def test_event_loop_clients_take_the_ring_after_a_definition(daemon: DaemonProcess) -> None:
-    """A trio client's first copy into a deferred buffer sends the buffer's definition alone
-    on the socket and holds the copy for the ring: the pipeline that follows stays on the ring
-    (sent with its definition, the copy and everything after it would take the socket)."""
-    import trio
-
-    async def main() -> dict[str, Any]:
-        async with transfer.open_client(daemon.endpoint) as c:
-            seg = await c.segment(4 * 65536)
-            dev = await c.alloc(4 * 65536)
-            inflight: list[Any] = []
-            frames = c.frames_sent
-            for g in range(400):
-                if len(inflight) == 4:
-                    await inflight.pop(0)
-                inflight.append(c.copy(dev.va + (g % 4) * 65536, seg.va + (g % 4) * 65536, 65536))
-            for p in inflight:
-                await p
-            sent = c.frames_sent - frames
-            return {**(await c.stats())["daemon"], "frames_sent": sent}
-
-    stats = trio.run(main)
-    assert stats["frames_sent"] == 1, stats  # the definition alone: every copy took the ring
-    assert stats["native_requests"] >= 400, stats

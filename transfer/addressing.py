@@ -87,6 +87,15 @@ class Segment(Generic[H]):
         return self.id << OFFSET_BITS
 
 
+def _first_vas(sids: np.ndarray, vas: np.ndarray) -> list[tuple[int, int]]:
+    """(segment id, the first VA naming it), in order of first appearance."""
+    seen: dict[int, int] = {}
+    for sid, va in zip(sids.tolist(), vas.tolist()):
+        if sid not in seen:
+            seen[sid] = va
+    return list(seen.items())
+
+
 class MappingTable(Generic[H]):
     """segment id -> Segment, with O(1) translation and ownership checks."""
 
@@ -276,8 +285,10 @@ class MappingTable(Generic[H]):
         segs: dict[int, Segment[H]] = {}
         # A set of Python ints, not np.unique: a vector names few segments, and np.unique's
         # fixed cost (~10 us) dominated the planning of short vectors.
-        for sid in sorted(set(sids.tolist())):
-            segs[sid] = self.lookup(sid << OFFSET_BITS, owner)
+        # Each segment looked up with the first VA that names it, in order: a refusal names the
+        # first range that fails, as a one-by-one translation would.
+        for sid, va in _first_vas(sids, vas):
+            segs[sid] = self.lookup(va, owner)
         if len(segs) == 1:
             (only,) = segs.values()
             limits = np.uint64(only.nbytes)

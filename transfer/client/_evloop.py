@@ -149,20 +149,10 @@ class LoopSession(Session):
                 self._push(link, chunk)
                 self._kick_ring()
             else:
-                # With a ring, ring requests never take the socket: while socket requests are
-                # pending they wait, held (no caller blocks), and take the ring once those are
-                # answered. Sent behind them on the socket, they and every request after them
-                # would stay on the socket. (A Wait marker rides with the frame it marks.)
-                ringable = (lambda r: link.takes(r) and type(r) is not P.Wait) if link is not None else (lambda r: False)
-                if ringable(held[0]):
-                    return
                 room = core.socket_room(unsent)
                 if room <= 0:
                     return  # out of credits: replies call again
-                take = 0
-                while take < min(room, len(held)) and not ringable(held[take]):
-                    take += 1
-                chunk = [held.popleft() for _ in range(take)]
+                chunk = [held.popleft() for _ in range(min(room, len(held)))]
                 for frame in core.encode(chunk):
                     self._pump.send_nowait([frame])
                     self.frames_sent += 1
