@@ -241,7 +241,7 @@ def _main(args) -> int:
 
         con.print(latency.render(lat_result))
     for n in notes:
-        con.print(f"note: {n}")
+        con.print(f"note: {n}", markup=False)  # a note may name an extra, e.g. transfer[bench]
     config = {"preset": args.preset, "sizes": sizes, "producers": producers, "depths": depths,
               "modes": run_modes, "methods": methods, "verify_every": verify_every, "reps": reps,
               "rep_seconds": rep_s, "warmup_seconds": warm_s, "checksum": cks_name,
