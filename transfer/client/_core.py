@@ -124,26 +124,26 @@ class ClientCore:
         if n == 0:
             raise ValueError("checksum_many needs at least one range")
         P.check_ints(P.Checksum, (0, 0, stream))  # the ranges are uint64 arrays already
-        defs = self._definitions(P.CopyV, (srcs, srcs), ())
+        defs = self._definitions(P.Checksum, (), (), touched=lambda: _segment_vas(srcs))
         gather = _Gather(self, n)
         reqs = list(defs)
-        rid0 = self._next_id
-        self._next_id += n
-        cls, pcls, waiter, pending = P.Checksum, self._pending_cls, self._waiter, self.pending
-        for k, (va, nb) in enumerate(zip(srcs.tolist(), sizes.tolist())):
-            reqs.append(cls(rid0 + k, va, nb, stream))
-            part = pending[rid0 + k] = pcls(rid0 + k, waiter)
+        for va, nb in zip(srcs.tolist(), sizes.tolist()):
+            req, part = self.new(P.Checksum, va, nb, stream)
             part._waker = gather
             gather.parts.append(part)
+            reqs.append(req)
         # The whole carries the last part's id: completions come in order, so a client waits
         # on it as on that request (whose answer comes last), ring or socket.
-        whole = gather.whole = pcls(rid0 + n - 1, waiter)
+        whole = gather.whole = self._pending_cls(reqs[-1].id, self._waiter)
         if defs:
             whole._deps = [self.pending[d.id] for d in defs if d.id in self.pending]
         return reqs, whole
 
-    def _definitions(self, cls: type[P.Request], args: tuple[Any, ...], objects: Sequence[Any]) -> list[P.Request]:
-        """Deferred definitions a request needs first: allocations it touches, descriptors it names."""
+    def _definitions(
+        self, cls: type[P.Request], args: tuple[Any, ...], objects: Sequence[Any], touched: Callable[[], list[int]] | None = None,
+    ) -> list[P.Request]:
+        """Deferred definitions a request needs first: allocations it touches, descriptors it names.
+        `touched` gives the VAs when they are not one request's fields (`prepare_many`)."""
         state = self.deferred
         stale = [o for o in objects if o.sent_version != o.version]
         if state is None:
@@ -152,7 +152,8 @@ class ClientCore:
             state = DeferredState(())
         elif not (state.buffers or state.frees or stale):
             return []
-        return state.definitions_for(_touched(cls, args), stale, lambda c, *a: self.new(c, *a)[0])
+        vas = _touched(cls, args) if touched is None else touched()
+        return state.definitions_for(vas, stale, lambda c, *a: self.new(c, *a)[0])
 
     def new(self, cls: type[P.Request], *args: Any) -> tuple[P.Request, Pending]:
         rid = self._next_id
@@ -344,6 +345,11 @@ class _Gather:
         self.core.unobserved.append(self.whole)
 
 
+def _segment_vas(vas: np.ndarray) -> list[int]:
+    """One VA per segment a vector of VAs names (its base)."""
+    return [int(x) << 40 for x in np.unique(vas >> np.uint64(40)).tolist()]
+
+
 def _touched(cls: type[P.Request], args: tuple[Any, ...]) -> list[int]:
     """The VAs (one per segment is enough) a data request reads or writes."""
     if cls is P.Copy:
@@ -351,8 +357,7 @@ def _touched(cls: type[P.Request], args: tuple[Any, ...]) -> list[int]:
     if cls in (P.Fill, P.Checksum, P.Share):
         return [args[0]]
     if cls is P.CopyV:
-        both = np.concatenate([args[0], args[1]]) >> np.uint64(40)
-        return [int(x) << 40 for x in np.unique(both).tolist()]
+        return _segment_vas(np.concatenate([args[0], args[1]]))
     if cls is P.Compute:
         return [t.va for t in (*args[1], *args[2])]
     if cls is P.RunGraph:

@@ -474,10 +474,15 @@ class Rings:
                 await trio.lowlevel.wait_readable(bell.fd)
                 bell.drain()
                 for session in list(self.sessions.values()):
-                    if session.ring is not None and (session.worker is None or session.worker.mode == PYTHON):
+                    if self._served_here(session):
                         session.ring.disarm()
             except RingCorrupted:  # a ring went bad between checks: ingest ends its session
                 await trio.lowlevel.checkpoint()
+
+    @staticmethod
+    def _served_here(session: Session) -> bool:
+        """The event loop serves this ring now (it has no worker, or its worker handed it over)."""
+        return session.ring is not None and (session.worker is None or session.worker.mode == PYTHON)
 
     def _arm(self) -> bool:
         """Arm every ring's doorbell; True (and disarmed) if one has work after all."""
@@ -499,6 +504,6 @@ class Rings:
                 self.broken(session, exc)
         if ready:
             for session in self.sessions.values():
-                if session.ring is not None and (session.worker is None or session.worker.mode == PYTHON):
+                if self._served_here(session):
                     session.ring.disarm()
         return ready
