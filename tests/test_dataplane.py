@@ -170,6 +170,33 @@ def test_a_socket_request_waits_for_the_ring_requests_before_it(daemon: DaemonPr
             c.free(dev)
 
 
+def test_a_ring_handed_over_while_a_frame_waits_is_served_afterwards(daemon_factory: Any) -> None:
+    """A regression: a frame waited for the worker (`catch_up`), the worker handed the ring
+    over meanwhile, and the frame's pass was socket-only. The loop had skipped that ring
+    when it armed them all and went to sleep, and nothing gave the ring back to its worker:
+    the client's next ring request was never served. (One request per pass, so the
+    frame's pass is its own.)"""
+    daemon = daemon_factory("--ring-workers", "--max-pass", "1")
+    n = 32 << 20
+    with transfer.connect(daemon.endpoint, ring=True) as c:
+        src = c.segment(n)
+        src.ndarray((n,), np.uint8)[:] = 7
+        dev = c.alloc(n)
+        for trial in range(4):
+            big = c.copy(dev, src.va, n)  # the worker is busy with this when the frame comes
+            bad = c.copy(_BAD_SEG << 40, src.va, 8)  # it hands the ring over here
+            got = c.compute("checksum", [transfer.TensorRef(dev.va, "uint8", (n,))])  # the socket
+            assert got.result(timeout=30) == transfer.checksum64(np.full(n, 7, np.uint8))
+            big.result(timeout=30)
+            with pytest.raises(E.UnknownSegment):
+                bad.result(timeout=30)
+            time.sleep(0.2)  # the daemon goes idle: its loop sleeps on the doorbell
+            c.fill(src.va, 4096, trial).result(timeout=10)
+            c.copy(src.va + 4096, src.va, 4096).result(timeout=10)
+            assert (src.ndarray((8192,), np.uint8) == trial).all()
+            src.ndarray((8192,), np.uint8)[:] = 7
+
+
 def test_one_session_cannot_stall_another(daemon: DaemonProcess) -> None:
     """While one session's worker copies hundreds of MiB, another session's small requests
     are answered: they never wait behind it (each ring has its own worker)."""

@@ -368,7 +368,7 @@ class Pass:
         session.inflight -= b.socket_n
         session.ring_pending -= b.ring_n
         self.accounting.passed(session, b.ops, len(b.waves), codes)
-        if session.worker is not None and b.ring_n:
+        if session.worker is not None:
             self.rings.settle(session)  # the ring goes back to its worker once the session is idle
         if peer_lost and session.running:
             self.on_peer_lost(session)  # the producer's NIXL agent is gone: its session goes too

@@ -373,6 +373,8 @@ class Rings:
                 await session.ring_moved.wait()
         finally:
             session.ring_wait = None
+            if self._served_here(session):
+                self._wake_loop()  # `_arm` skipped this ring while the frame waited: look again
 
     def settle(self, session: Session) -> None:
         """Give a handed-over ring back to its worker once the session is idle on it."""
@@ -478,6 +480,14 @@ class Rings:
                         session.ring.disarm()
             except RingCorrupted:  # a ring went bad between checks: ingest ends its session
                 await trio.lowlevel.checkpoint()
+
+    def _wake_loop(self) -> None:
+        """Ring our own doorbell: the loop, maybe asleep on it, polls and re-arms every ring."""
+        if self.bell is not None:
+            try:
+                os.write(self.bell.fd, b"\0")
+            except BlockingIOError:
+                pass  # a full FIFO rings already
 
     @staticmethod
     def _served_here(session: Session) -> bool:
