@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import threading
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 
 import transfer
+from transfer.testing import stop_process
 
 RINGS = pytest.mark.parametrize("ring", [False, True], ids=["socket", "ring"])
 
@@ -145,7 +145,7 @@ def test_daemon_killed_while_a_task_awaits(daemon_factory: Any, how: str) -> Non
         async with transfer.open_asyncio_client(d.endpoint, **kw) as c:
             seg = await c.segment(4096)
             await c.fill(seg, 4096, 1)
-            stop(d.pid)  # nothing answers from here on
+            stop_process(d.pid)  # nothing answers from here on
             pend = c.fill(seg, 4096, 2)
             waiter = asyncio.create_task(pend.wait())
             await asyncio.sleep(0.05)
@@ -166,18 +166,6 @@ def test_daemon_killed_while_a_task_awaits(daemon_factory: Any, how: str) -> Non
     finally:
         d.kill()
     assert took < (4.0 if how == "liveness" else 2.0), took
-
-
-def stop(pid: int) -> None:
-    """SIGSTOP, and wait until every thread of the process is stopped (delivery is asynchronous)."""
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        states = [Path(f"/proc/{pid}/task/{t}/stat").read_text().rsplit(")", 1)[1].split()[0] for t in os.listdir(f"/proc/{pid}/task")]
-        if all(s == "T" for s in states):
-            return
-        time.sleep(0.001)
-    raise AssertionError(f"pid {pid} did not stop")
 
 
 def test_idle_session_survives_on_heartbeats(daemon: Any) -> None:

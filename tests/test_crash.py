@@ -17,7 +17,7 @@ import _workers
 import transfer
 from conftest import segment_files
 from transfer import protocol as P
-from transfer.testing import memfds
+from transfer.testing import memfds, stop_process
 
 
 def wait_until(cond, timeout: float = 10.0, what: str = "condition") -> None:
@@ -55,7 +55,7 @@ def test_killed_client_is_reclaimed_and_others_unaffected(daemon, shm_dir: Path,
 def test_killed_daemon_fails_a_blocked_client_promptly(daemon) -> None:
     c = transfer.connect(daemon.endpoint)
     seg = c.segment(1 << 20)
-    os.kill(daemon.pid, signal.SIGSTOP)  # the request below can only block
+    stop_process(daemon.pid)  # every thread: the request below can only block
     pending = c.checksum(seg)
     threading.Timer(0.3, lambda: os.kill(daemon.pid, signal.SIGKILL)).start()
     t0 = time.monotonic()
@@ -73,7 +73,7 @@ def test_silent_daemon_times_out_without_pid_watch(daemon_factory) -> None:
     d = daemon_factory()
     with transfer.connect(d.endpoint, liveness_timeout=1.0, watch_daemon_pid=False) as c:
         seg = c.segment(4096)
-        os.kill(d.pid, signal.SIGSTOP)
+        stop_process(d.pid)
         try:
             t0 = time.monotonic()
             with pytest.raises(transfer.ConnectionLost, match="not answered"):

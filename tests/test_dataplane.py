@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(native_module() is None, reason="the native exte
 
 @pytest.fixture
 def daemon(daemon_factory: Any) -> DaemonProcess:
-    """A daemon whose rings are served by native workers (opt-in: `--ring-workers`)."""
+    """A daemon whose rings are served by native workers (the default; the fixtures say `--ring-workers` anyway)."""
     return daemon_factory("--ring-workers")
 
 SEG = 64 << 10

@@ -16,9 +16,10 @@ outputs, unknown operators). The same program runs through every path:
 * submission: one request at a time (each one waited for before the next:
   the daemon's inline path), pipelined (everything submitted, results
   collected at the end), and batched (`with c.batch():` frames);
-* daemon: default settings, and settings that force data work onto worker
-  threads and split the program into many small scheduler passes
-  (``--inline-bytes 0 --max-pass 2``).
+* daemon: default settings (rings served by native workers), settings that
+  force data work onto worker threads and split the program into many small
+  scheduler passes (``--inline-bytes 0 --max-pass 2``), rings served by the
+  event loop's pass (``--no-ring-workers``), and a simulated GPU.
 
 Every path must give identical per-request outcomes (result value, or
 exception class and message, with VAs and segment ids named symbolically
@@ -46,7 +47,6 @@ import signal
 import shutil
 import tempfile
 import threading
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,7 +59,7 @@ from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 import transfer
 from transfer.addressing import MAX_SEGMENT_ID, make_va, split_va
-from transfer.testing import DaemonProcess, start_daemon
+from transfer.testing import DaemonProcess, start_daemon, stop_process
 
 from conftest import FAST
 
@@ -77,6 +77,8 @@ HUGE = (1 << 40, 1 << 63, (1 << 64) - 1)  # sizes no segment has (all valid u64s
 DAEMONS = {
     "default": [],
     "threads": ["--inline-bytes", "0", "--max-pass", "2"],
+    # Rings served by the event loop's pass, not native workers (those are the default).
+    "loop": ["--no-ring-workers"],
     # A simulated GPU (device work queued until the stream is synchronized): device buffers live there.
     "streamsim": ["--backend", "streamsim"],
 }
@@ -643,12 +645,8 @@ def test_fill_value_over_255_is_the_same_error_on_ring_and_socket(daemon) -> Non
 def daemon_paused(d: DaemonProcess) -> Iterator[None]:
     """SIGSTOP the daemon while the block submits, so everything is waiting when it resumes
     (the reproductions below then do not depend on how busy the machine is)."""
-    os.kill(d.pid, signal.SIGSTOP)
+    stop_process(d.pid)
     try:
-        deadline = time.monotonic() + 5
-        while Path(f"/proc/{d.pid}/stat").read_text().rpartition(")")[2].split()[0] != "T":
-            assert time.monotonic() < deadline, "the daemon did not stop"
-            time.sleep(0.001)
         yield
     finally:
         os.kill(d.pid, signal.SIGCONT)

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import transfer
 from transfer import errors as E
 from transfer._ring import COMPLETION_DTYPE, Op, Ring, available_implementations
-from transfer.testing import start_daemon
+from transfer.testing import start_daemon, stop_process
 
 from conftest import FAST, leftovers, segment_files
 
@@ -328,21 +328,6 @@ def test_client_killed_mid_stream_is_reclaimed(ringd, shm_dir: Path, tmp_path: P
         assert c.stats()["daemon"]["sessions"] == 1
 
 
-def _wait_stopped(pid: int, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        states = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                states.append(Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[0])
-            except OSError:
-                pass
-        if states and all(st in "tT" for st in states):
-            return
-        assert time.monotonic() < deadline, f"pid {pid} did not stop: {states}"
-        time.sleep(0.005)
-
-
 def test_daemon_killed_while_a_client_waits_on_the_ring(impl: str, shm_dir: Path, tmp_path: Path) -> None:
     wd = tmp_path / "run"
     wd.mkdir(mode=0o700)
@@ -350,8 +335,7 @@ def test_daemon_killed_while_a_client_waits_on_the_ring(impl: str, shm_dir: Path
     try:
         c = transfer.connect(d.endpoint, ring=True, liveness_timeout=2.0)
         seg = c.segment(1 << 20)
-        os.kill(d.pid, signal.SIGSTOP)  # it cannot answer: the client waits on the ring
-        _wait_stopped(d.pid)  # every thread, its ring worker too (a stop is delivered asynchronously)
+        stop_process(d.pid)  # every thread, its ring worker too: the client waits on the ring
         p = c.checksum(seg.at(0), 1 << 20)
         os.kill(d.pid, signal.SIGKILL)
         d.proc.wait(10)

@@ -15,11 +15,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-__all__ = ["DaemonProcess", "memfds", "run_daemon", "start_daemon"]
+__all__ = ["DaemonProcess", "memfds", "run_daemon", "start_daemon", "stop_process"]
 
 
 @dataclass
@@ -127,3 +128,25 @@ def memfds(pid: int | str = "self", *, maps: bool = True) -> list[str]:
         with open(f"/proc/{pid}/maps") as f:
             out += [ln.split(None, 5)[5].strip() for ln in f if "/memfd:transfer." in ln]
     return sorted(out)
+
+
+def stop_process(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP `pid` and wait until every thread of it has stopped.
+
+    A stop is delivered asynchronously: until then a thread on another core (a
+    daemon's ring worker, spinning) may still answer a request the caller meant
+    to leave waiting."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                states.append(Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                pass  # a thread that just exited
+        if states and all(s in "tT" for s in states):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"pid {pid} did not stop within {timeout} s: thread states {states}")
+        time.sleep(0.001)

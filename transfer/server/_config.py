@@ -82,11 +82,9 @@ class DaemonConfig:
     #: After the last ring request, the daemon busy-polls the rings this long before sleeping.
     ring_spin_s: float = 200e-6
     #: Each ring gets a native worker thread that executes its copies, fills, checksums and
-    #: fences without the event loop (native/dataplane.h). Opt-in for now: with workers,
-    #: tests/test_equivalence.py still finds programs (errors, fences and computes mixed) whose
-    #: trio run does not complete (docs/ring.md, "Caveats"). Off, or without the extension,
-    #: the event loop serves rings itself.
-    ring_workers: bool = False
+    #: fences without the event loop (native/dataplane.h). On by default; off
+    #: (`--no-ring-workers`), or without the extension, the event loop serves rings itself.
+    ring_workers: bool = True
     #: How long a ring's worker spins for the next descriptor before it sleeps on the futex.
     worker_spin_s: float = 50e-6
     #: Prometheus metrics over HTTP (`transfer.server._metrics`); 0 = off.
