@@ -36,7 +36,21 @@ typedef struct {
     atomic_int interrupt;
     int waiting;
     int lent;  /* a Worker uses this queue's cursors: it must be stopped before close() */
+    int bell;  /* producer: an fd to write one byte to when a wake finds the peer armed with 1 */
 } QueueObject;
+
+/* Wake the peer for what this producer published: the futex if it sleeps there, and the
+ * bell fd too when it armed with 1 (it sleeps in an event loop on that fd). The word it
+ * cleared (0: nobody slept). */
+static uint32_t ring_peer(QueueObject *self)
+{
+    uint32_t was = trq_ring_doorbell(self->producer ? self->q.data_waiter : self->q.space_waiter);
+    if (was == 1 && self->producer && self->bell >= 0) {
+        ssize_t r = write(self->bell, "", 1);
+        (void)r; /* a full pipe rings already; a closed one has nobody to wake */
+    }
+    return was;
+}
 
 static int check_open(QueueObject *self)
 {
@@ -76,6 +90,7 @@ static int Queue_init(QueueObject *self, PyObject *args, PyObject *kwds)
     PyObject *buf, *fields;
     int producer;
     unsigned long long cap, slot_size, slots, tail, head, dw, sw, pc;
+    self->bell = -1;
     if (self->has_view) {
         PyErr_SetString(PyExc_RuntimeError, "already initialised");
         return -1;
@@ -266,9 +281,11 @@ static PyObject *Queue_push(QueueObject *self, PyObject *args, PyObject *kwds)
     }
     if (pack(self, tup, slot) < 0)
         return NULL;
-    int64_t n = trq_push_from(&self->q, slot, 1, wake);
+    int64_t n = trq_push_from(&self->q, slot, 1, 0);
     if (n < 0)
         return corrupt(self);
+    if (n && wake)
+        ring_peer(self);
     return PyBool_FromLong(n == 1);
 }
 
@@ -286,10 +303,12 @@ static PyObject *Queue_push_buffer(QueueObject *self, PyObject *args, PyObject *
         PyBuffer_Release(&b);
         return NULL;
     }
-    int64_t n = trq_push_from(&self->q, b.buf, count, wake);
+    int64_t n = trq_push_from(&self->q, b.buf, count, 0);
     PyBuffer_Release(&b);
     if (n < 0)
         return corrupt(self);
+    if (n && wake)
+        ring_peer(self);
     return PyLong_FromLongLong(n);
 }
 
@@ -405,8 +424,7 @@ static PyObject *Queue_notify(QueueObject *self, PyObject *unused)
 {
     if (check_open(self) < 0)
         return NULL;
-    return PyLong_FromUnsignedLong(
-        trq_ring_doorbell(self->producer ? self->q.data_waiter : self->q.space_waiter));
+    return PyLong_FromUnsignedLong(ring_peer(self));
 }
 
 static PyObject *Queue_wake_peer(QueueObject *self, PyObject *unused)
@@ -458,14 +476,30 @@ static PyMethodDef Queue_methods[] = {
      "and return what is available (consumer) or free (producer)"},
     {"disarm", (PyCFunction)Queue_disarm, METH_NOARGS, "clear my waiter word"},
     {"notify", (PyCFunction)Queue_notify, METH_NOARGS,
-     "ring the doorbell: wake the peer if it sleeps on this queue; the waiter word it cleared "
-     "(0: nobody slept; 1: the sleeper wants its event-loop bell rung too; 2: a native worker)"},
+     "ring the doorbell: wake the peer if it sleeps on this queue (and write `bell` if it armed "
+     "with 1); the waiter word it cleared (0: nobody slept; 1: an event loop; 2: a native worker)"},
     {"wake_peer", (PyCFunction)Queue_wake_peer, METH_NOARGS, "wake the peer unconditionally"},
     {"close", (PyCFunction)Queue_close, METH_NOARGS,
      "interrupt a wait() in another thread, then release the mapping"},
     {NULL}};
 
+static PyObject *Queue_get_bell(QueueObject *self, void *c)
+{
+    return PyLong_FromLong(self->bell);
+}
+
+static int Queue_set_bell(QueueObject *self, PyObject *value, void *c)
+{
+    long fd = value ? PyLong_AsLong(value) : -1;
+    if (fd == -1 && PyErr_Occurred())
+        return -1;
+    self->bell = fd < 0 ? -1 : (int)fd;
+    return 0;
+}
+
 static PyGetSetDef Queue_getset[] = {
+    {"bell", (getter)Queue_get_bell, (setter)Queue_set_bell,
+     "producer: fd written one byte when a wake finds the peer armed with 1 (-1: none)", NULL},
     {"index", (getter)Queue_get_index, NULL, "my free-running index (tail or head)", NULL},
     {"capacity", (getter)Queue_get_capacity, NULL, "slots", NULL},
     {"closed", (getter)Queue_get_closed, NULL, "released", NULL},

@@ -290,6 +290,8 @@ class _PyQueue:
         self._identity = order == list(range(len(fields)))
         self._interrupt = False
         self._waiting = 0
+        #: Producer: an fd written one byte when a wake finds the peer armed with 1.
+        self.bell = -1
         self._closed = False
         if self._producer:
             self._mine, self._seen = self._tail[0], self._head[0]
@@ -312,12 +314,18 @@ class _PyQueue:
             )
 
     def _doorbell(self, word: memoryview, addr: int) -> int:
-        """The waker's half (ring.h, trq_ring_doorbell): the word it cleared (0: nobody slept)."""
+        """The waker's half (ring.h, trq_ring_doorbell): the word it cleared (0: nobody slept);
+        a producer also writes `bell` when the peer armed with 1 (_ring_native.c, ring_peer)."""
         _fence()  # P2: order the index store before the waiter-word load (Dekker)
         was = word[0]
         if was:
             word[0] = 0
             _futex_wake(addr)
+            if was == 1 and self._producer and self.bell >= 0:
+                try:
+                    os.write(self.bell, b"\0")
+                except (BlockingIOError, BrokenPipeError):
+                    pass  # a full pipe rings already; a closed one has nobody to wake
         return was
 
     def _corrupt(self) -> RingCorrupted:
@@ -581,7 +589,6 @@ class Ring:
         self._peer_closed = peer_closed // 4
         self._closed = False
         self.spin = 50e-6
-        self._bell = -1
 
     # -- construction
     @staticmethod
@@ -695,7 +702,7 @@ class Ring:
         """Also ring ``fd`` (a pipe or FIFO the peer polls; we write one byte) whenever
         the peer armed its inbox (``arm()``) instead of sleeping on the futex.
         The fd stays the caller's; -1 turns it off."""
-        self._bell = fd
+        self.outbox.bell = fd  # the queue writes it itself, in the same call as the futex wake
 
     def arm(self) -> int:
         """Consumer about to sleep elsewhere (the bell): set the waiter word so the
@@ -710,14 +717,9 @@ class Ring:
     def push(self, desc: tuple, *, wake: bool = True, timeout: float = 0.0) -> bool:
         """Publish one descriptor tuple (fields in dtype order; missing trailing
         fields are 0). False if the outbox stayed full for ``timeout`` seconds."""
-        bell = wake and self._bell >= 0
-        if self.outbox.push(desc, wake and not bell) or (
-            timeout > 0 and self.outbox.wait(1, timeout, self.spin) >= 1 and self.outbox.push(desc, wake and not bell)
-        ):
-            if bell:
-                self.notify()
-            return True
-        return False
+        return bool(self.outbox.push(desc, wake) or (
+            timeout > 0 and self.outbox.wait(1, timeout, self.spin) >= 1 and self.outbox.push(desc, wake)
+        ))
 
     def push_many(self, descs: np.ndarray | bytes, *, wake: bool = True, timeout: float = 0.0) -> int:
         """Publish as many of ``descs`` (a structured array of ``out_dtype``, or its bytes) as
@@ -725,6 +727,10 @@ class Ring:
         With ``timeout`` > 0, keep waiting for space until all are in or the
         time is up. Returns how many were published (a prefix of ``descs``)."""
         ss = self.out_dtype.itemsize
+        if type(descs) is bytes and timeout <= 0:  # the client's every push: one call
+            if len(descs) % ss:
+                raise ValueError(f"push_many: {len(descs)} bytes are not whole {ss}-byte slots")
+            return self.outbox.push_buffer(descs, len(descs) // ss, wake)
         if isinstance(descs, (bytes, bytearray)):  # whole slots, already in the layout
             if len(descs) % ss:
                 raise ValueError(f"push_many: {len(descs)} bytes are not whole {ss}-byte slots")
@@ -736,22 +742,15 @@ class Ring:
             total = len(descs)
         else:
             raise TypeError(f"push_many takes a structured array of dtype {self.out_dtype}, or its bytes")
-        bell = wake and self._bell >= 0
-
-        def put(start: int) -> int:
-            n = self.outbox.push_buffer(raw[start * ss :], total - start, wake and not bell)
-            if bell and n:
-                self.notify()  # before any wait for space: the peer drains only once rung
-            return n
-
-        done = put(0)
+        # Each push wakes the peer before any wait for space: it drains only once rung.
+        done = self.outbox.push_buffer(raw, total, wake)
         if done < total and timeout > 0:
             deadline = time.monotonic() + timeout
             while done < total:
                 left = deadline - time.monotonic()
                 if left <= 0 or self.outbox.wait(1, left, self.spin) < 1:
                     break
-                done += put(done)
+                done += self.outbox.push_buffer(raw[done * ss :], total - done, wake)
         return done
 
     def free(self) -> int:
@@ -767,13 +766,7 @@ class Ring:
 
         The bell fd is written only when the sleeper armed the word with 1 (an event loop
         that sleeps on it); a native data-plane worker arms with 2 and needs the futex only."""
-        woke = self.outbox.notify()
-        if woke == 1 and self._bell >= 0:
-            try:
-                os.write(self._bell, b"\0")
-            except (BlockingIOError, BrokenPipeError):
-                pass  # a full pipe is already ringing; a closed one has nobody to wake
-        return bool(woke)
+        return bool(self.outbox.notify())  # (the queue writes the bell itself)
 
     # -- inbox (consumer side)
     def pop(self, *, wake: bool = True) -> tuple | None:
