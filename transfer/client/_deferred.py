@@ -75,6 +75,8 @@ _ids = itertools.count(1)
 class Tensor:
     """A tensor descriptor with a client-side id: created and changed here, defined at first use."""
 
+    ref: TensorRef  # the current description (set() makes each one)
+
     def __init__(self, owner: Any, shape: Sequence[int], dtype: Any, offset: int = 0, strides: Sequence[int] | None = None) -> None:
         self.id = next(_ids)
         self.version = 0

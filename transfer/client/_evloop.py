@@ -47,7 +47,7 @@ class LoopSession(Session):
     #: event loop can poll a pipe, but cannot sleep on the ring's futex.
     _completion_bell = True
 
-    def __init__(self, endpoint: str, sock: zmq.Socket, pending_cls: type[AwaitablePending], liveness_timeout: float,
+    def __init__(self, endpoint: str, sock: zmq.Socket[bytes], pending_cls: type[AwaitablePending], liveness_timeout: float,
                  max_inflight: int) -> None:
         super().__init__(endpoint, pending_cls, self._wait)
         self._sock = sock
