@@ -196,7 +196,7 @@ class Planner:
         return Op(rid, reads, writes, dev, total, run, host_only=all(seg.kind == SegmentKind.HOST for seg in segs.values()))
 
 
-    def _plan_compute(self, owner: Any, req: P.Compute) -> Op:
+    def _plan_compute(self, owner: Any, req: P.Compute) -> Op | list[Op]:
         op = OPERATORS.get(req.op)
         if op is None:
             raise E.UnknownOperation(f"unknown operator {req.op!r}; known: {', '.join(sorted(OPERATORS))}")
