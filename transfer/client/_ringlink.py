@@ -158,9 +158,9 @@ class RingLink:
             i += n
 
     @staticmethod
-    def _forget(groups: Sequence[tuple[int, bool, Any]], pending: dict[int, Pending]) -> None:
+    def _forget(groups: Sequence[tuple[int, bool, bytes | np.ndarray, int]], pending: dict[int, Pending]) -> None:
         """Requests that never left: nobody will answer them."""
-        for rid, _, _ in groups:
+        for rid, _, _, _ in groups:
             pending.pop(rid, None)
 
     def reap(self, pending: dict[int, Pending], unobserved: list[Pending]) -> int:
