@@ -98,7 +98,8 @@ class LoopSession(Session):
                 p = op.throw(failed) if failed is not None else op.send(None)
             except StopIteration as stop:
                 await self._checkpoint()
-                return stop.value  # type: ignore[no-any-return]
+                result: T = stop.value
+                return result
             failed = None
             try:
                 await self._wait(p, None if deadline is None else max(0.0, deadline - time.monotonic()))

@@ -125,7 +125,8 @@ class Client(Session):
             try:
                 p = op.throw(failed) if failed is not None else op.send(None)
             except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
+                result: T = stop.value
+                return result
             failed = None
             try:
                 self._wait_for(p, None if deadline is None else max(0.0, deadline - time.monotonic()))
