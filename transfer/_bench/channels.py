@@ -604,7 +604,7 @@ class NixlRawConsumer:
         offs = np.arange(K, dtype=np.uint64) * np.uint64(S)
         self.local = np.stack([np.uint64(self.reg.addr) + offs, np.full(K, S, np.uint64)], axis=1)
         self.peers: list[str | None] = [None] * len(self.conns)
-        self.slots: list[list[np.ndarray] | None] = [None] * len(self.conns)  # per slot: [[remote addr, size]]
+        self.slots: list[list[np.ndarray] | None] = [None] * len(self.conns)  # per producer, per slot: (addr, size) rows
         for conn in self.conns:
             if not conn.poll(120):
                 raise RuntimeError("nixl-raw: no metadata from a producer within 120 s")

@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 #: A z85 key (40 characters, str or bytes) or a path to a key file.
-KeySource = Union[str, bytes, "os.PathLike[str]"]
+KeySource = Union[str, bytes, os.PathLike[str]]
 
 
 def _is_z85(v: Any) -> TypeGuard[str | bytes]:
