@@ -13,6 +13,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import transfer
 from transfer import errors as E
+from transfer import protocol as P
 from transfer._ring import COMPLETION_DTYPE, Op, Ring, available_implementations
 from transfer.testing import start_daemon, stop_process
 
@@ -95,6 +97,22 @@ def test_errors_carry_their_message_and_the_daemon_keeps_serving(ringd) -> None:
         assert p.done
         assert c.checksum(seg.at(0), 16).result(5) == transfer.checksum64(bytes(16))
         assert other.checksum(theirs.at(0), 16).result(5) == transfer.checksum64(bytes(16))
+
+
+def test_a_field_the_ring_cannot_carry_is_refused_before_anything_is_pushed(ringd) -> None:
+    """RingLink.push packs every descriptor before it publishes one: a field out of range (here a
+    stream past u32, which the public calls refuse earlier) is an InvalidField, and the requests
+    of that push are forgotten, since nobody will answer them."""
+    with transfer.connect(ringd.endpoint, ring=True) as c:
+        seg = c.segment(4096)
+        link = c._ring
+        assert link is not None
+        ok, bad = P.Fill(901, seg.at(0), 16, 1, 0), P.Fill(902, seg.at(0), 16, 1, 1 << 40)
+        pending: dict[int, Any] = {901: object(), 902: object()}
+        with pytest.raises(E.InvalidField, match="out of range"):
+            link.push([ok, bad], pending, lambda n: None)
+        assert pending == {} and link.in_flight == 0
+        assert c.checksum(seg.at(0), 16).result(5) == transfer.checksum64(bytes(16))  # nothing ran
 
 
 def test_hostile_descriptors_get_error_completions(ringd) -> None:

@@ -107,11 +107,9 @@ COMPLETION_DTYPE = np.dtype(
 
 
 def _fields(dt: np.dtype) -> tuple[tuple[int, int, bool], ...]:
-    out = []
-    for name in dt.names:
-        fdt, off = dt.fields[name][:2]
-        out.append((off, fdt.itemsize, fdt.kind == "i"))
-    return tuple(out)
+    assert dt.names is not None and dt.fields is not None, "a structured dtype"
+    fields = [dt.fields[name][:2] for name in dt.names]
+    return tuple((off, fdt.itemsize, fdt.kind == "i") for fdt, off in fields)
 
 
 # --- shared layout -------------------------------------------------------------
@@ -207,7 +205,7 @@ def _fence() -> None:
     _FENCE_LOCK.release()
 
 
-_SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}.get(platform.machine().lower())
+_SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}.get(platform.machine().lower(), 0)
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 
 
@@ -360,7 +358,7 @@ class _PyQueue:
         if wake:
             self._doorbell(self._sw, self._sw_addr)
 
-    def pop(self, wake: bool = True) -> tuple | None:
+    def pop(self, wake: bool = True) -> tuple[int, ...] | None:
         self._check(False)
         n, start, _ = self._pop_raw(1, wake)
         if n == 0:
@@ -410,7 +408,7 @@ class _PyQueue:
         if wake:
             self._doorbell(self._dw, self._dw_addr)
 
-    def push(self, desc: tuple, wake: bool = True) -> bool:
+    def push(self, desc: tuple[int, ...], wake: bool = True) -> bool:
         self._check(True)
         if not isinstance(desc, tuple):
             raise TypeError("a descriptor is a tuple of integers")
@@ -497,7 +495,7 @@ class _PyQueue:
             raise ValueError("ring queue is closed")
         (self._sw if self._producer else self._dw)[0] = 0
 
-    def notify(self) -> bool:
+    def notify(self) -> int:
         if self._closed:
             raise ValueError("ring queue is closed")
         return self._doorbell(*((self._dw, self._dw_addr) if self._producer else (self._sw, self._sw_addr)))
@@ -598,7 +596,7 @@ class Ring:
         return _geometry(sq_cap, _check_capacity(completion_capacity or capacity, "completion_capacity"))[2]
 
     @classmethod
-    def create(cls, target: str | os.PathLike | int | None = None, capacity: int = 1024,
+    def create(cls, target: str | os.PathLike[str] | int | None = None, capacity: int = 1024,
                completion_capacity: int | None = None, *, role: str = "server",
                impl: str | None = None) -> "Ring":
         """Create a new ring. ``target``: a path (created O_EXCL, mode 0600), an
@@ -652,7 +650,7 @@ class Ring:
             raise
 
     @classmethod
-    def attach(cls, target: str | os.PathLike | int, *, role: str = "client",
+    def attach(cls, target: str | os.PathLike[str] | int, *, role: str = "client",
                impl: str | None = None) -> "Ring":
         """Map an existing ring (a path, or an fd received with socket.recv_fds),
         validating its header against the layout this code expects."""
@@ -714,7 +712,7 @@ class Ring:
         self.inbox.disarm()
 
     # -- outbox (producer side)
-    def push(self, desc: tuple, *, wake: bool = True, timeout: float = 0.0) -> bool:
+    def push(self, desc: tuple[int, ...], *, wake: bool = True, timeout: float = 0.0) -> bool:
         """Publish one descriptor tuple (fields in dtype order; missing trailing
         fields are 0). False if the outbox stayed full for ``timeout`` seconds."""
         return bool(self.outbox.push(desc, wake) or (
@@ -769,7 +767,7 @@ class Ring:
         return bool(self.outbox.notify())  # (the queue writes the bell itself)
 
     # -- inbox (consumer side)
-    def pop(self, *, wake: bool = True) -> tuple | None:
+    def pop(self, *, wake: bool = True) -> tuple[int, ...] | None:
         """One descriptor as a tuple, or None if the inbox is empty."""
         return self.inbox.pop(wake)
 

@@ -27,14 +27,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Union
+from typing import Annotated, Any, ClassVar, Union, cast
 
 import msgspec
 import numpy as np
 from msgspec import UNSET, Meta, Raw, UnsetType
 
 from . import errors as E
-from ._fields import (  # noqa: F401 - validators and limits are public: server/_deferred.py uses them
+from ._fields import (  # noqa: F401 - the wire's field types, validators and limits, named here too
     I32,
     I32_MAX,
     I32_MIN,
@@ -413,8 +413,10 @@ def _dec_hook(typ: type, obj: Any) -> Any:
 
 
 _encoder = msgspec.msgpack.Encoder()  # requests and replies: plain msgpack values, nothing custom
-_frame_decoder = msgspec.msgpack.Decoder(tuple[int, list[_WireRequest]], dec_hook=_dec_hook)
-_request_decoder = msgspec.msgpack.Decoder(_WireRequest, dec_hook=_dec_hook)
+# _WireRequest is a union built at run time, so mypy cannot read these two types: declared.
+_frame_decoder: msgspec.msgpack.Decoder[tuple[int, list[Request]]] = msgspec.msgpack.Decoder(
+    tuple[int, list[_WireRequest]], dec_hook=_dec_hook)  # type: ignore[valid-type]
+_request_decoder: msgspec.msgpack.Decoder[Request] = msgspec.msgpack.Decoder(_WireRequest, dec_hook=_dec_hook)
 _head_decoder = msgspec.msgpack.Decoder(tuple[Any, Raw])
 _raw_list_decoder = msgspec.msgpack.Decoder(list[Raw])
 _any_decoder = msgspec.msgpack.Decoder()
@@ -436,7 +438,7 @@ _reply_frame_decoder = msgspec.msgpack.Decoder(tuple[int, list[_WireReply]])
 _FRAME_SHAPE = "a frame is [version, [message, ...]]"
 
 
-def _array_len(buf: Any, at: int) -> int | None:
+def _array_len(buf: bytes | memoryview, at: int) -> int | None:
     """Length of the msgpack array whose header starts at `buf[at]`; None if none starts there."""
     if len(buf) <= at:
         return None
@@ -519,11 +521,10 @@ _AS_WIRE: dict[type, Callable[[Any], list[Any]]] = {Compute: _compute_wire, Copy
 
 
 def encode_requests(requests: Iterable[Request]) -> bytes:
-    if type(requests) is not list:
-        requests = list(requests)
-    if not _AS_WIRE.keys().isdisjoint(map(type, requests)):
-        requests = [_AS_WIRE[type(r)](r) if type(r) in _AS_WIRE else r for r in requests]
-    return _encoder.encode((VERSION, requests))
+    reqs: list[Any] = requests if type(requests) is list else list(requests)  # Requests, or their wire lists
+    if not _AS_WIRE.keys().isdisjoint(map(type, reqs)):
+        reqs = [_AS_WIRE[type(r)](r) if type(r) in _AS_WIRE else r for r in reqs]
+    return _encoder.encode((VERSION, reqs))
 
 
 # --- requests: checks after decoding --------------------------------------------
@@ -572,10 +573,10 @@ def _after(req: Request, limits: Limits) -> Decoded:
 
 
 # --- requests: the slow path, one request at a time -------------------------------
-_FIELDS: dict[int, tuple[int, list[tuple[str, msgspec.msgpack.Decoder]]]] = {}
+_FIELDS: dict[int, tuple[int, list[tuple[str, msgspec.msgpack.Decoder[Any]]]]] = {}
 
 
-def _fields_of(op: int) -> tuple[int, list[tuple[str, msgspec.msgpack.Decoder]]]:
+def _fields_of(op: int) -> tuple[int, list[tuple[str, msgspec.msgpack.Decoder[Any]]]]:
     """(required field count, [(name, decoder)]) of an op, built on first use."""
     if op not in _FIELDS:
         cls = _WIRE_TYPES[op]
@@ -656,14 +657,15 @@ def decode_requests(data: bytes, limits: Limits = DEFAULT_LIMITS) -> list[Decode
     n = _fast_count(data)
     if n is not None:
         _check_count(n, limits, "requests")
+        reqs: list[Request] | None
         try:
-            reqs: list[Decoded] | None = _frame_decoder.decode(data)[1]
+            reqs = _frame_decoder.decode(data)[1]
         except Exception:  # some request, or the frame, is bad: sorted out one by one below
             reqs = None
         if reqs is not None:
             if not _AFTER.keys().isdisjoint(map(type, reqs)):
-                reqs = [_after(r, limits) if type(r) in _AFTER else r for r in reqs]
-            return reqs
+                return [_after(r, limits) if type(r) in _AFTER else r for r in reqs]
+            return cast("list[Decoded]", reqs)  # fresh from the decoder: nobody else holds it
     return [_decode_one(raw, limits) for raw in _split(data, limits, "requests")]
 
 
@@ -717,9 +719,12 @@ def _int_bounds(cls: type) -> tuple[tuple[str, int, int], ...]:
     """(field, lo, hi) for a request's integer fields after the id, from its own annotations."""
     bounds = _INT_BOUNDS.get(cls)
     if bounds is None:
+        info = msgspec.inspect.type_info(cls)
+        if not isinstance(info, msgspec.inspect.StructType):
+            raise TypeError(f"{cls.__name__} is not a request")
         bounds = tuple(
             (f.name, f.type.ge if f.type.ge is not None else -(1 << 63), f.type.le if f.type.le is not None else U64_MAX)
-            for f in msgspec.inspect.type_info(cls).fields[1:]
+            for f in info.fields[1:]
             if isinstance(f.type, msgspec.inspect.IntType)
         )
         _INT_BOUNDS[cls] = bounds

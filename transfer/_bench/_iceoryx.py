@@ -9,12 +9,13 @@ service of its own. Imported only when the method runs (iceoryx2 is an optional 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from ._wire import BYE, VERIFY
-from .common import Cell
+from .common import Cell, Received, Spec
 
 __all__ = ["Iceoryx2Producer", "Iceoryx2Consumer", "iox_prefix", "iox_spec", "iox_node", "iox_event"]
 
@@ -42,7 +43,7 @@ def iox_spec(run_dir: str, run_id: str, service: str) -> dict[str, str]:
     return {"root": root, "prefix": prefix, "service": f"transfer-bench/{service}"}
 
 
-def iox_node(spec: dict) -> Any:
+def iox_node(spec: Spec) -> Any:
     """One iceoryx2 node per process under the run's private config. Signal handling is off:
     the runner stops a hung worker with SIGTERM, which iceoryx2 would otherwise swallow."""
     import iceoryx2 as iox
@@ -63,10 +64,10 @@ def iox_event(node: Any, name: str, notifiers: int, listeners: int = 1) -> Any:
             .max_notifiers(notifiers).max_listeners(listeners).open_or_create())
 
 
-_IOX_HEADERS: dict[int, type] = {}
+_IOX_HEADERS: dict[int, type[ctypes.Structure]] = {}
 
 
-def iox_header_type(k: int) -> type:
+def iox_header_type(k: int) -> type[ctypes.Structure]:
     """The user header of a group's sample: what ``pack_header`` carries for the other methods
     (producer, group, slot, flags, ``k`` expected checksums), as a fixed ctypes struct."""
     t = _IOX_HEADERS.get(k)
@@ -89,7 +90,7 @@ class IoxAck(ctypes.Structure):
         return "transfer_bench::Ack"
 
 
-def _iox_data_service(node: Any, spec: dict, cell: Cell) -> Any:
+def _iox_data_service(node: Any, spec: Spec, cell: Cell) -> Any:
     """The groups' publish-subscribe service: one sample (a byte slice) per group.
 
     Every producer has at most ``depth`` groups in flight and the consumer holds one sample at
@@ -106,7 +107,7 @@ def _iox_data_service(node: Any, spec: dict, cell: Cell) -> Any:
             .enable_safe_overflow(False).open_or_create())
 
 
-def _iox_ack_service(node: Any, spec: dict, idx: int, cell: Cell) -> Any:
+def _iox_ack_service(node: Any, spec: Spec, idx: int, cell: Cell) -> Any:
     import iceoryx2 as iox
 
     return (node.service_builder(iox.ServiceName.new(f"{spec['service']}/ack{idx}"))
@@ -116,7 +117,7 @@ def _iox_ack_service(node: Any, spec: dict, idx: int, cell: Cell) -> Any:
 
 def _iox_views(ptr: int, cell: Cell) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """uint8 and uint64 views of a group's items in a sample's payload (no copy)."""
-    buf = np.frombuffer((ctypes.c_uint8 * cell.slot_bytes).from_address(ptr), np.uint8)
+    buf = np.ctypeslib.as_array((ctypes.c_uint8 * cell.slot_bytes).from_address(ptr))
     S = cell.size
     items = [buf[i * S:(i + 1) * S] for i in range(cell.batch)]
     return items, [v.view(np.uint64) for v in items]
@@ -139,7 +140,7 @@ class Iceoryx2Producer:
     wake the consumer. Acks come back on a publish-subscribe service of this producer's
     own, with an event to sleep on: iceoryx2's event-driven pattern in both directions."""
 
-    def __init__(self, cell: Cell, idx: int, spec: dict) -> None:
+    def __init__(self, cell: Cell, idx: int, spec: Spec) -> None:
         self.cell = cell
         self.idx = idx
         self.node = iox_node(spec)
@@ -151,7 +152,7 @@ class Iceoryx2Producer:
         self.ack_sub = self.acks.subscriber_builder().buffer_size(cell.depth + 1).create()
         self.ack_ev = iox_event(self.node, f"{spec['service']}/ack-ev{idx}", 1)
         self.listener = self.ack_ev.listener_builder().create()
-        self.buffer = None  # no fixed buffer: each group goes into a freshly loaned sample
+        self.buffer: np.ndarray | None = None  # no fixed buffer: each group goes into a freshly loaned sample
         self.hdr_t = iox_header_type(cell.batch)
         self._loaned: Any = None
         self._views: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}  # payload address -> views
@@ -168,15 +169,15 @@ class Iceoryx2Producer:
             v = self._views[s.payload_ptr] = _iox_views(s.payload_ptr, self.cell)
         return v
 
-    def _send(self, s: Any, g: int, slot: int, flags: int, expected) -> None:
-        h = self.hdr_t.from_address(s.user_header_ptr)
+    def _send(self, s: Any, g: int, slot: int, flags: int, expected: Sequence[int] | None) -> None:
+        h: Any = self.hdr_t.from_address(s.user_header_ptr)  # its fields are made at run time
         h.idx, h.flags, h.group, h.slot = self.idx, flags, g, slot
         if expected:
             h.expected[:len(expected)] = expected
         s.assume_init().send()
         self.notifier.notify()
 
-    def submit(self, g, slot, verify, expected) -> None:
+    def submit(self, g: int, slot: int, verify: bool, expected: Sequence[int] | None) -> None:
         s, self._loaned = self._loaned, None
         self._send(s, g, slot, VERIFY if verify else 0, expected)
 
@@ -225,7 +226,7 @@ class Iceoryx2Consumer:
     sample (zero copy: a view of the producer's pool), and releases it just before the ack,
     after the generic loop has copied (and verified) the items."""
 
-    def __init__(self, cell: Cell, spec: dict) -> None:
+    def __init__(self, cell: Cell, spec: Spec) -> None:
         self.cell = cell
         self.node = iox_node(spec)
         self.data = _iox_data_service(self.node, spec, cell)
@@ -240,10 +241,10 @@ class Iceoryx2Consumer:
         self._held: Any = None
         self._views: dict[int, list[np.ndarray]] = {}
 
-    def recv(self):
+    def recv(self) -> Received:
         while (s := self.sub.receive()) is None:
             _iox_wait(self.listener)
-        h = self.hdr_t.from_address(s.user_header_ptr)
+        h: Any = self.hdr_t.from_address(s.user_header_ptr)  # its fields are made at run time
         idx, g, slot, flags = h.idx, h.group, h.slot, h.flags
         if flags & BYE:
             s.delete()
@@ -256,7 +257,7 @@ class Iceoryx2Consumer:
             v = self._views[s.payload_ptr] = _iox_views(s.payload_ptr, self.cell)[0]
         return idx, g, slot, flags, expected, v
 
-    def ack(self, idx, g, ok) -> None:
+    def ack(self, idx: int, g: int, ok: bool) -> None:
         if self._held is not None:  # the producer may reuse the sample's memory after the ack
             self._held.delete()
             self._held = None

@@ -23,17 +23,24 @@ import os
 import pickle
 import struct
 import uuid
-from typing import Any
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.context import BaseContext
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from ._iceoryx import Iceoryx2Consumer, Iceoryx2Producer, iox_spec
 from ._wire import ACK, BYE, HDR, VERIFY, pack_header, unpack_header
-from .common import Cell
+from .common import Cell, Consumer, Producer, Received, Spec
+
+if TYPE_CHECKING:
+    from transfer.client._pending import Pending
 
 __all__ = ["PRODUCERS", "CONSUMERS", "VERIFY", "BYE", "HDR", "ACK", "pack_header", "unpack_header", "make_plumbing"]
 
-def make_plumbing(cell: Cell, ctx, run_dir: str, run_id: str, endpoint: str | None):
+def make_plumbing(cell: Cell, ctx: BaseContext, run_dir: str, run_id: str,
+                  endpoint: str | None) -> tuple[Spec | None, list[Spec]]:
     """(consumer_spec or None, [producer_spec, ...]) for ``cell``; all picklable."""
     P = cell.producers
     m = cell.method
@@ -50,9 +57,9 @@ def make_plumbing(cell: Cell, ctx, run_dir: str, run_id: str, endpoint: str | No
                 [{"data": data, "ack": acks[i], "copy": copy} for i in range(P)])
     if m == "mp-queue":
         q = ctx.Queue()
-        acks = [ctx.Pipe(duplex=False) for _ in range(P)]  # (reader, writer)
-        return ({"queue": q, "acks": [w for _, w in acks]},
-                [{"queue": q, "ack": r} for r, _ in acks])
+        ack_pipes = [ctx.Pipe(duplex=False) for _ in range(P)]  # (reader, writer)
+        return ({"queue": q, "acks": [w for _, w in ack_pipes]},
+                [{"queue": q, "ack": r} for r, _ in ack_pipes])
     if m == "mp-pipe":
         pipes = [ctx.Pipe(duplex=True) for _ in range(P)]
         return ({"conns": [b for _, b in pipes]}, [{"conn": a} for a, _ in pipes])
@@ -64,8 +71,8 @@ def make_plumbing(cell: Cell, ctx, run_dir: str, run_id: str, endpoint: str | No
                 [{"conn": a, "run_id": run_id} for a, _ in pipes])
     if m == "torch-mp":
         q = ctx.Queue()  # each producer's shared tensor once, then group headers
-        acks = [ctx.Pipe(duplex=False) for _ in range(P)]
-        return ({"queue": q, "acks": [w for _, w in acks]}, [{"queue": q, "ack": r} for r, _ in acks])
+        ack_pipes = [ctx.Pipe(duplex=False) for _ in range(P)]
+        return ({"queue": q, "acks": [w for _, w in ack_pipes]}, [{"queue": q, "ack": r} for r, _ in ack_pipes])
     if m == "iceoryx2":
         # Nothing to create here: each process opens the cell's services by name. The name is
         # unique per cell; the config keeps iceoryx2's files under the run's directory and names
@@ -74,10 +81,10 @@ def make_plumbing(cell: Cell, ctx, run_dir: str, run_id: str, endpoint: str | No
         return spec, [spec for _ in range(P)]
     if m == "shm-pipe":
         note_r, note_w = ctx.Pipe(duplex=False)
-        acks = [ctx.Pipe(duplex=False) for _ in range(P)]
+        ack_pipes = [ctx.Pipe(duplex=False) for _ in range(P)]
         paths = [f"/dev/shm/{run_id}-shm{i}" for i in range(P)]
-        return ({"notify": note_r, "acks": [w for _, w in acks], "paths": paths},
-                [{"notify": note_w, "ack": acks[i][0], "path": paths[i]} for i in range(P)])
+        return ({"notify": note_r, "acks": [w for _, w in ack_pipes], "paths": paths},
+                [{"notify": note_w, "ack": ack_pipes[i][0], "path": paths[i]} for i in range(P)])
     raise ValueError(f"unknown method {m!r}")
 
 
@@ -96,7 +103,7 @@ class _AckMixin:
 
 
 class ZmqProducer:
-    def __init__(self, cell: Cell, idx: int, spec: dict) -> None:
+    def __init__(self, cell: Cell, idx: int, spec: Spec) -> None:
         import zmq
 
         self.zmq = zmq
@@ -108,9 +115,9 @@ class ZmqProducer:
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.bind(spec["ack"])
         self.buffer = np.zeros(cell.buffer_bytes, np.uint8)
-        self.slots = _slot_items(self.buffer, cell)
+        self.slots = [[v.data for v in items] for items in _slot_items(self.buffer, cell)]
 
-    def submit(self, g, slot, verify, expected) -> None:
+    def submit(self, g: int, slot: int, verify: bool, expected: Sequence[int] | None) -> None:
         hdr = pack_header(self.idx, g, slot, VERIFY if verify else 0, expected)
         self.push.send_multipart([hdr, *self.slots[slot]], copy=self.copy)
 
@@ -137,7 +144,7 @@ class ZmqProducer:
 class QueueProducer(_AckMixin):
     """multiprocessing.Queue; items pickled with protocol 5 (in-band: Queue has no buffer hook)."""
 
-    def __init__(self, cell: Cell, idx: int, spec: dict) -> None:
+    def __init__(self, cell: Cell, idx: int, spec: Spec) -> None:
         _queue_pickle_protocol_5()
         self.idx = idx
         self.q = spec["queue"]
@@ -145,7 +152,7 @@ class QueueProducer(_AckMixin):
         self.buffer = np.zeros(cell.buffer_bytes, np.uint8)
         self.slots = _slot_items(self.buffer, cell)
 
-    def submit(self, g, slot, verify, expected) -> None:
+    def submit(self, g: int, slot: int, verify: bool, expected: Sequence[int] | None) -> None:
         # The feeder thread pickles later; the slot is not rewritten before its ack.
         self.q.put((self.idx, g, slot, VERIFY if verify else 0, expected, self.slots[slot]))
 
@@ -165,32 +172,32 @@ def _queue_pickle_protocol_5() -> None:
 
     if getattr(ForkingPickler, "_bench_p5", False):
         return
-    orig = ForkingPickler.dumps.__func__
+    orig = vars(ForkingPickler)["dumps"].__func__  # the classmethod's function
 
-    def dumps(cls, obj, protocol=5):
-        return orig(cls, obj, protocol)
+    def dumps(cls: type[ForkingPickler], obj: object, protocol: int | None = 5) -> memoryview:
+        out: memoryview = orig(cls, obj, protocol)
+        return out
 
-    ForkingPickler.dumps = classmethod(dumps)
-    ForkingPickler._bench_p5 = True
+    # A patch of the class (setattr: mypy rightly refuses to assign to a method).
+    setattr(ForkingPickler, "dumps", classmethod(dumps))
+    setattr(ForkingPickler, "_bench_p5", True)
 
 
-class PipeProducer:
-    def __init__(self, cell: Cell, idx: int, spec: dict) -> None:
+class PipeProducer(_AckMixin):
+    def __init__(self, cell: Cell, idx: int, spec: Spec) -> None:
         self.idx = idx
         self.conn = spec["conn"]
         self.ack_conn = self.conn
         self.buffer = np.zeros(cell.buffer_bytes, np.uint8)
         self.slots = _slot_items(self.buffer, cell)
 
-    def submit(self, g, slot, verify, expected) -> None:
+    def submit(self, g: int, slot: int, verify: bool, expected: Sequence[int] | None) -> None:
         bufs: list[pickle.PickleBuffer] = []
         meta = pickle.dumps((self.idx, g, slot, VERIFY if verify else 0, expected, self.slots[slot]),
                             protocol=5, buffer_callback=bufs.append)
         self.conn.send_bytes(struct.pack("<i", len(bufs)) + meta)
         for b in bufs:
             self.conn.send_bytes(b.raw())
-
-    poll = _AckMixin.poll
 
     def bye(self) -> None:
         meta = pickle.dumps((self.idx, -1, 0, BYE, None, []), protocol=5)
@@ -203,7 +210,7 @@ class PipeProducer:
 class ShmProducer(_AckMixin):
     """The best a user could write by hand: shared memory + a small pipe message per group."""
 
-    def __init__(self, cell: Cell, idx: int, spec: dict) -> None:
+    def __init__(self, cell: Cell, idx: int, spec: Spec) -> None:
         self.idx = idx
         self.path = spec["path"]
         self.notify = spec["notify"]
@@ -217,7 +224,7 @@ class ShmProducer(_AckMixin):
         self.buffer = np.frombuffer(self.mm, np.uint8)
         self.buffer[:] = 0
 
-    def submit(self, g, slot, verify, expected) -> None:
+    def submit(self, g: int, slot: int, verify: bool, expected: Sequence[int] | None) -> None:
         self.notify.send_bytes(pack_header(self.idx, g, slot, VERIFY if verify else 0, expected))
 
     def bye(self) -> None:
@@ -235,7 +242,7 @@ class TorchProducer(_AckMixin):
     shared memory (`share_memory_()`), handed to the consumer once through a queue (torch
     passes its file descriptor); then one small queue message per group, acks over a pipe."""
 
-    def __init__(self, cell: Cell, idx: int, spec: dict) -> None:
+    def __init__(self, cell: Cell, idx: int, spec: Spec) -> None:
         import torch
         import torch.multiprocessing  # noqa: F401 - registers the reductions that share tensors
 
@@ -243,10 +250,10 @@ class TorchProducer(_AckMixin):
         self.q = spec["queue"]
         self.ack_conn = spec["ack"]
         self.tensor = torch.zeros(cell.buffer_bytes, dtype=torch.uint8).share_memory_()
-        self.buffer = self.tensor.numpy()
+        self.buffer: np.ndarray | None = self.tensor.numpy()
         self.q.put((idx, self.tensor))
 
-    def submit(self, g, slot, verify, expected) -> None:
+    def submit(self, g: int, slot: int, verify: bool, expected: Sequence[int] | None) -> None:
         self.q.put(pack_header(self.idx, g, slot, VERIFY if verify else 0, expected))
 
     def bye(self) -> None:
@@ -271,12 +278,13 @@ class TransferProducer:
     the copies and ``checksum_many`` for the checksums when a group has several items).
     """
 
-    def __init__(self, cell: Cell, idx: int, spec: dict) -> None:
+    def __init__(self, cell: Cell, idx: int, spec: Spec) -> None:
         import transfer
 
         self.cell = cell
         self.client = transfer.connect(spec["endpoint"], ring=spec.get("ring"))
         self.remote = cell.mode == "remote"
+        self.buffer: np.ndarray | None
         if self.remote:
             host = np.zeros(cell.buffer_bytes, np.uint8)
             host[:] = 0  # fault the pages in, as a segment's are
@@ -287,20 +295,21 @@ class TransferProducer:
             self.buffer = self.seg.ndarray((cell.buffer_bytes,), np.uint8)
             self.buffer[:] = 0
         self.dev = self.client.alloc(cell.buffer_bytes) if cell.mode in ("local", "remote") else None
-        self.inflight: list[tuple[int, list, list, Any]] = []  # FIFO of (g, pendings, cks, expected)
+        # FIFO of (g, pendings, cks, expected)
+        self.inflight: list[tuple[int, list[Pending], list[Pending], Sequence[int] | None]] = []
         S, K = cell.size, cell.batch
         self._offsets = np.arange(K, dtype=np.uint64) * np.uint64(S)
         self._sizes = np.full(K, S, dtype=np.uint64)
         self._use_many = K > 1 and hasattr(self.client, "copy_many") and hasattr(self.client, "checksum_many")
 
-    def submit(self, g, slot, verify, expected) -> None:
+    def submit(self, g: int, slot: int, verify: bool, expected: Sequence[int] | None) -> None:
         c, cell = self.client, self.cell
         S, K = cell.size, cell.batch
         base = slot * cell.slot_bytes
         src0 = self.seg.va + base
         ck0 = src0  # what the daemon checksums: the source in place ...
-        pend: list = []
-        cks: list = []
+        pend: list[Pending] = []
+        cks: list[Pending] = []
         with c.batch():
             if self.dev is not None:
                 dst0 = self.dev.va + base
@@ -329,7 +338,7 @@ class TransferProducer:
             g, pend, cks, expected = head
             for p in pend:
                 p.result()
-            got: list = []
+            got: list[int] = []
             for p in cks:  # a checksum_many answers an array
                 r = p.result()
                 got.extend(r.tolist() if isinstance(r, np.ndarray) else (r,))
@@ -340,7 +349,7 @@ class TransferProducer:
         return out
 
     @staticmethod
-    def _all_done(entry) -> bool:
+    def _all_done(entry: tuple[int, list[Pending], list[Pending], Sequence[int] | None]) -> bool:
         return all(p.done() for p in entry[1]) and all(p.done() for p in entry[2])
 
     def bye(self) -> None:
@@ -363,7 +372,7 @@ class NixlRawProducer(_AckMixin):
     an ack back when the consumer has read (and, verified groups, checked) it.
     """
 
-    def __init__(self, cell: Cell, idx: int, spec: dict) -> None:
+    def __init__(self, cell: Cell, idx: int, spec: Spec) -> None:
         from transfer.transport._nixl import NixlEndpoint
 
         self.idx = idx
@@ -377,7 +386,7 @@ class NixlRawProducer(_AckMixin):
         # Metadata after registering: it carries the buffer's remote key.
         self.conn.send_bytes(pickle.dumps((idx, self.ep.metadata, self.reg.descs_bytes), protocol=5))
 
-    def submit(self, g, slot, verify, expected) -> None:
+    def submit(self, g: int, slot: int, verify: bool, expected: Sequence[int] | None) -> None:
         self.conn.send_bytes(pack_header(self.idx, g, slot, VERIFY if verify else 0, expected))
 
     def bye(self) -> None:
@@ -393,7 +402,7 @@ class NixlRawProducer(_AckMixin):
         self.conn.close()
 
 
-PRODUCERS = {
+PRODUCERS: dict[str, Callable[[Cell, int, Spec], Producer]] = {
     "transfer": TransferProducer,
     "transfer-socket": TransferProducer,
     "zmq-copy": ZmqProducer,
@@ -417,28 +426,29 @@ def _slot_items(buf: np.ndarray, cell: Cell) -> list[list[np.ndarray]]:
 
 
 class ZmqConsumer:
-    def __init__(self, cell: Cell, spec: dict) -> None:
+    def __init__(self, cell: Cell, spec: Spec) -> None:
         import zmq
 
         self.copy = spec["copy"]
         self.ctx = zmq.Context()
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.bind(spec["data"])
-        self.pushes = []
+        self.pushes: list[zmq.Socket[bytes]] = []
         for ep in spec["acks"]:
             s = self.ctx.socket(zmq.PUSH)
             s.connect(ep)
             self.pushes.append(s)
 
-    def recv(self):
-        frames = self.pull.recv_multipart(copy=self.copy)
+    def recv(self) -> Received:
         if self.copy:
+            frames = self.pull.recv_multipart(copy=True)
             hdr, items = frames[0], [np.frombuffer(f, np.uint8) for f in frames[1:]]
         else:
-            hdr, items = frames[0].bytes, [np.frombuffer(f.buffer, np.uint8) for f in frames[1:]]
+            zframes = self.pull.recv_multipart(copy=False)
+            hdr, items = zframes[0].bytes, [np.frombuffer(f.buffer, np.uint8) for f in zframes[1:]]
         return (*unpack_header(hdr), items)
 
-    def ack(self, idx, g, ok) -> None:
+    def ack(self, idx: int, g: int, ok: bool) -> None:
         self.pushes[idx].send(ACK.pack(g, ok))
 
     def close(self) -> None:
@@ -449,14 +459,15 @@ class ZmqConsumer:
 
 
 class QueueConsumer:
-    def __init__(self, cell: Cell, spec: dict) -> None:
+    def __init__(self, cell: Cell, spec: Spec) -> None:
         self.q = spec["queue"]
         self.acks = spec["acks"]
 
-    def recv(self):
-        return self.q.get()
+    def recv(self) -> Received:
+        got: Received = self.q.get()
+        return got
 
-    def ack(self, idx, g, ok) -> None:
+    def ack(self, idx: int, g: int, ok: bool) -> None:
         self.acks[idx].send_bytes(ACK.pack(g, ok))
 
     def close(self) -> None:
@@ -464,24 +475,24 @@ class QueueConsumer:
 
 
 class PipeConsumer:
-    def __init__(self, cell: Cell, spec: dict) -> None:
+    def __init__(self, cell: Cell, spec: Spec) -> None:
         from multiprocessing.connection import wait
 
         self._wait = wait
         self.conns = list(spec["conns"])
         self.live = list(self.conns)
-        self.ready: list = []
+        self.ready: list[Connection] = []
         self.S = cell.size
         self.staging = np.zeros(cell.slot_bytes, np.uint8)
-        self.mv = memoryview(self.staging)
+        self.mv = self.staging.data
 
-    def recv(self):
+    def recv(self) -> Received:
         while not self.ready:
-            self.ready = list(self._wait(self.live))
+            self.ready = cast("list[Connection]", self._wait(self.live))  # a subset of live
         conn = self.ready.pop(0)
         first = conn.recv_bytes()
         (n,) = struct.unpack_from("<i", first)
-        bufs = []
+        bufs: list[memoryview] = []
         for i in range(n):
             m = self.mv[i * self.S:(i + 1) * self.S]
             conn.recv_bytes_into(m)
@@ -491,7 +502,7 @@ class PipeConsumer:
             self.live.remove(conn)
         return idx, g, slot, flags, expected, items
 
-    def ack(self, idx, g, ok) -> None:
+    def ack(self, idx: int, g: int, ok: bool) -> None:
         self.conns[idx].send_bytes(ACK.pack(g, ok))
 
     def close(self) -> None:
@@ -500,7 +511,7 @@ class PipeConsumer:
 
 
 class TorchConsumer:
-    def __init__(self, cell: Cell, spec: dict) -> None:
+    def __init__(self, cell: Cell, spec: Spec) -> None:
         import torch.multiprocessing  # noqa: F401 - rebuilds the producers' shared tensors
 
         self.cell = cell
@@ -509,7 +520,7 @@ class TorchConsumer:
         self.tensors: dict[int, Any] = {}
         self.slots: dict[int, list[list[np.ndarray]]] = {}
 
-    def recv(self):
+    def recv(self) -> Received:
         while True:
             msg = self.q.get()
             if isinstance(msg, tuple):  # a producer's shared tensor, once, before its groups
@@ -522,7 +533,7 @@ class TorchConsumer:
                 return idx, g, slot, flags, expected, []
             return idx, g, slot, flags, expected, self.slots[idx][slot]
 
-    def ack(self, idx, g, ok) -> None:
+    def ack(self, idx: int, g: int, ok: bool) -> None:
         self.acks[idx].send_bytes(ACK.pack(g, ok))
 
     def close(self) -> None:
@@ -531,14 +542,14 @@ class TorchConsumer:
 
 
 class ShmConsumer:
-    def __init__(self, cell: Cell, spec: dict) -> None:
+    def __init__(self, cell: Cell, spec: Spec) -> None:
         self.cell = cell
         self.notify = spec["notify"]
         self.acks = spec["acks"]
         self.paths = spec["paths"]
         self.maps: dict[int, list[list[np.ndarray]]] = {}
 
-    def _slots(self, idx: int):
+    def _slots(self, idx: int) -> list[list[np.ndarray]]:
         s = self.maps.get(idx)
         if s is None:
             fd = os.open(self.paths[idx], os.O_RDWR)
@@ -550,13 +561,13 @@ class ShmConsumer:
             s = self.maps[idx] = _slot_items(np.frombuffer(mm, np.uint8), self.cell)
         return s
 
-    def recv(self):
+    def recv(self) -> Received:
         idx, g, slot, flags, expected = unpack_header(self.notify.recv_bytes())
         if flags & BYE:
             return idx, g, slot, flags, expected, []
         return idx, g, slot, flags, expected, self._slots(idx)[slot]
 
-    def ack(self, idx, g, ok) -> None:
+    def ack(self, idx: int, g: int, ok: bool) -> None:
         self.acks[idx].send_bytes(ACK.pack(g, ok))
 
     def close(self) -> None:
@@ -575,7 +586,7 @@ class NixlRawConsumer:
 
     delivers_to_device = True
 
-    def __init__(self, cell: Cell, spec: dict) -> None:
+    def __init__(self, cell: Cell, spec: Spec) -> None:
         from multiprocessing.connection import wait
 
         from transfer.transport._nixl import NixlEndpoint, check_ranges_within, decode_descs
@@ -583,7 +594,7 @@ class NixlRawConsumer:
         self._wait = wait
         self.conns = list(spec["conns"])
         self.live = list(self.conns)
-        self.ready: list = []
+        self.ready: list[Connection] = []
         S, K, D = cell.size, cell.batch, cell.depth
         self.ep = NixlEndpoint(f"{spec['run_id']}-c-{os.getpid()}", progress="event")
         self.dev = np.zeros(cell.slot_bytes, np.uint8)
@@ -593,14 +604,14 @@ class NixlRawConsumer:
         offs = np.arange(K, dtype=np.uint64) * np.uint64(S)
         self.local = np.stack([np.uint64(self.reg.addr) + offs, np.full(K, S, np.uint64)], axis=1)
         self.peers: list[str | None] = [None] * len(self.conns)
-        self.slots: list[list[np.ndarray] | None] = [None] * len(self.conns)
+        self.slots: list[list[np.ndarray] | None] = [None] * len(self.conns)  # per producer, per slot: (addr, size) rows
         for conn in self.conns:
             if not conn.poll(120):
                 raise RuntimeError("nixl-raw: no metadata from a producer within 120 s")
             idx, md, descs = pickle.loads(conn.recv_bytes())
             rd = decode_descs(descs)
             base = np.uint64(int(rd.ranges[0, 0]))
-            slots = []
+            slots: list[np.ndarray] = []
             for d in range(D):
                 rem = np.stack([base + np.uint64(d * cell.slot_bytes) + offs, np.full(K, S, np.uint64)], axis=1)
                 check_ranges_within(rd.ranges, rem)
@@ -611,26 +622,31 @@ class NixlRawConsumer:
             self._read(idx, 0)  # wire-up, outside the timed repetitions
 
     def _read(self, idx: int, slot: int) -> None:
-        x = self.ep.read(self.peers[idx], self.local, self.slots[idx][slot])
+        peer, slots = self.peers[idx], self.slots[idx]
+        if peer is None or slots is None:
+            raise RuntimeError(f"nixl-raw: producer {idx} sent no metadata")
+        x = self.ep.read(peer, self.local, slots[slot])
         try:
             x.wait(60)
         finally:
             x.release()
 
-    def recv(self):
+    def recv(self) -> Received:
         while not self.ready:
-            self.ready = list(self._wait(self.live))
+            self.ready = cast("list[Connection]", self._wait(self.live))  # a subset of live
         conn = self.ready.pop(0)
         idx, g, slot, flags, expected = unpack_header(conn.recv_bytes())
         if flags & BYE:
             self.live.remove(conn)
-            self.ep.remove_peer(self.peers[idx])
+            peer = self.peers[idx]
+            if peer is not None:
+                self.ep.remove_peer(peer)
             conn.send_bytes(ACK.pack(-1, 1))  # the producer may deregister now
             return idx, g, slot, flags, expected, []
         self._read(idx, slot)
         return idx, g, slot, flags, expected, self.items
 
-    def ack(self, idx, g, ok) -> None:
+    def ack(self, idx: int, g: int, ok: bool) -> None:
         self.conns[idx].send_bytes(ACK.pack(g, ok))
 
     def close(self) -> None:
@@ -639,7 +655,7 @@ class NixlRawConsumer:
             c.close()
 
 
-CONSUMERS = {
+CONSUMERS: dict[str, Callable[[Cell, Spec], Consumer]] = {
     "zmq-copy": ZmqConsumer,
     "zmq-zerocopy": ZmqConsumer,
     "mp-queue": QueueConsumer,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
-from typing import Callable
+from collections.abc import Sequence
+from typing import Any, Callable, Protocol, TypeAlias
 
 import numpy as np
 
@@ -73,6 +74,44 @@ METHOD_LABELS = {
     "limit:read": "in-process u64 read (one core)",
     "limit:checksum": "in-process checksum64 (one core)",
 }
+
+
+#: What a checksum reads: an array or any bytes-like object.
+Bytes: TypeAlias = "np.ndarray | bytes | bytearray | memoryview"
+#: A channel's plumbing for one process (endpoints, pipes, queues): picklable, keys per method.
+Spec: TypeAlias = dict[str, Any]
+#: A measurement's record (a cell's result, a process's stats): JSON-shaped, keys per kind.
+Record: TypeAlias = dict[str, Any]
+#: Per size, per limit (``limit:memcpy`` ...): its measured record.
+Limits: TypeAlias = dict[int, dict[str, Record]]
+#: What a consumer receives per group: producer, group, slot, flags, expected checksums, items.
+Received: TypeAlias = "tuple[int, int, int, int, Sequence[int] | None, list[np.ndarray]]"
+
+
+class Producer(Protocol):
+    """A producer's end of a channel, as the generic loop (``workers``) drives it."""
+
+    @property
+    def buffer(self) -> np.ndarray | None:
+        """``depth`` slots of ``batch`` items, or None where each group's memory is loaned."""
+
+    def submit(self, g: int, slot: int, verify: bool, expected: Sequence[int] | None) -> None: ...
+
+    def poll(self, block: bool) -> list[tuple[int, bool]]: ...
+
+    def bye(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Consumer(Protocol):
+    """A consumer's end of a channel: ``recv`` a group, ``ack`` it (producer, group, ok)."""
+
+    def recv(self) -> Received: ...
+
+    def ack(self, idx: int, g: int, ok: bool) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class BenchFailure(RuntimeError):
@@ -145,7 +184,7 @@ class Cell:
                 f"P={self.producers} D={self.depth}")
 
 
-def fallback_checksum64(buf) -> int:
+def fallback_checksum64(buf: Bytes) -> int:
     """Used only when ``transfer.checksum64`` does not exist yet (baselines only)."""
     a = np.frombuffer(buf, dtype=np.uint8)
     n8 = len(a) // 8 * 8
@@ -155,10 +194,10 @@ def fallback_checksum64(buf) -> int:
     return (s ^ len(a)) & 0xFFFFFFFFFFFFFFFF
 
 
-def get_checksum() -> tuple[Callable[[object], int], str]:
+def get_checksum() -> tuple[Callable[[Bytes], int], str]:
     """The checksum every method uses: transfer's own (the daemon's) when available."""
     try:
-        from transfer import checksum64  # type: ignore[attr-defined]
+        from transfer import checksum64
     except Exception:  # pragma: no cover - core not there yet
         return fallback_checksum64, "fallback (transfer.checksum64 unavailable)"
     return checksum64, "transfer.checksum64"

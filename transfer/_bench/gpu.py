@@ -120,7 +120,7 @@ def _cupy_loop(kind: str, size: int, depth: int, compute: bool, seconds: float, 
         for k in range(g * group, (g + 1) * group):
             _stamp(host[k * size : (k + 1) * size], seq)
             cp.cuda.runtime.memcpyAsync(dev.data.ptr + k * size, host.ctypes.data + k * size, size, 1, stream.ptr)
-            if kernel is not None:
+            if kernel is not None and out is not None:  # both are there with compute
                 with stream:
                     kernel.run([dev[k * size : (k + 1) * size].reshape(n, *IMAGE)], [out[k]], params, cp)
         ev = cp.cuda.Event(block=False, disable_timing=True)
@@ -233,7 +233,7 @@ def _run_processes(n: int, method: str, endpoint: str, size: int, depth: int, co
 
 def run(sizes: list[int], *, depth: int = 8, reps: int = 3, rep_s: float = 0.4, verify_slots: int = 16,
         compute_sizes: list[int] | None = None, line: Callable[[str], None] = print,
-        daemon_args: dict | None = None) -> dict[str, Any]:
+        daemon_args: dict[str, Any] | None = None) -> dict[str, Any]:
     """Both parts; returns rows of {part, method, size, producers, gbps, gbps_reps, vs_pinned}."""
     import cupy as cp
 

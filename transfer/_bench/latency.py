@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .common import method_available
+from .common import Spec, method_available
 
 NBYTES = 64
 METHODS = ("transfer", "transfer-socket", "transfer-trio", "transfer-asyncio", "shm-pipe", "iceoryx2", "zmq-copy", "torch-mp")
@@ -149,7 +149,7 @@ class _ShmRound:
 def _zmq_consumer(addr: str) -> None:
     import zmq
 
-    s = zmq.Context.instance().socket(zmq.PAIR)
+    s: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PAIR)
     s.connect(addr)
     dst = np.empty(NBYTES, np.uint8)
     while True:
@@ -166,7 +166,7 @@ def _zmq_copy(rounds: int, warmup: int) -> list[float]:
 
     d = tempfile.mkdtemp(prefix="transfer-bench-lat-")
     addr = f"ipc://{d}/pair"
-    s = zmq.Context.instance().socket(zmq.PAIR)
+    s: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PAIR)
     s.bind(addr)
     p = mp.get_context("spawn").Process(target=_zmq_consumer, args=(addr,), daemon=True)
     p.start()
@@ -222,7 +222,7 @@ def _torch_mp(rounds: int, warmup: int) -> list[float]:
 _IOX_QUIT = 1  # the ping event id that ends the consumer; 0 is "a sample is there"
 
 
-def _iox_ports(spec: dict, producer: bool) -> tuple[Any, list[Any], Any, Any]:
+def _iox_ports(spec: Spec, producer: bool) -> tuple[Any, list[Any], Any, Any]:
     """(node, [services], the data port, (notifier, listener)) for one side of the round trip."""
     import ctypes
 
@@ -245,7 +245,7 @@ def _iox_ports(spec: dict, producer: bool) -> tuple[Any, list[Any], Any, Any]:
     return node, [data, ping, pong], port, ends
 
 
-def _iox_consumer(spec: dict) -> None:
+def _iox_consumer(spec: Spec) -> None:
     import iceoryx2 as iox
 
     node, services, sub, (pong, ping) = _iox_ports(spec, producer=False)

@@ -7,7 +7,7 @@ from typing import Callable
 
 import numpy as np
 
-from .common import now
+from .common import Bytes, now
 
 
 def _time_op(fn: Callable[[], object], nbytes: int, budget_s: float, reps: int) -> list[float]:
@@ -30,7 +30,7 @@ def _time_op(fn: Callable[[], object], nbytes: int, budget_s: float, reps: int) 
     return samples
 
 
-def measure_limits(size: int, checksum: Callable[[object], int], budget_s: float = 0.3,
+def measure_limits(size: int, checksum: Callable[[Bytes], int], budget_s: float = 0.3,
                    reps: int = 5) -> dict[str, dict[str, float]]:
     """{'limit:memcpy': {...}, 'limit:read': {...}, 'limit:checksum': {...}} for ``size`` bytes."""
     src = np.empty(size, np.uint8)

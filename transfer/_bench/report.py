@@ -8,16 +8,20 @@ import platform
 import shutil
 import subprocess
 import textwrap
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
-from .common import METHOD_LABELS, fmt_size
+from .common import METHOD_LABELS, Limits, Record, fmt_size
+
+if TYPE_CHECKING:
+    from rich.console import JustifyMethod
+    from rich.table import Table
 
 #: remote: the READ lands bytes in a buffer, as a memcpy does (cma: process_vm_readv).
 LIMIT_FOR_MODE = {"local": "limit:memcpy", "compute": "limit:read", "remote": "limit:memcpy"}
 BASELINE_COLS = (("shm-pipe", "x shm-pipe"), ("zmq-copy", "x zmq-copy"), ("zmq-zerocopy", "x zmq-0copy"), ("nixl-raw", "x nixl-raw"))
 
 
-def _has_remote(results: list[dict]) -> bool:
+def _has_remote(results: list[Record]) -> bool:
     """The ``x nixl-raw`` column is shown only when a remote baseline ran."""
     return any(r["method"] == "nixl-raw" for r in results)
 
@@ -84,13 +88,13 @@ def nvidia_smi() -> str | None:
 # ---------------------------------------------------------------------- ratios
 
 
-def _key(r: dict) -> tuple:
+def _key(r: Record) -> tuple[Any, ...]:
     return (r["mode"], r["size"], r["producers"], r.get("depth"), r.get("batch"))
 
 
-def add_ratios(results: list[dict], limits: dict[int, dict[str, dict]]) -> None:
+def add_ratios(results: list[Record], limits: Limits) -> None:
     """Adds ``vs_<baseline>`` and ``vs_limit`` (same run, same size/producers/depth)."""
-    by_key: dict[tuple, dict[str, dict]] = {}
+    by_key: dict[tuple[Any, ...], dict[str, Record]] = {}
     for r in results:
         by_key.setdefault(_key(r), {})[r["method"]] = r
     for r in results:
@@ -104,7 +108,7 @@ def add_ratios(results: list[dict], limits: dict[int, dict[str, dict]]) -> None:
         r["vs_limit"] = r["gbps"] / lim["gbps"] if lim else None
 
 
-def limit_rows(limits: dict[int, dict[str, dict]]) -> list[dict]:
+def limit_rows(limits: Limits) -> list[Record]:
     rows = []
     for size, lims in sorted(limits.items()):
         for name, v in lims.items():
@@ -118,7 +122,7 @@ def limit_rows(limits: dict[int, dict[str, dict]]) -> list[dict]:
 # ---------------------------------------------------------------------- table
 
 
-def _f(x, fmt: str, none: str = "-") -> str:
+def _f(x: float | None, fmt: str, none: str = "-") -> str:
     return none if x is None else format(x, fmt)
 
 
@@ -138,12 +142,12 @@ def _us(x: float | None) -> str:
     return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
 
 
-def render_table(results: list[dict], limits: dict[int, dict[str, dict]], title: str):
+def render_table(results: list[Record], limits: Limits, title: str) -> Table:
     from rich.table import Table
 
     t = Table(title=title, title_justify="left", header_style="bold")
     nixl = _has_remote(results)
-    cols = [("method", "left"), ("mode", "left"), ("size", "right"), ("P", "right"),
+    cols: list[tuple[str, JustifyMethod]] = [("method", "left"), ("mode", "left"), ("size", "right"), ("P", "right"),
             ("D", "right"), ("GB/s", "right"), ("min-max", "right"), ("req/s", "right"),
             ("p50 µs", "right"), ("p99 µs", "right"), ("x shm-pipe", "right"), ("x zmq-copy", "right"),
             ("x zmq-0copy", "right")]
@@ -187,7 +191,7 @@ _METHOD_ORDER = {m: i for i, m in enumerate(
      "nixl-raw"))}
 
 
-def markdown_table(results: list[dict], limits: dict[int, dict[str, dict]]) -> str:
+def markdown_table(results: list[Record], limits: Limits) -> str:
     """The same table as Markdown (for docs/benchmarks.md)."""
     nixl = _has_remote(results)
     head = ("| method | mode | size | P | D | GB/s | min–max | req/s | p50 µs | p99 µs "
@@ -218,9 +222,9 @@ def markdown_table(results: list[dict], limits: dict[int, dict[str, dict]]) -> s
 # ---------------------------------------------------------------------- JSON / plot
 
 
-def write_json(path: str, machine: dict, config: dict, results: list[dict],
-               limits: dict[int, dict[str, dict]], notes: list[str], gpu: dict | None = None,
-               latency: dict | None = None) -> None:
+def write_json(path: str, machine: Record, config: Record, results: list[Record],
+               limits: Limits, notes: list[str], gpu: Record | None = None,
+               latency: Record | None = None) -> None:
     doc = {"machine": machine, "config": config, "notes": notes,
            "results": [_clean(r) for r in results] + limit_rows(limits)}
     if gpu is not None:  # the gpu mode's own rows (_bench.gpu): its methods are not the cells'
@@ -234,11 +238,11 @@ def write_json(path: str, machine: dict, config: dict, results: list[dict],
         f.write("\n")
 
 
-def _clean(r: dict) -> dict:
+def _clean(r: Record) -> Record:
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
 
 
-def write_plot(path: str, results: list[dict], limits: dict[int, dict[str, dict]], title: str) -> None:
+def write_plot(path: str, results: list[Record], limits: Limits, title: str) -> None:
     try:
         import matplotlib
 
@@ -252,7 +256,7 @@ def write_plot(path: str, results: list[dict], limits: dict[int, dict[str, dict]
         rows = [r for r in results if r["mode"] == mode]
         if rows:
             pmax = max(r["producers"] for r in rows)
-            depths = sorted({r.get("depth") for r in rows if r["producers"] == pmax})
+            depths = sorted({r["depth"] for r in rows if r["producers"] == pmax and r.get("depth") is not None})
             dsel = max(depths) if depths else None
             rows = [r for r in rows if r["producers"] == pmax and r.get("depth") == dsel]
         for m in _METHOD_ORDER:
@@ -265,9 +269,9 @@ def write_plot(path: str, results: list[dict], limits: dict[int, dict[str, dict]
             ax.errorbar(xs, ys, yerr=[[y - a for y, a in zip(ys, lo)], [b - y for y, b in zip(ys, hi)]],
                         marker="o", markersize=3.5, capsize=2, label=m, **kw)
         lim = LIMIT_FOR_MODE[mode]
-        pts = sorted((s, v[lim]["gbps"]) for s, v in limits.items() if lim in v)
-        if pts:
-            xs, ys = zip(*pts)
+        lim_pts = sorted((s, v[lim]["gbps"]) for s, v in limits.items() if lim in v)
+        if lim_pts:
+            xs, ys = zip(*lim_pts)
             ax.plot(xs, ys, "k--", linewidth=1.5, label=f"{lim} (1 core)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -288,12 +292,12 @@ def describe_methods(methods: Iterable[str]) -> list[str]:
     return [f"{m}: {METHOD_LABELS.get(m, m)}" for m in methods]
 
 
-def load_json(path: str) -> tuple[dict, list[dict], dict[int, dict[str, dict]]]:
+def load_json(path: str) -> tuple[Record, list[Record], Limits]:
     """(document, results, limits) from a file written by :func:`write_json`."""
     with open(path) as f:
         doc = json.load(f)
     results = [r for r in doc["results"] if not r["method"].startswith("limit:")]
-    limits: dict[int, dict[str, dict]] = {}
+    limits: Limits = {}
     for r in doc["results"]:
         if r["method"].startswith("limit:"):
             limits.setdefault(r["size"], {})[r["method"]] = r

@@ -11,13 +11,14 @@ import shutil
 import statistics
 import tempfile
 import uuid
-from typing import Any, Callable
+from collections.abc import Iterable
+from typing import Any, Callable, cast
 
 import numpy as np
 
 from ._iceoryx import iox_prefix
 from .channels import make_plumbing
-from .common import BenchFailure, Cell, now
+from .common import BenchFailure, Cell, Record, Spec, now
 from .workers import consumer_main, producer_main
 
 #: Seconds between sending "rep" and its synchronized start.
@@ -64,7 +65,7 @@ class Runner:
     """Owns everything a run creates: temp dir, daemon, forkserver children, shm files."""
 
     def __init__(self, *, need_daemon: bool, reps: int, rep_s: float, warmup_s: float,
-                 daemon_args: dict | None = None) -> None:
+                 daemon_args: dict[str, Any] | None = None) -> None:
         self.need_daemon = need_daemon
         self.reps = reps
         self.rep_s = rep_s
@@ -74,8 +75,8 @@ class Runner:
         self.run_id = f"transfer-bench-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._stack = contextlib.ExitStack()
         self._procs: list[mp.process.BaseProcess] = []
-        self._eof: set = set()
-        self._inbox: dict[str, list] = {}
+        self._eof: set[mpc.Connection] = set()
+        self._inbox: dict[str, list[tuple[Any, ...]]] = {}  # messages that came early
 
     def __enter__(self) -> "Runner":
         try:
@@ -96,7 +97,7 @@ class Runner:
             raise
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._stack.close()
 
     # ------------------------------------------------------------------ cleanup
@@ -120,9 +121,9 @@ class Runner:
 
     # ------------------------------------------------------------------ one cell
 
-    def run_cell(self, cell: Cell, on_rep: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    def run_cell(self, cell: Cell, on_rep: Callable[[int, int], None] | None = None) -> Record:
         cons_spec, prod_specs = make_plumbing(cell, self.ctx, self.run_dir, self.run_id, self.endpoint)
-        workers: dict[str, tuple[Any, mp.process.BaseProcess]] = {}
+        workers: dict[str, tuple[mpc.Connection, mp.process.BaseProcess]] = {}
         try:
             if cons_spec is not None:
                 workers["consumer"] = self._start(consumer_main, (cell, None, cons_spec))
@@ -132,7 +133,7 @@ class Runner:
             self._collect(workers, set(workers), "ready", timeout=60)
             producers = sorted(k for k in workers if k.startswith("p"))
             total = 1 + self.reps
-            reps: list[dict] = []
+            reps: list[Record] = []
             for r in range(total):
                 dur = self.warmup_s if r == 0 else self.rep_s
                 t_start = now() + START_LEAD_S
@@ -169,7 +170,7 @@ class Runner:
             self._remove_shm()
         return _summarize(cell, reps)
 
-    def _start(self, target, args) -> tuple[Any, mp.process.BaseProcess]:
+    def _start(self, target: Callable[..., None], args: tuple[Any, ...]) -> tuple[mpc.Connection, mp.process.BaseProcess]:
         parent, child = self.ctx.Pipe(duplex=True)
         args = tuple(child if a is None else a for a in args)
         p = self.ctx.Process(target=target, args=args, daemon=True)
@@ -178,7 +179,8 @@ class Runner:
         self._procs.append(p)
         return parent, p
 
-    def _collect(self, workers, keys: set[str], kind: str, timeout: float) -> dict[str, Any]:
+    def _collect(self, workers: dict[str, tuple[mpc.Connection, mp.process.BaseProcess]], keys: set[str],
+                 kind: str, timeout: float) -> dict[str, Any]:
         """Wait for message ``kind`` from every worker in ``keys``; fail fast on errors/deaths."""
         out: dict[str, Any] = {}
         deadline = now() + timeout
@@ -194,7 +196,8 @@ class Runner:
             left = deadline - now()
             if left <= 0:
                 raise BenchFailure(f"timed out waiting for {kind!r} from {sorted(keys - set(out))}")
-            for conn in mpc.wait(list(by_conn), timeout=min(left, 0.5)):
+            ready = cast("list[mpc.Connection]", mpc.wait(list(by_conn), timeout=min(left, 0.5)))  # of by_conn
+            for conn in ready:
                 k = by_conn[conn]
                 try:
                     msg = conn.recv()
@@ -222,7 +225,7 @@ class Runner:
         return out
 
 
-def _close_parent_copies(specs) -> None:
+def _close_parent_copies(specs: Iterable[Spec | None]) -> None:
     """The coordinator keeps no ends of the data plumbing (so EOFs propagate)."""
     for spec in specs:
         if not spec:
@@ -233,7 +236,7 @@ def _close_parent_copies(specs) -> None:
                     obj.close()
 
 
-def _aggregate(stats: list[dict]) -> dict[str, Any]:
+def _aggregate(stats: list[Record]) -> Record:
     t0 = min(s["t_first"] for s in stats)
     t1 = max(s["t_last"] for s in stats)
     dt = max(t1 - t0, 1e-9)
@@ -244,7 +247,7 @@ def _aggregate(stats: list[dict]) -> dict[str, Any]:
             "seconds": dt, "verified_groups": sum(s["verified_groups"] for s in stats)}
 
 
-def _summarize(cell: Cell, reps: list[dict]) -> dict[str, Any]:
+def _summarize(cell: Cell, reps: list[Record]) -> Record:
     gb = [r["gbps"] for r in reps]
     rps = [r["rps"] for r in reps]
     lat = np.concatenate([r["lat"] for r in reps]) if reps else np.zeros(0)

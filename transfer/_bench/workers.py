@@ -16,21 +16,27 @@ from __future__ import annotations
 
 import time
 import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
 
 import numpy as np
 
 from .channels import BYE, CONSUMERS, PRODUCERS, VERIFY
-from .common import Cell, get_checksum, now, stamp
+from .common import Bytes, Cell, Consumer, Producer, Record, Spec, get_checksum, now, stamp
 
 
-def producer_main(idx: int, cell: Cell, ctrl, spec: dict) -> None:
-    ch = None
+def producer_main(idx: int, cell: Cell, ctrl: Connection, spec: Spec) -> None:
+    ch: Producer | None = None
     try:
         cks, _ = get_checksum()
         ch = PRODUCERS[cell.method](cell, idx, spec)
         D, K, S = cell.depth, cell.batch, cell.size
+        views: list[list[np.ndarray]]
+        words: list[list[np.ndarray]]
         if getattr(ch, "loan", None) is None:  # a fixed buffer of depth slots
-            views = [[ch.buffer[(d * K + i) * S:(d * K + i + 1) * S] for i in range(K)] for d in range(D)]
+            buf = ch.buffer
+            assert buf is not None, f"{cell.method}: neither a buffer nor a loan"
+            views = [[buf[(d * K + i) * S:(d * K + i + 1) * S] for i in range(K)] for d in range(D)]
             words = [[v.view(np.uint64) for v in slot] for slot in views]
         else:  # iceoryx2: each group is written into memory the channel loans for it
             views = words = []
@@ -59,7 +65,9 @@ def producer_main(idx: int, cell: Cell, ctrl, spec: dict) -> None:
                 pass
 
 
-def _run_rep(idx, cell: Cell, ch, views, words, cks, g, t_start, t_end, verify_every):
+def _run_rep(idx: int, cell: Cell, ch: Producer, views: list[list[np.ndarray]], words: list[list[np.ndarray]],
+             cks: Callable[[Bytes], int], g: int, t_start: float, t_end: float,
+             verify_every: int) -> tuple[Record, int]:
     D, K = cell.depth, cell.batch
     loan = getattr(ch, "loan", None)
     inflight: dict[int, tuple[int, float]] = {}  # slot -> (group, submit time)
@@ -68,7 +76,7 @@ def _run_rep(idx, cell: Cell, ch, views, words, cks, g, t_start, t_end, verify_e
     verified = 0
     mismatches: list[int] = []
 
-    def handle(completions):
+    def handle(completions: list[tuple[int, bool]]) -> None:
         nonlocal done_items
         t = now()
         for gg, ok in completions:
@@ -113,8 +121,8 @@ def _run_rep(idx, cell: Cell, ch, views, words, cks, g, t_start, t_end, verify_e
              "mismatches": mismatches}, g)
 
 
-def consumer_main(cell: Cell, ctrl, spec: dict) -> None:
-    ch = None
+def consumer_main(cell: Cell, ctrl: Connection, spec: Spec) -> None:
+    ch: Consumer | None = None
     try:
         cks, _ = get_checksum()
         ch = CONSUMERS[cell.method](cell, spec)
@@ -128,20 +136,22 @@ def consumer_main(cell: Cell, ctrl, spec: dict) -> None:
         dev_items = [dev[i * S:(i + 1) * S] for i in range(cell.batch)] if copy_in else []
         ctrl.send(("ready", {}))
         byes = groups = checked = 0
-        mismatches = []
+        mismatches: list[tuple[int, int]] = []
         while byes < cell.producers:
             idx, g, slot, flags, expected, items = ch.recv()
             if flags & BYE:
                 byes += 1
                 continue
             verify = bool(flags & VERIFY)
+            if verify and expected is None:
+                raise RuntimeError(f"producer {idx}'s group {g} is to be verified but carries no checksums")
             ok = True
             for i, v in enumerate(items):
                 if copy_in:
                     np.copyto(dev_items[i], v)
                 if verify or check_all:
                     c = cks(v)
-                    if verify and c != expected[i]:
+                    if verify and expected is not None and c != expected[i]:
                         ok = False
             if verify:
                 checked += 1

@@ -44,7 +44,7 @@ class CupyBackend(StreamBackend):
 
         super().__init__()
         self.cp = cupy
-        self._count = cupy.cuda.runtime.getDeviceCount()
+        self._count: int = cupy.cuda.runtime.getDeviceCount()
         self._streams: dict[Key, Any] = {}
         self._lock = threading.Lock()
         for dev in range(self._count):  # compile the checksum's reduction now, not on a request

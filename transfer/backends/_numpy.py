@@ -40,7 +40,7 @@ class NumpyBackend(Backend):
 
     @staticmethod
     def view(span: Span) -> np.ndarray:
-        base = span.mem.array if span.kind == SegmentKind.HOST else span.mem
+        base: np.ndarray = span.mem.array if span.kind == SegmentKind.HOST else span.mem
         return base[span.offset : span.offset + span.nbytes]
 
     def copy(self, dst: Span, src: Span) -> None:

@@ -201,7 +201,7 @@ class StreamBackend(Backend):
         """checksum64 of 8-byte-aligned device memory; waits for the stream (the result is a host int)."""
 
     @abc.abstractmethod
-    def _launch(self, kernel: Any, inputs: list[tuple[Any, Any]], outputs: list[tuple[Any, Any]], params: Any, device: int) -> Any:
+    def _launch(self, kernel: Any, inputs: list[tuple[Any, Any, int]], outputs: list[tuple[Any, Any, int]], params: Any, device: int) -> Any:
         """Queue a kernel on (TensorRef, device memory at an aligned address) operands: (ref, mem, offset)."""
 
     @abc.abstractmethod
@@ -227,7 +227,8 @@ class StreamBackend(Backend):
     # --- ordering ---------------------------------------------------------------------------------
     @staticmethod
     def _host_view(span: Span) -> np.ndarray:
-        return span.mem.array[span.offset : span.offset + span.nbytes]
+        view: np.ndarray = span.mem.array[span.offset : span.offset + span.nbytes]
+        return view
 
     def _queued_host(self, device: int, span: Span, writes: bool) -> None:
         """Queued work on this thread's lane of `device` reads (or writes) this host range until synchronized."""
@@ -258,7 +259,8 @@ class StreamBackend(Backend):
     def _retire(self, key: Key, mark: int) -> None:
         """What was queued on `key` before `mark` is done (or failed): forget its ranges and scratch."""
         with self._pending_lock:
-            for table in (self._host_pending, self._live_scratch):
+            tables: tuple[dict[Key, list[Any]], ...] = (self._host_pending, self._live_scratch)  # entries: (mark, ...)
+            for table in tables:
                 entries = table.get(key)
                 if entries:
                     entries[:] = [e for e in entries if e[0] > mark]

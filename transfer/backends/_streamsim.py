@@ -236,7 +236,7 @@ class StreamSimBackend(StreamBackend):
         return (_DEV, a, a + span.nbytes)
 
     def _bytes(self, span: Span) -> np.ndarray:
-        base = span.mem.array if span.kind == SegmentKind.HOST else span.mem.data
+        base: np.ndarray = span.mem.array if span.kind == SegmentKind.HOST else span.mem.data
         return base[span.offset : span.offset + span.nbytes]
 
     def _enqueue(self, device: int, work: _Work) -> None:
@@ -335,7 +335,8 @@ class StreamSimBackend(StreamBackend):
         from ..kernels import OPERATORS, tensor_extent
 
         fault = None
-        reads, writes = [], []
+        reads: list[tuple[int, int, int]] = []
+        writes: list[tuple[int, int, int]] = []
         for k, (t, mem, off) in enumerate((*inputs, *outputs)):
             item = t.np_dtype.itemsize
             a = mem.address + off

@@ -29,7 +29,7 @@ def _private_dir(path: Path) -> None:
     os.chmod(path, 0o700)
 
 
-def keygen(directory: str | os.PathLike, clients: list[str] | tuple[str, ...] = ("client",)) -> dict[str, str]:
+def keygen(directory: str | os.PathLike[str], clients: list[str] | tuple[str, ...] = ("client",)) -> dict[str, str]:
     """Create the server pair (if missing) and a pair per client name; return the paths."""
     import zmq.auth
 

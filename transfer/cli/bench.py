@@ -31,6 +31,12 @@ import argparse
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
+
+    from transfer._bench.common import Cell, Limits, Record
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -82,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _main(args) -> int:
+def _main(args: argparse.Namespace) -> int:
     t_wall = time.perf_counter()
     from transfer._bench import common, report, runner
     from transfer._bench.common import BenchFailure, Cell, fmt_size
@@ -173,8 +179,8 @@ def _main(args) -> int:
     progress = _Progress(len(cells), len(sizes), plain=args.no_progress or not sys.stderr.isatty())
     for n in notes:
         progress.line(f"note: {n}")
-    results: list[dict] = []
-    limits: dict[int, dict] = {}
+    results: list[Record] = []
+    limits: Limits = {}
     from transfer._bench.limits import measure_limits
 
     with progress:
@@ -268,22 +274,22 @@ class _Progress:
         self.ncells = ncells
         self.nlimits = nlimits
         self.done = 0
-        self._p = None
+        self._p: Progress | None = None
 
-    def __enter__(self):
+    def __enter__(self) -> _Progress:
         if not self.plain:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self._p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                               TimeElapsedColumn(), console=Console(stderr=True), transient=True)
-            self._p.__enter__()
-            self._lim = self._p.add_task("physical limits", total=self.nlimits)
-            self._all = self._p.add_task("cells", total=self.ncells)
-            self._cur = self._p.add_task("", total=1, visible=False)
+            self._p = p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                   TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+            p.__enter__()
+            self._lim: TaskID = p.add_task("physical limits", total=self.nlimits)
+            self._all: TaskID = p.add_task("cells", total=self.ncells)
+            self._cur: TaskID = p.add_task("", total=1, visible=False)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def stop(self) -> None:
@@ -307,7 +313,7 @@ class _Progress:
     def start_limit(self, size: int) -> None:
         pass
 
-    def start_cell(self, cell) -> None:
+    def start_cell(self, cell: Cell) -> None:
         if self._p is not None:
             self._p.update(self._cur, description=cell.describe(), completed=0, total=1, visible=True)
 

@@ -63,7 +63,7 @@ def config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None
     return S.resolve(S.flags_from_args(args), env, args.config)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _serve_main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         resolved = config_from_args(args)
@@ -136,12 +136,8 @@ def _first_leaf(exc: BaseException) -> BaseException:
     return exc
 
 
-
-# `transferd keygen DIR`: CURVE keys (transfer/cli/_keys.py); everything else serves.
-_serve_main = main
-
-
-def main(argv: list[str] | None = None) -> int:  # noqa: F811
+def main(argv: list[str] | None = None) -> int:
+    """`transferd keygen DIR`: CURVE keys (transfer/cli/_keys.py); everything else serves."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["keygen"]:
         from ._keys import main as keygen_main

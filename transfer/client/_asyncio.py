@@ -52,7 +52,7 @@ class AsyncioPending(AwaitablePending):
 class AsyncioClient(LoopSession):
     """A session with a transfer daemon inside an asyncio program; made by `open_asyncio_client`."""
 
-    def __init__(self, endpoint: str, sock: zmq.Socket, liveness_timeout: float, max_inflight: int) -> None:
+    def __init__(self, endpoint: str, sock: zmq.Socket[bytes], liveness_timeout: float, max_inflight: int) -> None:
         super().__init__(endpoint, sock, AsyncioPending, liveness_timeout, max_inflight)
         self._loop = asyncio.get_running_loop()
         self._pump = AsyncioPump(sock, self._loop, self._on_message, self._pump_failed)

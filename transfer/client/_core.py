@@ -21,6 +21,7 @@ from .. import protocol as P
 from ..transport._fds import fetch_fd
 from ._deferred import DeferredState
 from ._pending import Pending
+from ._remote import RemoteAgent
 from ._resources import HostSegment
 from ._ringlink import RingLink
 
@@ -54,7 +55,7 @@ class ClientCore:
         self.deferred: DeferredState | None = None
         self.ring: RingLink | None = None
         self.segments: dict[int, HostSegment] = {}
-        self.remote: Any = None  # the NIXL agent, made by the first register_remote
+        self.remote: RemoteAgent | None = None  # the NIXL agent, made by the first register_remote
         self.session_id = 0
         self.server_pid = 0
         self.backend: dict[str, Any] = {}

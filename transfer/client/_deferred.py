@@ -16,6 +16,7 @@ import itertools
 import os
 import sys
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -33,9 +34,9 @@ _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def creation_site() -> str:
     """file:line of the first frame outside this package (where the user created the resource)."""
-    f = sys._getframe(1)
+    f: FrameType | None = sys._getframe(1)
     while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_PKG_DIR):
-        f = f.f_back  # type: ignore[assignment]
+        f = f.f_back
     if f is None:
         return "<unknown>"
     return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
@@ -74,6 +75,8 @@ _ids = itertools.count(1)
 
 class Tensor:
     """A tensor descriptor with a client-side id: created and changed here, defined at first use."""
+
+    ref: TensorRef  # the current description (set() makes each one)
 
     def __init__(self, owner: Any, shape: Sequence[int], dtype: Any, offset: int = 0, strides: Sequence[int] | None = None) -> None:
         self.id = next(_ids)

@@ -47,7 +47,7 @@ class LoopSession(Session):
     #: event loop can poll a pipe, but cannot sleep on the ring's futex.
     _completion_bell = True
 
-    def __init__(self, endpoint: str, sock: zmq.Socket, pending_cls: type[AwaitablePending], liveness_timeout: float,
+    def __init__(self, endpoint: str, sock: zmq.Socket[bytes], pending_cls: type[AwaitablePending], liveness_timeout: float,
                  max_inflight: int) -> None:
         super().__init__(endpoint, pending_cls, self._wait)
         self._sock = sock
@@ -98,7 +98,8 @@ class LoopSession(Session):
                 p = op.throw(failed) if failed is not None else op.send(None)
             except StopIteration as stop:
                 await self._checkpoint()
-                return stop.value  # type: ignore[no-any-return]
+                result: T = stop.value
+                return result
             failed = None
             try:
                 await self._wait(p, None if deadline is None else max(0.0, deadline - time.monotonic()))

@@ -180,6 +180,7 @@ class SlotPool:
         while not self._free:
             if self._in_flight:
                 wait_on = self._in_flight[0].pending
+                assert wait_on is not None  # set before a slot goes in flight (_hand_over)
             else:  # every slot is held by the caller's code: only a release helps
                 if self._released is None:
                     self._released = self.client._core.signal()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import numpy as np
 
@@ -53,24 +53,22 @@ def _chain(req: P.CopyV) -> np.ndarray:
 def _descriptors(req: P.Request) -> tuple[bytes | np.ndarray, int]:
     """A request's descriptors and their count: one packed descriptor, a CopyV's chain (an
     array), none for a Wait marker. Raises struct.error for a field out of range."""
-    t = type(req)
-    if t is P.Copy:
+    if type(req) is P.Copy:  # type(req) each time, not once: mypy narrows `req` by it
         return _PACK(_COPY, 0, req.stream, req.id, req.dst, req.src, req.nbytes, 0, 0, 0), 1
-    if t is P.CopyV:
+    if type(req) is P.CopyV:
         return _chain(req), len(req.dst)
-    if t is P.Fill:
+    if type(req) is P.Fill:
         return _PACK(_FILL, 0, req.stream, req.id, req.dst, 0, req.nbytes, req.value, 0, 0), 1
-    if t is P.Checksum:
+    if type(req) is P.Checksum:
         return _PACK(_CHECKSUM, 0, req.stream, req.id, 0, req.src, req.nbytes, 0, 0, 0), 1
-    if t is P.Fence:
+    if type(req) is P.Fence:
         return _PACK(_FENCE, 0, req.stream, req.id, 0, 0, 0, 0, 0, 0), 1
     return b"", 0  # a Wait marker: the ring has no round-trip accounting to do
 
 
 def descriptors_of(req: P.Request) -> int:
     """How many descriptors (credits) a ring-able request takes."""
-    t = type(req)
-    return len(req.dst) if t is P.CopyV else (0 if t is P.Wait else 1)
+    return len(req.dst) if type(req) is P.CopyV else (0 if type(req) is P.Wait else 1)
 
 
 class RingLink:
@@ -120,10 +118,9 @@ class RingLink:
 
     def takes(self, req: P.Request) -> bool:
         """Whether `req` may take this ring (a chain longer than the credits takes the socket)."""
-        t = type(req)
-        if t is P.CopyV:
+        if type(req) is P.CopyV:
             return 0 < len(req.dst) <= min(MAX_CHAIN, self.credits)
-        return t in _RING_TYPES
+        return type(req) in _RING_TYPES
 
     def takes_all(self, reqs: Sequence[P.Request]) -> bool:
         """`takes` for every one of `reqs`, by kind: one set, not a call per request."""
@@ -151,7 +148,7 @@ class RingLink:
                 continue
             take = groups[i : i + n]
             # One buffer of whole descriptors, published with one release store (and one wake).
-            data = take[0][2] if n == 1 else b"".join([g if type(g) is bytes else g.tobytes() for _, _, g, _ in take])
+            data = take[0][2] if n == 1 else b"".join([g if isinstance(g, bytes) else g.tobytes() for _, _, g, _ in take])
             if not self.ring.push_many(data) == used:  # cannot happen within credits unless the daemon broke the ring
                 raise E.ConnectionLost("the daemon stopped taking ring descriptors")
             for rid, valued, _, k in take:
@@ -161,9 +158,9 @@ class RingLink:
             i += n
 
     @staticmethod
-    def _forget(groups: Sequence[tuple[int, bool, Any]], pending: dict[int, Pending]) -> None:
+    def _forget(groups: Sequence[tuple[int, bool, bytes | np.ndarray, int]], pending: dict[int, Pending]) -> None:
         """Requests that never left: nobody will answer them."""
-        for rid, _, _ in groups:
+        for rid, _, _, _ in groups:
             pending.pop(rid, None)
 
     def reap(self, pending: dict[int, Pending], unobserved: list[Pending]) -> int:
@@ -172,7 +169,7 @@ class RingLink:
         n = ring.available()
         if not n:
             return 0
-        comps = [ring.pop()] if n == 1 else ring.pop_many().tolist()
+        comps = [cast("tuple[int, ...]", ring.pop())] if n == 1 else ring.pop_many().tolist()  # n available
         out = self.outstanding
         for rid, status, result, flags, _ in comps:
             entry = out.pop(rid, None)

@@ -244,7 +244,8 @@ class Session:
 
     def _op_share(self, resource: HostSegment | DeviceBuffer) -> Op[bytes]:
         """A token that lets another session name this segment's VAs (fan-in to one consumer)."""
-        return (yield from self._op_call(P.Share, resource.va))["token"]
+        token: bytes = (yield from self._op_call(P.Share, resource.va))["token"]
+        return token
 
     share = operation(_op_share)
 
@@ -294,7 +295,8 @@ class Session:
 
     def _op_stats(self) -> Op[dict[str, Any]]:
         """The daemon's counters, and this session's."""
-        return (yield from self._op_call(P.Stats))
+        stats: dict[str, Any] = yield from self._op_call(P.Stats)
+        return stats
 
     stats = operation(_op_stats)
 
@@ -376,7 +378,10 @@ class Session:
             objs = [op, *inputs, *outputs]
             if not all(isinstance(t, Tensor) for t in objs[1:]):
                 raise TypeError("compute with a Plan takes Tensor descriptors (client.tensor(...))")
-            ref = lambda o: (o.id, o.version)  # noqa: E731
+
+            def ref(o: Tensor | Plan) -> tuple[int, int]:
+                return o.id, o.version
+
             return self._submit(P.ComputeRef, [ref(op)], [ref(t) for t in inputs], [ref(t) for t in outputs], stream, objects=objs)
         ins = [t.ref if isinstance(t, Tensor) else t for t in inputs]
         outs = [t.ref if isinstance(t, Tensor) else t for t in outputs]
@@ -428,7 +433,7 @@ class Session:
         return self._run(self._op_call(cls, *args), timeout)
 
 
-def open_socket(endpoint: str, server_key: Any, client_keys: Any, connect_timeout: float) -> zmq.Socket:
+def open_socket(endpoint: str, server_key: Any, client_keys: Any, connect_timeout: float) -> zmq.Socket[bytes]:
     """A connected DEALER socket (CURVE on tcp:// when keyed); a refused handshake fails now.
 
     On ipc:// a socket file nobody listens on (a daemon killed with -9 leaves one) is
@@ -440,7 +445,7 @@ def open_socket(endpoint: str, server_key: Any, client_keys: Any, connect_timeou
     path = ipc_path(endpoint)
     if path is not None:
         _probe_ipc(endpoint, path)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)

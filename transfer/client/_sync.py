@@ -125,7 +125,8 @@ class Client(Session):
             try:
                 p = op.throw(failed) if failed is not None else op.send(None)
             except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
+                result: T = stop.value
+                return result
             failed = None
             try:
                 self._wait_for(p, None if deadline is None else max(0.0, deadline - time.monotonic()))
@@ -229,13 +230,13 @@ class Client(Session):
                 if core.socket_room(left) < len(chunk):
                     self._drain_until(lambda: core.socket_room(left) >= len(chunk), None)
                 for frame in core.encode(chunk):
-                    self._sock.send(frame, copy=len(frame) < 65536)
+                    self._sock.send(frame, 0, copy=len(frame) < 65536)
                     self.frames_sent += 1
             self._last_tx = time.monotonic()
 
     def _poll_once(self, step: float) -> None:
         """One look at the socket and the daemon's pidfd (waiting up to `step` seconds)."""
-        events = dict(self._poller.poll(max(step, 0) * 1000))
+        events = dict(self._poller.poll(int(max(step, 0) * 1000)))  # what pyzmq does with a float
         if self._sock in events:
             self._recv_all()
         elif self._daemon_pidfd >= 0 and self._daemon_pidfd in events:

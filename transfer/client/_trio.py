@@ -43,7 +43,7 @@ class TrioClient(LoopSession):
 
     Everything but trio's own primitives is shared with the asyncio client (client._evloop)."""
 
-    def __init__(self, endpoint: str, sock: zmq.Socket, liveness_timeout: float, max_inflight: int) -> None:
+    def __init__(self, endpoint: str, sock: zmq.Socket[bytes], liveness_timeout: float, max_inflight: int) -> None:
         super().__init__(endpoint, sock, TrioPending, liveness_timeout, max_inflight)
         self._pump = SocketPump(sock)
         self._ring_kick = trio.Event()  # set when descriptors go out: the reaper has work

@@ -302,7 +302,7 @@ def _elements(arr: Any) -> tuple[int, ...]:
     return tuple(s // arr.itemsize for s in arr.strides)
 
 
-def gemm(a: Any, b: Any, bias: Any, c: Any, sig: tuple[str, str, str, str], cp: Any) -> None:
+def gemm(a: Any, b: Any, bias: Any, c: Any, sig: tuple[str, ...], cp: Any) -> None:
     """c[..., M, N] = a[..., M, K] @ b[..., K, N] + bias[N], batch dims already broadcast to c's.
 
     `sig` is (a, b, bias, c) dtypes; a and b share one. Element strides of any sign-free
@@ -315,7 +315,8 @@ def gemm(a: Any, b: Any, bias: Any, c: Any, sig: tuple[str, str, str, str], cp: 
     def offsets(arr: Any) -> np.ndarray:
         st = _elements(arr)[:-2]
         idx = np.indices(batch, dtype=np.int64).reshape(len(batch), -1) if batch else np.zeros((0, 1), np.int64)
-        return (np.asarray(st, dtype=np.int64).reshape(-1, 1) * idx).sum(axis=0, dtype=np.int64).reshape(-1)
+        offs: np.ndarray = (np.asarray(st, dtype=np.int64).reshape(-1, 1) * idx).sum(axis=0, dtype=np.int64).reshape(-1)
+        return offs
 
     offs = [cp.asarray(offsets(arr)) for arr in (a, b, c)]
     nb = len(offs[0])

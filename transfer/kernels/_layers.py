@@ -25,7 +25,7 @@ __all__ = ["MAX_SCRATCH_ELEMENTS", "broadcast_shapes"]
 #: The most elements a kernel's temporary (conv2d's im2col matrix) may hold: a request
 #: whose every tensor fits its segment could otherwise ask for kh*kw times its input.
 MAX_SCRATCH_ELEMENTS = 1 << 28
-_GEMM_SIGS: list[Sig] = [(d, d, d) for d in FLOATS] + [("int8", "int8", "int32")]
+_GEMM_SIGS: list[Sig] = [*[(d, d, d) for d in FLOATS], ("int8", "int8", "int32")]
 
 
 def broadcast_shapes(op: str, a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
@@ -100,7 +100,7 @@ def _linear(x: list[Any], y: list[Any], p: Mapping[str, Any], xp: Any, sig: Sig 
     gemm(a, x[1].T, x[2], out, xp, (s[0], s[1], s[2], s[3]))
 
 
-_LINEAR_SIGS: list[Sig] = [(d, d, d, d) for d in FLOATS] + [("int8", "int8", "int32", "int32")]
+_LINEAR_SIGS: list[Sig] = [*[(d, d, d, d) for d in FLOATS], ("int8", "int8", "int32", "int32")]
 REGISTRY.operator(Operator("linear", 3, 1, check=_check_linear, doc="out = x @ weight.T + bias; weight (N, K) as in PyTorch"))
 register_both("linear", _LINEAR_SIGS, _linear, _linear)
 

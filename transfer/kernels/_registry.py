@@ -129,7 +129,7 @@ class Registry:
             return device_kind, k
         to = self._fallback.get((op, device_kind))
         other = self.get(op, sig, to) if to is not None else None
-        if other is not None and to in movable_to:
+        if to is not None and other is not None and to in movable_to:
             return to, other
         try:
             self.lookup(op, sig, device_kind)

@@ -25,9 +25,9 @@ __all__ = ["Control", "BARRIERS", "AFTER_PASS", "STATS_PER_FRAME"]
 log = logging.getLogger("transfer.server")
 
 #: Requests that act as barriers: a pass stops before them, and runs them before what follows.
-BARRIERS = (P.Define, P.OpenRing, P.RegisterHost, P.RegisterRemote, P.Unregister, P.Alloc, P.Free, P.Share, P.Attach, P.Close, P.Hello)
+BARRIERS: tuple[type[P.Request], ...] = (P.Define, P.OpenRing, P.RegisterHost, P.RegisterRemote, P.Unregister, P.Alloc, P.Free, P.Share, P.Attach, P.Close, P.Hello)
 #: Answered once everything taken before them in the pass has completed.
-AFTER_PASS = (P.Fence, P.Ping, P.Stats, P.Wait)
+AFTER_PASS: tuple[type[P.Request], ...] = (P.Fence, P.Ping, P.Stats, P.Wait)
 #: Stats answered per frame (or pass): a reply is ~1 KiB, so many would amplify a small
 #: frame into megabytes. More get QuotaExceeded.
 STATS_PER_FRAME = 16

@@ -9,7 +9,7 @@ import signal
 import socket
 import stat
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import trio
 import zmq
@@ -18,6 +18,9 @@ from ..transport._zmq import SocketPump, check_endpoint, ipc_path
 from ._config import DaemonConfig, connection_limit, session_limit
 from ._preflight import STARTUP_LOGGER, check_memory, check_shm_dir, startup_line
 from ._server import Server
+
+if TYPE_CHECKING:
+    from zmq.auth.thread import ThreadAuthenticator
 
 __all__ = ["serve", "run"]
 
@@ -84,7 +87,7 @@ async def serve(
     *,
     task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED,
     stop: trio.Event | None = None,
-    on_drain: Callable[[], None] | None = None,
+    on_drain: Callable[[], object] | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM (or `stop` is set, for an embedded daemon); then drain and release
     everything. `on_drain` is called when the drain begins (transferd tells systemd: STOPPING=1)."""
@@ -113,8 +116,8 @@ async def serve(
     # (SocketPump) up to max_reply_backlog bytes, then its session ends.
     sock.setsockopt(zmq.SNDHWM, REPLY_HWM)
     ipc_paths: list[Path] = []
-    secure: zmq.Socket | None = None  # tcp with CURVE: its own ROUTER (ipc peers need no keys)
-    auth = None
+    secure: zmq.Socket[bytes] | None = None  # tcp with CURVE: its own ROUTER (ipc peers need no keys)
+    auth: ThreadAuthenticator | None = None
     try:
         curve = bool(config.curve_dir)
         for ep in config.endpoints:
@@ -180,7 +183,7 @@ PLAIN_PREFIX, SECURE_PREFIX = b"\x00", b"\x01"
 REPLY_HWM = 16
 
 
-def _curve_router(ctx: zmq.Context, config: DaemonConfig) -> tuple[zmq.Socket, object]:
+def _curve_router(ctx: zmq.Context[zmq.Socket[bytes]], config: DaemonConfig) -> tuple[zmq.Socket[bytes], ThreadAuthenticator]:
     """A ROUTER for tcp with CURVE: the daemon's key pair and a ZAP allowlist (transport._curve)."""
     from ..transport import _curve
 
@@ -200,7 +203,7 @@ def _curve_router(ctx: zmq.Context, config: DaemonConfig) -> tuple[zmq.Socket, o
     return sock, auth
 
 
-async def _guard_connections(sock: zmq.Socket, limit: int) -> None:
+async def _guard_connections(sock: zmq.Socket[bytes], limit: int) -> None:
     """Keep the ipc connections under `limit`: libzmq accepts every connection and aborts
     the whole process when an accept finds no free descriptor (ipc_listener.cpp), so a
     connection beyond the limit is shut down as soon as it is accepted (the client sees the

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import _fields as F
 from .. import errors as E
 from .. import protocol as P
 from ..addressing import OFFSET_BITS, SegmentKind
@@ -46,7 +47,7 @@ def define(resources: Resources, session: Session, req: P.Define) -> Any:
         resources.free(session, d, SegmentKind.DEVICE)
         return None
     if req.kind == P.DEF_TENSOR:
-        (t,) = P.tensors([d], f"tensor #{req.obj}{where}")
+        (t,) = F.tensors([d], f"tensor #{req.obj}{where}")
         session.defs[("tensor", req.obj)] = (req.version, t, req.site)
         return None
     if req.kind == P.DEF_PLAN:
@@ -55,9 +56,9 @@ def define(resources: Resources, session: Session, req: P.Define) -> Any:
         op, params, device, placement, _site = d
         if type(op) is not str or op not in OPERATORS:
             raise E.UnknownOperation(f"plan #{req.obj}{where}: unknown operator {op!r}")
-        P.params(params, f"plan #{req.obj}.params")
-        P.i32(device, f"plan #{req.obj}.device")
-        P.text(32)(placement, f"plan #{req.obj}.placement")
+        F.params(params, f"plan #{req.obj}.params")
+        F.i32(device, f"plan #{req.obj}.device")
+        F.text(32)(placement, f"plan #{req.obj}.placement")
         session.defs[("plan", req.obj)] = (req.version, (op, params, device, placement), req.site)
         return None
     if req.kind == P.DEF_GRAPH:
@@ -93,7 +94,7 @@ def define_graph(resources: Resources, session: Session, va: int, d: Any, site: 
     what = f"graph {va:#x}{where}"
     spec = parse_graph(d, what)
     for i, node in enumerate(spec.nodes):
-        P.params(node.params, f"{what}, node {i} ({node.op}).params")
+        F.params(node.params, f"{what}, node {i} ({node.op}).params")
     ndev = len(resources.devices)
     for i, node in enumerate(spec.nodes):
         pinned = node.device if node.device != -1 else spec.device

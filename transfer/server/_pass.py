@@ -310,11 +310,11 @@ class Pass:
         comps: list[tuple[int, int, int, int, int]] = []
         arrays: list[np.ndarray] = []
         codes: list[int] = [r.error.code for r in replies if r.error is not None]
-        for rid, route, err in b.refused:
-            codes.append(err.code)
-            replies.append(P.Reply(rid, error=err))
+        for rid, route, refusal in b.refused:
+            codes.append(refusal.code)
+            replies.append(P.Reply(rid, error=refusal))
             if route == RING:
-                comps.append((rid, err.code, 0, COMPLETION_DETAIL, 0))
+                comps.append((rid, refusal.code, 0, COMPLETION_DETAIL, 0))
         peer_lost = False
         for op in b.ops:
             if op.rid == 0:

@@ -86,11 +86,9 @@ class Planner:
             if not 0 <= pinned < len(self.devices):
                 raise E.InvalidField(f"device {pinned} does not exist (this daemon has {len(self.devices)})")
             return self.devices[pinned]
-        chooser = self.placement
-        if policy:
-            chooser = self.policies.get(policy)  # type: ignore[assignment]
-            if chooser is None:
-                raise E.InvalidField(f"unknown placement {policy!r}; choose one of {', '.join(self.policies)}")
+        chooser = self.policies.get(policy) if policy else self.placement
+        if chooser is None:
+            raise E.InvalidField(f"unknown placement {policy!r}; choose one of {', '.join(self.policies)}")
         return chooser.choose(self.devices, nbytes, work)
 
     @staticmethod
@@ -196,7 +194,7 @@ class Planner:
         return Op(rid, reads, writes, dev, total, run, host_only=all(seg.kind == SegmentKind.HOST for seg in segs.values()))
 
 
-    def _plan_compute(self, owner: Any, req: P.Compute) -> Op:
+    def _plan_compute(self, owner: Any, req: P.Compute) -> Op | list[Op]:
         op = OPERATORS.get(req.op)
         if op is None:
             raise E.UnknownOperation(f"unknown operator {req.op!r}; known: {', '.join(sorted(OPERATORS))}")

@@ -187,7 +187,7 @@ class RemotePlane:
     # --- the daemon's own memory ---------------------------------------------------------------
     def local_base(self, seg: Any) -> int:
         """The address of a local segment's memory, registered with our agent (once)."""
-        reg = seg.info.get("nixl_reg")
+        reg: N.Registration | None = seg.info.get("nixl_reg")
         if reg is not None:
             return reg.addr
         if self.ep is None:

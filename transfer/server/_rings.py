@@ -308,16 +308,17 @@ class Rings:
             return 0
         if session.ring_wait is not None and not front:
             return 0  # a frame waits for what the ring holds: `catch_up` queues it ahead of the frame
+        rows: list[tuple[int, ...]] | None
         try:
             avail = ring.available()
             if not avail:
                 return 0
             # Each descriptor needs a completion slot when it is answered: take only what fits.
-            n = min(avail, ring.free() - session.ring_pending, avail if limit is None else limit)
+            n: int = min(avail, ring.free() - session.ring_pending, avail if limit is None else limit)
             if n <= 0:
                 return 0  # the client has not taken its completions: it waits, we do not
             if n <= 4:  # tuples, no NumPy (one wake for the batch, if any)
-                rows: list[tuple[int, ...]] | None = [ring.pop(wake=False) for _ in range(n)]
+                rows = [ring.pop(wake=False) for _ in range(n)]
                 ring.inbox.notify()
                 array = None
                 chained = session.ring_chain is not None or any(r[6] & FLAG_CHAIN for r in rows)
@@ -328,7 +329,7 @@ class Rings:
             self.broken(session, exc)
             return 0
         if chained:  # a CopyV's chain (maybe begun in an earlier poll) is one request
-            taken = np.array(rows, dtype=REQUEST_DTYPE) if rows is not None else array
+            taken = np.array(rows, dtype=REQUEST_DTYPE) if array is None else array
             if session.ring_chain is not None:  # (np.concatenate repacks the layout: astype restores it)
                 taken = np.concatenate([session.ring_chain, taken]).astype(REQUEST_DTYPE)
             items, rest = join_chains(taken)

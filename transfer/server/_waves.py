@@ -23,6 +23,7 @@ import numpy as np
 import trio
 
 from .. import errors as E
+from ..backends import Span
 from ._ops import Op
 from ._placement import VirtualDevice
 
@@ -115,36 +116,39 @@ def coalesce(wave: Sequence[Op]) -> list[tuple[list[Op], Callable[[], Any] | Non
     if len(wave) == 1:
         return [([wave[0]], wave[0].run)]
     units: list[tuple[list[Op], Callable[[], Any] | None]] = []
-    copies: dict[tuple[int, int, int], list[Op]] = defaultdict(list)
+    copies: dict[tuple[int, int, int], list[tuple[Op, Span, Span]]] = defaultdict(list)  # (op, dst, src)
     for op in wave:
-        if op.copy is not None:
-            copies[(op.copy[0], op.copy[1], op.device.index)].append(op)
+        c = op.copy
+        if c is not None:
+            copies[(c[0], c[1], op.device.index)].append((op, c[2], c[3]))
         else:
             units.append(([op], op.run))
     for group in copies.values():
-        group.sort(key=lambda o: o.copy[2].offset)  # type: ignore[index]
-        run: list[Op] = [group[0]]
-        for op in group[1:]:
-            last_dst, last_src = run[-1].copy[2], run[-1].copy[3]  # type: ignore[index]
-            dst, src = op.copy[2], op.copy[3]  # type: ignore[index]
+        group.sort(key=lambda e: e[1].offset)
+        run = [group[0]]
+        for entry in group[1:]:
+            _, last_dst, last_src = run[-1]
+            _, dst, src = entry
             if dst.offset == last_dst.offset + last_dst.nbytes and src.offset == last_src.offset + last_src.nbytes:
-                run.append(op)
+                run.append(entry)
             else:
                 units.append(_merged(run))
-                run = [op]
+                run = [entry]
         units.append(_merged(run))
     return units
 
 
-def _merged(run: list[Op]) -> tuple[list[Op], Callable[[], Any] | None]:
+def _merged(run: list[tuple[Op, Span, Span]]) -> tuple[list[Op], Callable[[], Any] | None]:
+    """One unit of the copies in `run` ((op, dst, src), each continuing the one before)."""
+    ops = [op for op, _, _ in run]
     if len(run) == 1:
-        return run, run[0].run
-    first_dst, first_src = run[0].copy[2], run[0].copy[3]  # type: ignore[index]
-    total = sum(o.copy[2].nbytes for o in run)  # type: ignore[index]
+        return ops, ops[0].run
+    _, first_dst, first_src = run[0]
+    total = sum(dst.nbytes for _, dst, _ in run)
     dst = first_dst._replace(nbytes=total)
     src = first_src._replace(nbytes=total)
-    backend = run[0].device.backend
-    return run, lambda: backend.copy(dst, src)
+    backend = ops[0].device.backend
+    return ops, lambda: backend.copy(dst, src)
 
 
 def _run_units(units: Sequence[tuple[list[Op], Callable[[], Any] | None]], device: VirtualDevice, visible: bool = True) -> None:

@@ -210,7 +210,7 @@ class TransferLoader:
         self.batch_size = int(getattr(batch_sampler, "batch_size", batch_size) or batch_size)
         self.spec = spec if spec is not None else SampleSpec.like(dataset[0])
 
-        window = num_workers * self.prefetch_factor if num_workers > 0 else 1
+        window = num_workers * self.prefetch_factor if self.prefetch_factor is not None else 1  # None: no workers
         self.slots_count = window + hold
         slot_nbytes = self.spec.slot_nbytes(self.batch_size)
         stride = -(-slot_nbytes // _PAGE) * _PAGE

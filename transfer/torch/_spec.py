@@ -35,7 +35,7 @@ class Field:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return int(np.prod(self.shape, dtype=np.int64)) * int(self.dtype.itemsize)
 
 
 def _as_tensor(value: Any, where: str) -> torch.Tensor:

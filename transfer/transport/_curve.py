@@ -20,10 +20,13 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, TypeGuard, Union
 
 import zmq
 import zmq.auth
+
+if TYPE_CHECKING:
+    from zmq.auth.thread import ThreadAuthenticator
 
 from .. import errors as E
 
@@ -40,10 +43,10 @@ __all__ = [
 ]
 
 #: A z85 key (40 characters, str or bytes) or a path to a key file.
-KeySource = Union[str, bytes, os.PathLike]
+KeySource = Union[str, bytes, os.PathLike[str]]
 
 
-def _is_z85(v: Any) -> bool:
+def _is_z85(v: Any) -> TypeGuard[str | bytes]:
     """40 characters of z85 (bytes, or a str that is not an existing file)."""
     if isinstance(v, bytes):
         return len(v) == 40
@@ -60,18 +63,18 @@ def _load(path: Path) -> tuple[bytes, bytes | None]:
 def public_key(src: KeySource) -> bytes:
     """A public key: z85 text, or a ``.key`` / ``.key_secret`` file."""
     if _is_z85(src):
-        return src.encode() if isinstance(src, str) else bytes(src)  # type: ignore[union-attr]
+        return src.encode() if isinstance(src, str) else bytes(src)
     return _load(Path(os.fsdecode(src)))[0]
 
 
-def client_keypair(src: KeySource | tuple[KeySource, KeySource] | None) -> tuple[bytes, bytes]:
+def client_keypair(src: KeySource | tuple[KeySource, str | bytes] | None) -> tuple[bytes, bytes]:
     """(public, secret): a ``NAME.key_secret`` file, a (public, secret) pair, or None (ephemeral:
     only useful against a daemon that authorizes any key, which transferd does not)."""
     if src is None:
         return zmq.curve_keypair()
     if isinstance(src, tuple):
-        pub, sec = src
-        return public_key(pub), (sec.encode() if isinstance(sec, str) else bytes(sec))  # type: ignore[arg-type]
+        pub_src, sec_z85 = src
+        return public_key(pub_src), (sec_z85.encode() if isinstance(sec_z85, str) else bytes(sec_z85))
     pub, sec = _load(Path(os.fsdecode(src)))
     if sec is None:
         raise E.InvalidField(f"{os.fsdecode(src)} holds no secret key (use the NAME.key_secret file)")
@@ -93,7 +96,7 @@ def authorized_dir(curve_dir: str | Path) -> Path:
     return Path(curve_dir) / "authorized_clients"
 
 
-def apply_server(sock: zmq.Socket, curve_dir: str | Path) -> None:
+def apply_server(sock: zmq.Socket[bytes], curve_dir: str | Path) -> None:
     pub, sec = server_keys(curve_dir)
     sock.curve_server = True
     sock.curve_publickey = pub
@@ -101,7 +104,7 @@ def apply_server(sock: zmq.Socket, curve_dir: str | Path) -> None:
     sock.zap_domain = b"transfer"
 
 
-def start_authenticator(ctx: zmq.Context, curve_dir: str | Path) -> Any:
+def start_authenticator(ctx: zmq.Context[zmq.Socket[bytes]], curve_dir: str | Path) -> ThreadAuthenticator:
     """A ZAP handler (a thread blocked in zmq poll: no CPU while idle) admitting the allowlist."""
     from zmq.auth.thread import ThreadAuthenticator
 
@@ -114,7 +117,7 @@ def start_authenticator(ctx: zmq.Context, curve_dir: str | Path) -> Any:
     return auth
 
 
-def apply_client(sock: zmq.Socket, server_key: KeySource, client_keys: Any = None) -> None:
+def apply_client(sock: zmq.Socket[bytes], server_key: KeySource, client_keys: Any = None) -> None:
     pub, sec = client_keypair(client_keys)
     sock.curve_serverkey = public_key(server_key)
     sock.curve_publickey = pub
@@ -129,7 +132,7 @@ _FAILED = {
 _SUCCEEDED = getattr(zmq, "EVENT_HANDSHAKE_SUCCEEDED", 0x1000)
 
 
-def monitor(sock: zmq.Socket) -> zmq.Socket:
+def monitor(sock: zmq.Socket[bytes]) -> zmq.Socket[bytes]:
     """Call before connect: a PAIR socket receiving the handshake events."""
     events = _SUCCEEDED | zmq.EVENT_DISCONNECTED
     for ev in _FAILED:
@@ -137,7 +140,7 @@ def monitor(sock: zmq.Socket) -> zmq.Socket:
     return sock.get_monitor_socket(events)
 
 
-def wait_handshake(sock: zmq.Socket, mon: zmq.Socket, endpoint: str, timeout: float, curve: bool) -> None:
+def wait_handshake(sock: zmq.Socket[bytes], mon: zmq.Socket[bytes], endpoint: str, timeout: float, curve: bool) -> None:
     """Until the zmq handshake with the daemon succeeded; DaemonUnavailable if it fails or times out."""
     from zmq.utils.monitor import recv_monitor_message
 
@@ -145,7 +148,7 @@ def wait_handshake(sock: zmq.Socket, mon: zmq.Socket, endpoint: str, timeout: fl
     try:
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not mon.poll(left * 1000):
+            if left <= 0 or not mon.poll(int(left * 1000)):  # what pyzmq does with a float
                 raise E.DaemonUnavailable(f"no daemon answered at {endpoint} within {timeout}s")
             ev = recv_monitor_message(mon)["event"]
             if ev == _SUCCEEDED:

@@ -482,7 +482,8 @@ def _make_agent(name: str, backends: Sequence[str], progress: ProgressMode, prog
     class _EventConfig(base):  # type: ignore[misc, valid-type]
         @property
         def pthrDelay(self) -> int:  # noqa: N802 (NIXL's name)
-            return prop.__get__(self)
+            delay: int = prop.__get__(self)
+            return delay
 
         @pthrDelay.setter
         def pthrDelay(self, value: int) -> None:  # noqa: N802

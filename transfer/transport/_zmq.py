@@ -14,7 +14,7 @@ import errno
 import os
 from collections import deque
 from pathlib import Path
-from typing import Callable
+from typing import Callable, cast
 from urllib.parse import urlparse
 
 import trio
@@ -39,9 +39,9 @@ class SocketPump:
     past `max_backlog` bytes is dropped and reported to `on_overflow(identity)`.
     """
 
-    def __init__(self, sock: zmq.Socket, *, max_backlog: int = 0, on_overflow: Callable[[bytes], None] | None = None) -> None:
+    def __init__(self, sock: zmq.Socket[bytes], *, max_backlog: int = 0, on_overflow: Callable[[bytes], None] | None = None) -> None:
         self.sock = sock
-        self._fd = sock.getsockopt(zmq.FD)
+        self._fd = sock.fileno()  # zmq.FD
         self._out: deque[list[bytes]] = deque()
         self._wait_scope: trio.CancelScope | None = None
         self._drained = trio.Event()
@@ -118,17 +118,18 @@ class SocketPump:
     async def run(self, on_message: Callable[[list[bytes]], None]) -> None:
         """Pump forever: flush outgoing, deliver incoming to `on_message` (synchronous)."""
         sock = self.sock
+        events_of = cast("Callable[[int], int]", sock.getsockopt)  # EVENTS is an int option
         while True:
             self._flush()
             received = 0
             # Ask EVENTS rather than catching zmq.Again: raising it costs more than a recv.
-            while received < _RECV_BURST and sock.getsockopt(_EVENTS) & _POLLIN:
+            while received < _RECV_BURST and events_of(_EVENTS) & _POLLIN:
                 on_message(sock.recv_multipart(_NOBLOCK))
                 received += 1
             if received == _RECV_BURST:
                 await trio.sleep(0)
                 continue
-            events = sock.getsockopt(_EVENTS)
+            events = events_of(_EVENTS)
             if events & _POLLIN or (self._out and events & _POLLOUT):
                 continue
             self._wait_scope = trio.CancelScope()

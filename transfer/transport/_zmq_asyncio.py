@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Callable
+from typing import Callable, cast
 
 import zmq
 
@@ -32,10 +32,10 @@ class AsyncioPump:
     callback; `on_error` gets what the socket raised (the pump has stopped then).
     """
 
-    def __init__(self, sock: zmq.Socket, loop: asyncio.AbstractEventLoop, on_message: Callable[[list[bytes]], None],
+    def __init__(self, sock: zmq.Socket[bytes], loop: asyncio.AbstractEventLoop, on_message: Callable[[list[bytes]], None],
                  on_error: Callable[[BaseException], None]) -> None:
         self.sock = sock
-        self._fd = sock.getsockopt(zmq.FD)
+        self._fd = sock.fileno()  # zmq.FD
         self._loop = loop
         self._on_message = on_message
         self._on_error = on_error
@@ -71,6 +71,7 @@ class AsyncioPump:
         if self._closed:
             return
         sock, out = self.sock, self._out
+        events_of = cast("Callable[[int], int]", sock.getsockopt)  # EVENTS is an int option
         try:
             while True:
                 while out:
@@ -81,7 +82,7 @@ class AsyncioPump:
                     out.popleft()
                 received = 0
                 # Ask EVENTS rather than catching zmq.Again: raising it costs more than a recv.
-                while sock.getsockopt(_EVENTS) & _POLLIN:
+                while events_of(_EVENTS) & _POLLIN:
                     if received == _RECV_BURST:
                         self._schedule()  # more waits: let other callbacks run first
                         return
@@ -89,7 +90,7 @@ class AsyncioPump:
                     received += 1
                     if self._closed:
                         return
-                events = sock.getsockopt(_EVENTS)
+                events = events_of(_EVENTS)
                 if not (events & _POLLIN or (out and events & _POLLOUT)):
                     return  # EVENTS read last: the FD signals the next change
         except zmq.ZMQError as exc:
