@@ -737,7 +737,9 @@ def check_ints(cls: type, args: tuple[Any, ...]) -> None:
 
     `args` are the request's fields after the id, in order; only integer fields are checked.
     """
-    for (name, lo, hi), v in zip(_int_bounds(cls), args):
+    for (name, lo, hi), v in zip(_INT_BOUNDS.get(cls) or _int_bounds(cls), args):
+        if type(v) is int and lo <= v <= hi:
+            continue  # the common case, first
         if type(v) is not int:
             if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
                 v = int(v)

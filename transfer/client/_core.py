@@ -146,6 +146,8 @@ class ClientCore:
         """Deferred definitions a request needs first: allocations it touches, descriptors it names.
         `touched` gives the VAs when they are not one request's fields (`prepare_many`)."""
         state = self.deferred
+        if not objects and (state is None or not (state.buffers or state.frees)):
+            return []  # the common case: nothing deferred to send first
         stale = [o for o in objects if o.sent_version != o.version]
         if state is None:
             if not stale:

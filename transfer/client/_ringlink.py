@@ -124,6 +124,8 @@ class RingLink:
 
     def takes_all(self, reqs: Sequence[P.Request]) -> bool:
         """`takes` for every one of `reqs`, by kind: one set, not a call per request."""
+        if len(reqs) == 1:
+            return self.takes(reqs[0])
         kinds = {type(r) for r in reqs}
         if not kinds.issubset(_RING_TYPES):
             return False
@@ -132,6 +134,21 @@ class RingLink:
     def push(self, reqs: Sequence[P.Request], pending: dict[int, Pending], wait_credits: Callable[[int], None]) -> None:
         """Publish `reqs` (all `takes`), waiting for credits when the window is full; a
         request's descriptors (a CopyV's chain) go out in one push, never split."""
+        r = reqs[0]
+        t = type(r)
+        if len(reqs) == 1 and t is not P.CopyV and t is not P.Wait and self.in_flight < self.credits:
+            # One single-descriptor request with room for it (most calls): the loop below, unrolled.
+            try:
+                data = _descriptors(r)[0]
+            except (OverflowError, TypeError, ValueError, struct.error) as exc:
+                pending.pop(r.id, None)
+                raise E.InvalidField(f"request field out of range: {exc}") from None
+            if self.ring.push_many(data) != 1:
+                raise E.ConnectionLost("the daemon stopped taking ring descriptors")
+            self.outstanding[r.id] = (pending[r.id], t is P.Checksum, 1)
+            self.in_flight += 1
+            self.pushed += 1
+            return
         try:
             groups = [(r.id, type(r) is P.Checksum, *_descriptors(r)) for r in reqs if type(r) is not P.Wait]
         except (OverflowError, TypeError, ValueError, struct.error) as exc:  # a field out of range
