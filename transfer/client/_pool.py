@@ -39,7 +39,10 @@ _FREE, _WRITING, _IN_FLIGHT, _RELEASED = "free", "writing", "in flight", "releas
 class Slot:
     """One slot of a pool: writable until submitted, then owned by the daemon until done."""
 
-    __slots__ = ("pool", "index", "offset", "nbytes", "va", "_state", "_views", "pending")
+    __slots__ = ("pool", "index", "offset", "nbytes", "va", "_state", "_views", "pending", "_bases")
+
+    #: Views kept per slot for reuse (by shape, dtype and offset); more are made afresh.
+    MAX_BASES = 8
 
     def __init__(self, pool: "SlotPool", index: int, offset: int, nbytes: int, va: int) -> None:
         self.pool = pool
@@ -50,6 +53,9 @@ class Slot:
         self._state = _FREE
         self._views: list[np.ndarray] = []
         self.pending: Pending | Any | None = None
+        #: (shape, dtype, offset) -> a view never handed out; callers get a fresh view of it, so
+        #: the one made read-only at submit stays so, while the next costs a fraction as much.
+        self._bases: dict[Any, np.ndarray] = {}
 
     # --- writing ---------------------------------------------------------------------------
     def _check_writable(self, what: str) -> None:
@@ -59,12 +65,19 @@ class Slot:
     def ndarray(self, shape: int | Sequence[int], dtype: Any = np.uint8, offset: int = 0) -> np.ndarray:
         """A writable view into the slot (no copy). It turns read-only when the slot is submitted."""
         self._check_writable("hand out a view")
-        dt = np.dtype(dtype)
-        shape_t = shape_tuple(shape)
-        n = math.prod(shape_t) * dt.itemsize
-        if offset < 0 or offset + n > self.nbytes:
-            raise E.OutOfBounds(f"view of {n} bytes at offset {offset} exceeds the slot's {self.nbytes} bytes")
-        view = self.pool.segment.ndarray(shape_t, dt, offset=self.offset + offset)
+        key = (shape, dtype, offset)
+        try:
+            base = self._bases[key]
+        except (KeyError, TypeError):  # (TypeError: a shape given as a list is no key)
+            dt = np.dtype(dtype)
+            shape_t = shape_tuple(shape)
+            n = math.prod(shape_t) * dt.itemsize
+            if offset < 0 or offset + n > self.nbytes:
+                raise E.OutOfBounds(f"view of {n} bytes at offset {offset} exceeds the slot's {self.nbytes} bytes")
+            base = self.pool.segment.ndarray(shape_t, dt, offset=self.offset + offset)
+            if type(shape) is not list and len(self._bases) < self.MAX_BASES:
+                self._bases[key] = base
+        view = base.view()
         self._views.append(view)
         return view
 
@@ -155,11 +168,10 @@ class SlotPool:
 
     def _reap(self) -> None:
         """Return every slot whose request has completed (failed ones too: the daemon is done with it)."""
-        still: deque[Slot] = deque()
-        done: list[Slot] = []
-        for slot in self._in_flight:
-            (done if slot.pending is not None and slot.pending.done() else still).append(slot)
-        self._in_flight = still
+        done = [s for s in self._in_flight if s.pending is not None and s.pending._done]
+        if not done:
+            return
+        self._in_flight = deque(s for s in self._in_flight if s.pending is None or not s.pending._done)
         for slot in done:
             p = slot.pending
             if p is not None and not p._observed and (p._error is not None or any(d._error is not None for d in p._deps or ())):
@@ -177,6 +189,10 @@ class SlotPool:
 
     def _op_acquire(self, timeout: float | None) -> Generator[Pending, None, Slot]:
         self._reap()
+        if not self._free and self._in_flight:
+            with self.client._io_lock():  # completions already on the ring: no wait needed
+                self.client._core.reap_ring()
+            self._reap()
         while not self._free:
             if self._in_flight:
                 wait_on = self._in_flight[0].pending
@@ -225,6 +241,8 @@ class SlotPool:
             yield from self._op_drain()
         except E.TransferError as exc:
             failed = exc  # the segment goes all the same
+        for slot in self.slots:
+            slot._bases.clear()  # views of the segment's mapping: let it go with the segment
         yield from self.client._op_free(self.segment)
         if failed is not None:
             raise failed

@@ -76,6 +76,8 @@ class TensorRef:
 def shape_tuple(shape: Any) -> tuple[int, ...]:
     """A shape as a tuple of ints (an int is one dimension), refusing negative dimensions
     with a message that names them, before any arithmetic turns them into odd byte counts."""
+    if type(shape) is int and shape >= 0:
+        return (shape,)  # the common case, without the general checks below
     dims = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
     try:
         out = tuple(int(d) for d in dims)
