@@ -51,7 +51,7 @@ def _iceoryx2_ok() -> bool:
     return method_available("iceoryx2")[0]
 
 
-def _run(args: list[str], tmp: Path, timeout: float = 90,
+def _run(args: list[str], tmp: Path, timeout: float = 180,
          env_extra: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, str, Path]:
     tag = uuid.uuid4().hex
     shm_dir = Path(tempfile.mkdtemp(prefix="tb-test-", dir="/dev/shm"))

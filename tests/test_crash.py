@@ -5,6 +5,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -195,3 +197,25 @@ def test_closed_sessions_leave_no_watcher_behind(daemon) -> None:
         with transfer.connect(daemon.endpoint) as c:
             c.fence()
     wait_until(lambda: fds() <= base + 2, 5, "the daemon's descriptors to return to baseline")
+
+
+def test_a_daemon_started_for_a_test_dies_with_its_parent(tmp_path: Path) -> None:
+    """transfer.testing's daemons are children of a test or a benchmark: one killed outright
+    (a timeout's SIGKILL) must not leave its daemon running (PR_SET_PDEATHSIG)."""
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import sys, time\n"
+        "from transfer.testing import run_daemon\n"
+        "with run_daemon(['--backend', 'numpy']) as d:\n"
+        "    print(d.pid, flush=True)\n"
+        "    time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    pid = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline, f"daemon {pid} outlived its parent"
+        time.sleep(0.05)

@@ -8,6 +8,7 @@ SIGKILL) and cleaned up on exit.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import shutil
@@ -18,7 +19,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 __all__ = ["DaemonProcess", "memfds", "run_daemon", "start_daemon", "stop_process"]
 
@@ -64,9 +65,24 @@ class DaemonProcess:
         return self
 
 
+def _die_with(parent: int) -> Callable[[], None]:
+    """A child's first step: SIGTERM when the thread that started it dies (Linux prctl), so
+    a test or benchmark killed outright leaves no daemon behind; gone already: exit."""
+
+    def arm() -> None:
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            return  # not Linux: the caller's cleanup is all there is
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return arm
+
+
 def _spawn(endpoint: str, workdir: Path, shm_dir: Path, args: Sequence[str], timeout: float) -> DaemonProcess:
     cmd = [sys.executable, "-m", "transfer.cli.transferd", "--endpoint", endpoint, "--shm-dir", str(shm_dir), "--ready", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, stdin=subprocess.DEVNULL, preexec_fn=_die_with(os.getpid()))
     assert proc.stdout is not None
     import selectors
 
