@@ -80,6 +80,19 @@ def check_conventions(text: str) -> dict[str, str]:
     return types
 
 
+def documented_families() -> set[str]:
+    """The metric names docs/operations.md's table lists (its first column)."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    table = text.split("| metric | type | labels | what |", 1)[1].split("\n\n", 1)[0]
+    return {n for row in table.splitlines()[2:] for n in re.findall(r"`(transfer_[a-z0-9_*]+)`", row.split("|")[1])}
+
+
+def served_families(types: dict[str, str]) -> set[str]:
+    """Families as their samples are named (a counter with its _total); the process collector's as one."""
+    out = {f"{n}_total" if t == "counter" else n for n, t in types.items()}
+    return {n for n in out if not n.startswith("transfer_process_")} | {"transfer_process_*"}
+
+
 # --- the class alone ---------------------------------------------------------------------------
 def test_counters_histograms_and_stats_families() -> None:
     m = Metrics(process=False)
@@ -394,6 +407,7 @@ def test_daemon_scrape_follows_the_conventions(daemon_factory: Any, workers: boo
         wait_for(caught_up, "the native counts")
     assert set(stats) <= set(STATS_FAMILIES) | set(STATS_NOT_EXPORTED), set(stats) - set(STATS_FAMILIES) - set(STATS_NOT_EXPORTED)
     types = check_conventions(text)
+    assert served_families(types) == documented_families()
     s = samples(text)
     for key, (name, kind, _) in STATS_FAMILIES.items():
         assert types.get(f"transfer_{name}".removesuffix("_total")) == kind, key
