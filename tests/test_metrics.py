@@ -322,6 +322,19 @@ def test_ended_series_show_once_and_overflow_goes_to_other() -> None:
     assert series(ss, [a2])["a"] == [11, 0, 0]
 
 
+def test_a_name_back_before_its_ended_series_was_shown_goes_on() -> None:
+    ss = SessionSeries(2)
+    x = fake(1, "x")
+    x.stats.bytes_moved = 100
+    assert series(ss, [x])["x"] == [100, 0, 0]
+    x.stats.bytes_moved = 150
+    x.running = False
+    ss.ended(x)  # lingers, its last 50 unseen
+    x2 = fake(2, "x")
+    x2.stats.bytes_moved = 20
+    assert series(ss, [x2])["x"] == [170, 0, 0]  # one series, still growing
+
+
 def test_client_names_become_safe_labels() -> None:
     assert client_label("loader-0") == "loader-0"
     assert client_label("a b\n\"{}") == "a_b____"

@@ -187,8 +187,8 @@ class SessionSeries:
         #: Names with a live session.
         self._clients: dict[str, _Client] = {}
         self._other = [0, 0, 0]
-        #: Labeled names whose last session ended, oldest first, with their final values.
-        self._lingering: dict[str, list[int]] = {}
+        #: Labeled names whose last session ended, oldest first: (final values, values last shown).
+        self._lingering: dict[str, tuple[list[int], list[int]]] = {}
         #: Stopped series' last values, oldest first (at most RETIRED).
         self._retired: dict[str, list[int]] = {}
         self._slots = 0  # labeled names with a live session
@@ -212,10 +212,10 @@ class SessionSeries:
             del self._clients[label]
             if c.values is not None:
                 self._slots -= 1
+                assert c.shown is not None
                 if len(self._lingering) < self.limit:
-                    self._lingering[label] = c.values
+                    self._lingering[label] = (c.values, c.shown)
                 else:  # a burst of endings between scrapes: (other) takes what no scrape showed
-                    assert c.shown is not None
                     for k in range(3):
                         self._other[k] += c.values[k] - c.shown[k]
                     self._retire(label, c.shown)
@@ -237,8 +237,8 @@ class SessionSeries:
                 if c.values is not None:
                     c.shown = list(c.values)
                     out.append((name, c.shown))
-            out.extend((name, list(v)) for name, v in self._lingering.items())
-            for name, v in self._lingering.items():
+            out.extend((name, list(v)) for name, (v, _) in self._lingering.items())
+            for name, (v, _) in self._lingering.items():
                 self._retire(name, v)
             self._lingering.clear()
             other = list(self._other)
@@ -252,7 +252,11 @@ class SessionSeries:
         if c is None:
             c = self._clients[label] = _Client()
             if self._slots < self.limit:
-                self._label(c, self._lingering.pop(label) if label in self._lingering else self._resume(label))
+                if label in self._lingering:  # back before its last values were shown: go on
+                    c.values, c.shown = self._lingering.pop(label)
+                    self._slots += 1
+                else:
+                    self._label(c, self._resume(label))
         c.live += 1
         rec = self._seen[s.id] = [label, 0, 0, 0]
         return rec
@@ -289,6 +293,7 @@ class SessionSeries:
         self._slots += 1
 
     def _retire(self, label: str, values: list[int]) -> None:
+        """Remember a stopped series' values (always what a scrape showed last)."""
         self._retired.pop(label, None)
         self._retired[label] = values
         if len(self._retired) > self.RETIRED:
