@@ -295,3 +295,49 @@ def test_ring_daemon_bench_leaves_no_directory(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert os.listdir(tmpdir) == []
     assert {n for n in os.listdir("/dev/shm") if n.startswith("ring-bench-shm-")} == before
+
+
+def _scaling():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_scaling", ROOT / "bench" / "scaling.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_scaling_model_fits_and_predicts() -> None:
+    """bench/scaling.py's model: the fit recovers known per-request, per-frame and per-byte
+    costs, and a prediction is the least of its limits."""
+    sc = _scaling()
+    truth = {"per_request_us": 12.0, "per_frame_us": 300.0, "per_byte_ns": 0.25}
+    rows = [{"size": s, "k": k, "cpu_us": sc.per_group(truth, s, k) * 1e6} for _, s, k in sc.WORKLOADS]
+    got = sc.fit(rows, "cpu_us")
+    for key, want in truth.items():
+        assert got[key] == pytest.approx(want, rel=1e-6)
+    model = {"cores": 2, "threads": 2, "daemon": truth, "producer": {"per_request_us": 5.0, "per_frame_us": 100.0, "per_byte_ns": 0.0}}
+    one = {"size": 4096, "k": 1, "groups_per_s": 1000.0}
+    p = sc.predict(model, one, 4, 2.0)
+    assert p["limits"]["producers"] == 4000.0 and p["bound"] == "daemon_loop"
+    assert p["groups_per_s"] == pytest.approx(1 / ((12.0 + 300.0) * 1e-6 + 0.25e-9 * 4096))
+    assert sc.predict(model, one, 4, 0.5)["bound"] == "host_cores"
+    big = {"size": 8 << 20, "k": 1, "groups_per_s": 100.0}
+    assert "daemon_workers" in sc.predict(model, big, 4, 2.0)["limits"]  # posts over 1 MiB leave the loop
+    rows = {(r["size"], r["k"]): r for r in sc.project(model, 200.0, 54.7, 8)}
+    assert rows[(64 << 10, 1)]["bound"] == "control_plane" and rows[(64 << 20, 1)]["bound"] == "nic"
+    assert rows[(64 << 10, 1)]["crossover_bytes"] == pytest.approx(25e9 * 312e-6)
+
+
+@pytest.mark.slow
+def test_scaling_bench_runs_tiny(tmp_path: Path) -> None:
+    """The loopback check itself, tiny: remote producers against a real transferd, verified."""
+    if not _nixl_ok():
+        pytest.skip("NIXL not importable")
+    out = tmp_path / "scaling.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "scaling.py"), "--producers", "1,2", "--seconds", "0.2", "--reps", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(out.read_text())
+    assert len(doc["runs"]) == 8 and all(run["verified"] and run["groups"] > 0 for run in doc["runs"])
+    assert len(doc["checks"]) == 4 and doc["model"]["daemon"]["per_frame_us"] > 0

@@ -253,6 +253,7 @@ def _defaults() -> tuple[Setting, ...]:
         ("worker_spin_s", _float, "seconds a ring's worker spins for the next descriptor before it sleeps on the futex", "--worker-spin", {"minimum": 0, "maximum": 0.01, "metavar": "SECONDS"}),
         ("metrics_port", _int, "serve Prometheus metrics over HTTP on this port; 0 = off", "--metrics-port", {"minimum": 0, "maximum": 65535, "metavar": "PORT"}),
         ("metrics_addr", _str, "address the metrics endpoint binds", "--metrics-addr", {"metavar": "ADDR"}),
+        ("metrics_sessions", _int, "client names with per-session metric series of their own, the heaviest by bytes (the rest share client=\"(other)\"); 0 = none", "--metrics-sessions", {"minimum": 0, "maximum": 1024, "metavar": "N"}),
         ("limits.max_frame_bytes", parse_size, "largest request frame accepted", "--max-frame-bytes", {"minimum": 64, "maximum": 1 << 30, "metavar": "BYTES"}),
         ("limits.max_batch", _int, "requests per frame", "--max-batch", {"minimum": 1, "maximum": 1 << 24}),
         ("limits.max_vector", _int, "copies per vector request", "--max-vector", {"minimum": 1, "maximum": 1 << 24}),

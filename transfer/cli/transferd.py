@@ -108,19 +108,9 @@ def _serve_main(argv: list[str] | None = None) -> int:
 
 
 def _start_metrics(server: Any, config: Any) -> int:
-    """Expose the server's Metrics (or, until the server has one, its Stats counters)."""
-    from ..server._metrics import Metrics
-
-    metrics = getattr(server, "metrics", None)
-    if not isinstance(metrics, Metrics):
-        metrics = Metrics()
-        try:
-            server.metrics = metrics
-        except AttributeError:  # a slotted Server: the endpoint still serves the Stats counters
-            pass
-    metrics.set_stats_source(server.stats)
+    """Serve the server's Metrics (it reads its own counters and sessions when scraped)."""
     try:
-        port = metrics.start_http(config.metrics_port, config.metrics_addr)
+        port = int(server.metrics.start_http(config.metrics_port, config.metrics_addr))
     except OSError as exc:
         raise RuntimeError(
             f"cannot serve metrics on {config.metrics_addr}:{config.metrics_port}: {exc.strerror or exc} "

@@ -10,11 +10,20 @@ from __future__ import annotations
 import time
 from typing import Iterable
 
+from .. import protocol as P
 from ._metrics import Metrics
 from ._ops import Op
 from ._session import Session
 
-__all__ = ["Accounting"]
+__all__ = ["Accounting", "CONTROL_OPS"]
+
+#: Control requests a pass answers, as the `op` label of their latency histogram. Pings and
+#: stats are left out: the front answers most of them at once, outside any pass.
+CONTROL_OPS: dict[type, str] = {
+    P.RegisterHost: "register_host", P.RegisterRemote: "register_remote", P.Unregister: "unregister",
+    P.Alloc: "alloc", P.Free: "free", P.Share: "share", P.Attach: "attach", P.Define: "define",
+    P.OpenRing: "open_ring", P.Close: "close", P.Fence: "fence", P.Wait: "wait",
+}
 
 
 class Accounting:
@@ -40,7 +49,7 @@ class Accounting:
         session.stats.requests += n
         session.stats.bytes_moved += counts["bytes"]
         if counts["bytes"]:
-            self.metrics.bytes_moved("host", counts["bytes"])
+            self.metrics.bytes_moved("cpu", counts["bytes"])  # a worker copies host memory on its own core
         for kind, (hist, seconds) in latency.items():
             if any(hist):
                 self.metrics.requests_histogram(kind, hist, seconds)
@@ -73,8 +82,13 @@ class Accounting:
     def reaped(self) -> None:
         self.counters["sessions_reaped"] += 1
 
-    def passed(self, session: Session, ops: Iterable[Op], waves: int, error_codes: Iterable[int]) -> None:
-        """A pass finished: its ops' bytes, its errors, and its latency per kind of request."""
+    def ended(self, session: Session) -> None:
+        """A session was released (its ring worker's last counts folded in first)."""
+        self.metrics.session_ended(session)
+
+    def passed(self, session: Session, ops: Iterable[Op], waves: int, error_codes: Iterable[int], control: Iterable[type] = ()) -> None:
+        """A pass finished: its ops' bytes, its errors, and its latency per kind of request
+        (`control`: the types of the control requests it answered)."""
         c = self.counters
         c["passes"] += 1
         c["waves"] += waves
@@ -96,5 +110,9 @@ class Accounting:
         c["ops"] += nops
         c["bytes_moved"] += moved
         session.stats.bytes_moved += moved
+        for t in control:
+            name = CONTROL_OPS.get(t)
+            if name is not None:
+                kinds[name] = kinds.get(name, 0) + 1
         for name, n in kinds.items():
             metrics.request_done(name, dt, n)

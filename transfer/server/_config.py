@@ -90,6 +90,8 @@ class DaemonConfig:
     #: Prometheus metrics over HTTP (`transfer.server._metrics`); 0 = off.
     metrics_port: int = 0
     metrics_addr: str = "127.0.0.1"
+    #: Client names with per-session series of their own (the rest share one); 0 = no per-session series.
+    metrics_sessions: int = 16
 
 
 def session_limit(config: DaemonConfig, nofile: int) -> int:

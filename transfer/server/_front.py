@@ -188,6 +188,7 @@ class Front:
             session.queue.clear()  # ring requests: the ring closes with the session, failing them client-side
         self.rings.close(session)
         self.resources.release(session)
+        self.accounting.ended(session)  # after the ring's worker folded its last counts in
 
     async def end_session(self, session: Session, why: str) -> None:
         """Reclaim a dead or silent client's session: stop its work, then free its memory."""

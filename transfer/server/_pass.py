@@ -70,7 +70,7 @@ def _one_gpu_lane(ops: list[Op]) -> tuple[Any, Any] | None:
 class Batch:
     """One pass's share of a session's queue, and what became of it."""
 
-    __slots__ = ("session", "remote", "data", "after", "replies", "refused", "ops", "waves", "inline", "socket_n", "ring_n", "pipe", "fence")
+    __slots__ = ("session", "remote", "data", "after", "replies", "refused", "ops", "waves", "inline", "socket_n", "ring_n", "pipe", "fence", "control")
 
     def __init__(self, session: Session) -> None:
         self.session = session
@@ -90,6 +90,8 @@ class Batch:
         #: (queued, answered once its fence passes, while the next pass is queued behind it).
         self.pipe: tuple[Any, Any] | None = None
         self.fence: Any = None
+        #: The types of the control requests taken (their latency is accounted per kind).
+        self.control: list[type] = []
 
     def count(self, req: Any, route: int) -> None:
         """One queue entry taken: it holds a credit (socket) or completion slots (ring) until answered."""
@@ -258,10 +260,12 @@ class Pass:
                         b.count(req, route)
                         b.remote = req
                         b.inline = False
+                        b.control.append(t)
                     break
                 q.popleft()
                 taken += 1
                 b.count(req, route)
+                b.control.append(t)
                 b.replies.append((req.id, route, self.control.execute(session, req)))
                 running = session.running  # a Close stops the take here
                 continue
@@ -272,6 +276,7 @@ class Pass:
                 b.refused.append((req.id, route, req.error))
             elif t in _AFTER:
                 b.after.append((req, route))
+                b.control.append(t)
             elif t is P.ComputeRef:
                 try:
                     b.data.append((resolve(session, req), route))
@@ -367,7 +372,7 @@ class Pass:
                 self.rings.push(session, comps)
         session.inflight -= b.socket_n
         session.ring_pending -= b.ring_n
-        self.accounting.passed(session, b.ops, len(b.waves), codes)
+        self.accounting.passed(session, b.ops, len(b.waves), codes, b.control)
         if session.worker is not None:
             self.rings.settle(session)  # the ring goes back to its worker once the session is idle
         if peer_lost and session.running:

@@ -65,7 +65,7 @@ class Server:
         self.planner.remote = self.remote
         self.started = time.monotonic()
         #: Prometheus metrics (served by transferd --metrics-port); updated on the trio thread only.
-        self.metrics = Metrics()
+        self.metrics = Metrics(session_series=config.metrics_sessions)
         self.accounting = Accounting(self.metrics)
         self._lock: DaemonLock | None = None
         #: Where clients collect the memfds behind their segments and rings (no paths: no SIGBUS).
@@ -82,6 +82,8 @@ class Server:
         self.pass_.on_peer_lost = lambda s: self.front.end_soon(s, "NIXL peer disconnected")
         #: Where replies go; set by the daemon loop.
         self.send: Callable[[bytes, bytes], None] = lambda identity, data: None
+        # A scrape (on the HTTP thread) reads; folding the ring workers' counts stays on this thread.
+        self.metrics.set_source(self._daemon_stats, lambda: list(self.front.sessions.values()))
 
     def _send(self, identity: bytes, data: bytes) -> None:
         self.send(identity, data)
@@ -145,23 +147,17 @@ class Server:
         return self._lock.instance
 
     async def reap_silent(self) -> None:
-        """Once a period: reclaim silent sessions, refresh the metrics' gauges, and give
-        the C heap's free pages back (after a flood, glibc would keep them resident)."""
+        """Once a period: reclaim silent sessions, fold the ring workers' counts in (what a
+        scrape sees of them is at most this old), and give the C heap's free pages back
+        (after a flood, glibc would keep them resident)."""
         sessions_before = 0
         while True:
             await trio.sleep(min(1.0, self.config.session_timeout_s / 4))
             self.front.reap_silent()
-            self._gauges()
+            self._fold()
             if len(self.sessions) < sessions_before:
                 _trim_heap()  # sessions ended since the last look: their memory is free now
             sessions_before = len(self.sessions)
-
-    def _gauges(self) -> None:
-        self._fold()
-        self.metrics.set_gauges(
-            sessions=len(self.sessions), segments=len(self.table),
-            queued=sum(len(s.queue) for s in self.sessions.values()), device_bytes=self.resources.device_bytes,
-        )
 
     def _hello_info(self, session: Session) -> dict[str, Any]:
         granted = self.resources.admit(session)  # home device and arenas; may refuse
@@ -187,24 +183,28 @@ class Server:
 
     def stats(self, session: Session | None = None) -> dict[str, Any]:
         self._fold()
-        out: dict[str, Any] = {
-            "daemon": {
-                **self.accounting.counters,
-                "sessions": len(self.sessions),
-                "rings": len(self.rings.sessions),
-                "ring_workers": self.dataplane.workers,
-                "segments": len(self.table),
-                "device_bytes": self.resources.device_bytes,
-                "pinned_bytes": sum(b.pinned_bytes for b in self.backends),
-                "devices": [{"index": d.index, "kind": d.kind, "queued_bytes": d.queued_bytes, "batches": d.completed} for d in self.devices],
-                "uptime_s": round(time.monotonic() - self.started, 3),
-                **self.remote.counters,
-                **self.fds.counters,
-            }
-        }
+        out: dict[str, Any] = {"daemon": self._daemon_stats()}
         if session is not None:
             out["session"] = {"id": session.id, "home_device": session.home_device, **session.stats.to_wire(), "segments": len(session.segments), "ring": session.ring is not None}
         return out
+
+    def _daemon_stats(self) -> dict[str, Any]:
+        """The daemon-wide counters and levels, read only: a metrics scrape calls this from
+        its own thread (copies of dicts whose keys never change, lengths, ints)."""
+        return {
+            **self.accounting.counters,
+            "sessions": len(self.sessions),
+            "rings": len(self.rings.sessions),
+            "ring_workers": self.dataplane.workers,
+            "segments": len(self.table),
+            "queued_requests": sum(len(s.queue) for s in list(self.sessions.values())),
+            "device_bytes": self.resources.device_bytes,
+            "pinned_bytes": sum(b.pinned_bytes for b in self.backends),
+            "devices": [{"index": d.index, "kind": d.kind, "queued_bytes": d.queued_bytes, "batches": d.completed} for d in self.devices],
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            **self.remote.counters,
+            **self.fds.counters,
+        }
 
 
 def _load_trim() -> Callable[[], None]:
