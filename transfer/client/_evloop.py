@@ -93,20 +93,30 @@ class LoopSession(Session):
         """Run an operation, awaiting each request it yields."""
         deadline = None if timeout is None else time.monotonic() + timeout
         failed: BaseException | None = None
+        scheduled = False  # one checkpoint per operation: the first wait that sleeps, or the end
         while True:
             try:
                 p = op.throw(failed) if failed is not None else op.send(None)
             except StopIteration as stop:
-                await self._checkpoint()
+                if not scheduled:
+                    await self._checkpoint()
                 result: T = stop.value
                 return result
             failed = None
             try:
-                await self._wait(p, None if deadline is None else max(0.0, deadline - time.monotonic()))
+                scheduled = await self._await(p, None if deadline is None else max(0.0, deadline - time.monotonic())) or scheduled
             except BaseException as exc:  # thrown in (a cancellation too): the operation may clean up
                 failed = exc
+                scheduled = True
 
     async def _wait(self, p: Pending, timeout: float | None) -> None:
+        """`await p`: one checkpoint, whether or not it had to sleep."""
+        if not await self._await(p, timeout):
+            await self._checkpoint()
+
+    async def _await(self, p: Pending, timeout: float | None) -> bool:
+        """Wait for `p`; True if that yielded to the loop (slept), False if it never had to
+        (the caller owes its task a checkpoint: `_drive` makes one per operation)."""
         if self._batch:  # requests held back by batch() must leave before we can wait on them
             reqs, self._batch = self._batch, []
             self._send(reqs)
@@ -122,8 +132,8 @@ class LoopSession(Session):
             await self._sleep(p, timeout)
             if not p._done:
                 raise E.RequestTimeout(f"no reply within {timeout}s")
-        else:
-            await self._checkpoint()
+            return True
+        return False
 
     # --- how these clients move bytes: queued for the tasks ---------------------------------
     def _send(self, reqs: Sequence[P.Request]) -> None:
