@@ -250,7 +250,8 @@ static inline int64_t trq_push_from(trq_t *q, const void *src, uint64_t n, int w
  * non-zero (local close from another thread), or timeout_ns passes
  * (UINT64_MAX: forever). Spins for spin_ns first (cheap while the peer is
  * busy), then sleeps on the futex, its word set to `armed` (1; the native
- * data plane's workers use 2, see trq_ring_doorbell). Returns the available
+ * data plane's workers use 2, see trq_ring_doorbell); a wait whose spin covers
+ * its whole timeout only spins, leaving the word alone. Returns the available
  * count (>= 0) or TRQ_CORRUPT. Call without the GIL.
  */
 static inline int64_t trq_wait_armed(trq_t *q, int what, uint64_t need, uint64_t timeout_ns,
@@ -289,6 +290,11 @@ static inline int64_t trq_wait_armed(trq_t *q, int what, uint64_t need, uint64_t
         }
         trq_cpu_relax();
     }
+    /* A wait that was all spin never sleeps, so it never touches the waiter word: another
+     * waiter of this consumer may have armed it to sleep elsewhere (an event loop's reaper
+     * on the doorbell), and clearing it on the way out would lose that waiter's wakeup. */
+    if (spin_until >= deadline)
+        return a;
     for (;;) {
         atomic_store_explicit(w, armed, memory_order_relaxed);             /* C1 */
         atomic_thread_fence(memory_order_seq_cst);                         /* C2 */

@@ -303,3 +303,37 @@ def test_trio_ring_waits_without_a_thread_and_survives_a_killed_daemon(daemon_fa
                         await trio.sleep(0.01)
 
     trio.run(main)
+
+
+def test_a_tight_trio_await_loop_does_not_starve_other_tasks(daemon) -> None:  # type: ignore[no-untyped-def]
+    """A trio await answered at once (here a request already done) is a cancel point, not a
+    pass of trio's run loop; the client still yields at least every millisecond (FAIR_S), so
+    the program's other tasks run, and a cancelled scope still stops the loop."""
+
+    async def main() -> None:
+        async with transfer.open_client(daemon.endpoint, ring=True) as c:
+            seg = await c.segment(4096)
+            ticks = 0
+
+            async def other() -> None:
+                nonlocal ticks
+                while True:
+                    ticks += 1
+                    await trio.lowlevel.checkpoint()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(other)
+                p = c.copy(seg.va + 64, seg.va, 64)
+                await p
+                start = ticks
+                end = time.monotonic() + 0.3
+                while time.monotonic() < end:
+                    await p
+                assert ticks - start > 30, ticks - start  # about one per millisecond
+                with trio.move_on_after(0.05) as scope:
+                    while True:
+                        await p  # a cancel point: the deadline ends this loop
+                assert scope.cancelled_caught
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)

@@ -521,6 +521,24 @@ def test_arm_and_doorbell_fd(pair) -> None:
         os.close(w)
 
 
+def test_a_wait_that_only_spins_leaves_an_armed_word_alone(pair) -> None:
+    """An event-loop client's waiter spins on the queue (wait with spin == timeout) while its
+    reaper task sleeps on the doorbell, armed: the spin must not clear that arming on its way
+    out, or the producer's next push rings nobody and the reaper sleeps forever."""
+    srv, cli = pair
+    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        cli.set_doorbell(w)
+        assert srv.arm() == 0  # the reaper, about to sleep on r
+        assert srv.wait(timeout=200e-6, spin=200e-6) == 0  # the waiter's spin: nothing came
+        assert srv.wait(timeout=0) == 0  # a poll is a spin too
+        assert cli.push((Op.COPY, 1))
+        assert os.read(r, 16) == b"\0"  # still armed: the push rang the reaper
+    finally:
+        os.close(r)
+        os.close(w)
+
+
 def test_push_many_rings_the_doorbell_before_waiting_for_space(pair) -> None:
     """A consumer that sleeps on the doorbell fd drains a batch larger than the ring."""
     import select

@@ -465,6 +465,8 @@ class _PyQueue:
             if time.monotonic() >= spin_until:
                 break
             os.sched_yield()
+        if spin_until >= deadline:
+            return a  # all spin: the waiter word stays as it is (ring.h, trq_wait_armed)
         self._waiting += 1
         try:
             while True:

@@ -29,7 +29,7 @@ import zmq
 from .. import errors as E
 from ..transport._zmq import default_endpoint, ipc_path
 from ..transport._zmq_asyncio import AsyncioPump
-from ._evloop import BELL, IDLE, YIELD, LoopSession
+from ._evloop import BELL, FAIR_S, IDLE, YIELD, LoopSession
 from ._pending import AwaitablePending, Pending
 from ._ringlink import RingLink
 from ._session import open_socket
@@ -37,11 +37,6 @@ from ._session import open_socket
 log = logging.getLogger("transfer.client")
 
 __all__ = ["AsyncioClient", "AsyncioPending", "open_asyncio_client"]
-
-#: The longest a run of awaits answered at once (ring replies reaped in the waiter) goes
-#: without letting the loop run other tasks.
-_FAIR_S = 1e-3
-
 
 class AsyncioPending(AwaitablePending):
     """Await it for the result (or the error) of one request."""
@@ -89,12 +84,12 @@ class AsyncioClient(LoopSession):
 
     # --- asyncio's primitives (client._evloop does the rest) ---------------------------------
     async def _checkpoint(self) -> None:
-        """Yield to the loop only if this client has not for `_FAIR_S`: asyncio asks no
+        """Yield to the loop only if this client has not for `FAIR_S`: asyncio asks no
         checkpoint of an await that completes at once, and a loop iteration per ring reply
         would cost more than the reply, but `while True: await c.copy(...)` must not starve
         the program's other tasks (or this client's heartbeats)."""
         now = time.perf_counter()
-        if now - self._yielded_at > _FAIR_S:
+        if now - self._yielded_at > FAIR_S:
             self._yielded_at = now
             await asyncio.sleep(0)
 

@@ -27,10 +27,13 @@ from ._pending import AwaitablePending, Pending
 from ._ringlink import RingLink, descriptors_of
 from ._session import Op, Session
 
-__all__ = ["LoopSession", "SPIN_S", "YIELD", "IDLE", "BELL"]
+__all__ = ["LoopSession", "SPIN_S", "FAIR_S", "YIELD", "IDLE", "BELL"]
 
 #: How long a waiter, or the reaper, polls the ring for a completion before it sleeps.
 SPIN_S = 30e-6
+#: An await answered without sleeping yields to the event loop at least this often, not
+#: every time (a loop pass costs more than a ring reply): other tasks are never starved.
+FAIR_S = 1e-3
 
 #: What the ring reaper waits for next (`LoopSession._reaper`): let other tasks run;
 #: nothing is outstanding, so wait for `_kick_ring`; the completion doorbell is armed,
@@ -124,9 +127,11 @@ class LoopSession(Session):
         if not p._done and link is not None and p.id in link.outstanding:
             # On the ring, the answer is usually microseconds away: reap it here rather than
             # hop through the reaper task (two task switches and a doorbell).
+            # The spin is the queue's own (native: without the GIL, yielding the CPU every
+            # 5 us, so a daemon worker that shares our core gets to answer).
             until = time.perf_counter() + SPIN_S
-            while not p._done and time.perf_counter() < until:
-                if link.ring.available() and self._core.reap_ring():
+            while not p._done and (left := until - time.perf_counter()) > 0:
+                if link.ring.wait(timeout=left, spin=left) and self._core.reap_ring():
                     self._release_held()
         if not p._done:
             await self._sleep(p, timeout)
@@ -212,9 +217,7 @@ class LoopSession(Session):
                 continue
             # A short spin first: a completion due within microseconds costs no doorbell,
             # no epoll round and no wakeup (the daemon's worker answers most that fast).
-            until = time.perf_counter() + SPIN_S
-            while not ring.available() and time.perf_counter() < until:
-                pass
+            ring.wait(timeout=SPIN_S, spin=SPIN_S)
             if ring.arm():
                 ring.disarm()
                 continue
