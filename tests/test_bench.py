@@ -295,3 +295,21 @@ def test_ring_daemon_bench_leaves_no_directory(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert os.listdir(tmpdir) == []
     assert {n for n in os.listdir("/dev/shm") if n.startswith("ring-bench-shm-")} == before
+
+
+def test_graphs_bench_tiny(tmp_path: Path) -> None:
+    """bench/graphs.py runs end to end in a tiny configuration and records what docs/benchmarks.md reads."""
+    out = tmp_path / "graphs.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "graphs.py"), "--backend", "numpy", "--batches", "1,4",
+                           "--image-batches", "2", "--image-size", "16", "--seconds", "0.05", "--reps", "1",
+                           "--json", str(out)],
+                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["command"].startswith("python bench/graphs.py ") and doc["machine"]["blas_threads"] == "1"
+    assert [r["batch"] for r in doc["mlp"]] == [1, 4] and [r["images"] for r in doc["images"]] == [2]
+    for r in doc["mlp"]:
+        assert r["max_abs_error"] <= 1e-5
+        assert r["daemon_per_s"] > 0 and r["in_process_per_s"] > 0 and r["kernels_per_s"] > 0
+        assert r["daemon_vs_in_process"] > 0 and r["daemon_vs_kernels"] > 0
+    assert doc["images"][0]["daemon_per_s"] > 0 and doc["images"][0]["max_abs_error"] <= 1e-5
