@@ -48,13 +48,17 @@ def _sig(arrays: list[Any], sig: Sig | None) -> Sig:
 def gemm(a: Any, b: Any, bias: Any, out: Any, xp: Any, sig: Sig) -> None:
     """out = a @ b (+ bias), batch dimensions broadcast; sig = (a, b, bias, out) dtypes.
 
-    Computed in acc_dtype(a): 16-bit floats in float32, int8 in int32."""
+    Computed in acc_dtype(a): 16-bit floats in float32, int8 in int32. Where the output has
+    that dtype the product is written straight into it (outputs never overlap inputs): no
+    temporary of the output's size, and no copy of one (in a graph, every layer's)."""
     if xp is np or sig[0] in ("float32", "float64"):
         acc = acc_dtype(sig[0])
-        r = xp.matmul(a.astype(acc, copy=False), b.astype(acc, copy=False))
+        a, b = a.astype(acc, copy=False), b.astype(acc, copy=False)
+        r = xp.matmul(a, b, out=out) if out.dtype == acc else xp.matmul(a, b)
         if bias is not None:
-            r += bias.astype(acc, copy=False)
-        out[...] = r
+            xp.add(r, bias.astype(acc, copy=False), out=r)
+        if r is not out:
+            out[...] = r  # 16-bit outputs: rounded once, from float32
         return
     batch = out.shape[:-2]
     a = xp.broadcast_to(a, batch + a.shape[-2:])
@@ -116,7 +120,7 @@ def _check_unary(op: str) -> Any:
 
 
 def _relu(x: list[Any], y: list[Any], p: Mapping[str, Any], xp: Any) -> None:
-    y[0][...] = xp.maximum(x[0], xp.zeros((), dtype=x[0].dtype))  # exact in any dtype; NaN stays NaN
+    xp.maximum(x[0], xp.zeros((), dtype=x[0].dtype), out=y[0])  # exact in any dtype; NaN stays NaN
 
 
 def _relu_cuda(x: list[Any], y: list[Any], p: Mapping[str, Any], cp: Any, sig: Sig) -> None:
