@@ -109,6 +109,25 @@ def test_mlp_graph_matches_numpy_and_profiles(client: transfer.Client) -> None:
     assert client.stats()["session"]["defines"] >= 1
 
 
+def test_a_graph_run_is_one_worker_call(client: transfer.Client) -> None:
+    """Its nodes' waves all run on one device: one hop to that device's worker runs them all
+    (each node's work is over inline_bytes, so each wave once took a hop of its own)."""
+    g, ws = mlp(client, 64, [256, 512, 512, 16])
+    xs, ys = client.segment(64 * 256 * 4), client.segment(64 * 16 * 4)
+    x = xs.ndarray((64, 256), np.float32)
+    x[...] = RNG.standard_normal((64, 256))
+    client.run_graph(g, [xs], [ys]).result()
+
+    def calls() -> int:
+        return client.stats()["daemon"]["devices"][client.home_device]["batches"]
+
+    before = calls()
+    for _ in range(3):
+        client.run_graph(g, [xs], [ys]).result()
+    assert calls() - before == 3
+    np.testing.assert_allclose(ys.ndarray((64, 16), np.float32), mlp_ref(x, ws), rtol=1e-4, atol=1e-4)
+
+
 def test_dag_with_two_branches(client: transfer.Client) -> None:
     n = 12
     g = client.graph()
