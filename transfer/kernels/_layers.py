@@ -18,7 +18,7 @@ from . import _cuda
 from ._basic import register_both
 from ._checks import fail, param_axis, param_choice, param_float, param_pair, same_shape
 from ._registry import REGISTRY, Operator, Sig
-from ._tensors import FLOATS, TensorRef, acc_dtype
+from ._tensors import FLOATS, TensorRef, acc_dtype, dtype_name
 
 __all__ = ["MAX_SCRATCH_ELEMENTS", "broadcast_shapes"]
 
@@ -42,7 +42,7 @@ def broadcast_shapes(op: str, a: tuple[int, ...], b: tuple[int, ...]) -> tuple[i
 
 def _sig(arrays: list[Any], sig: Sig | None) -> Sig:
     """The dtype signature: given on the GPU (CuPy arrays of bfloat16 are uint16 bits), else read."""
-    return sig if sig is not None else tuple(a.dtype.name for a in arrays)
+    return sig if sig is not None else tuple(dtype_name(a.dtype) for a in arrays)
 
 
 def gemm(a: Any, b: Any, bias: Any, out: Any, xp: Any, sig: Sig) -> None:
@@ -138,7 +138,7 @@ def erf(z: Any, xp: Any) -> Any:
 
 
 def _gelu(x: list[Any], y: list[Any], p: Mapping[str, Any], xp: Any) -> None:
-    v = x[0].astype(acc_dtype(x[0].dtype.name), copy=False)
+    v = x[0].astype(acc_dtype(dtype_name(x[0].dtype)), copy=False)
     if p.get("approximate", "none") == "tanh":
         r = 0.5 * v * (1.0 + xp.tanh(0.7978845608028654 * (v + 0.044715 * v * v * v)))
     else:
@@ -167,7 +167,7 @@ def _check_softmax(i: list[TensorRef], o: list[TensorRef], p: Mapping[str, Any])
 
 def _softmax(x: list[Any], y: list[Any], p: Mapping[str, Any], xp: Any) -> None:
     axis = p.get("axis", -1)
-    v = x[0].astype(acc_dtype(x[0].dtype.name), copy=False)
+    v = x[0].astype(acc_dtype(dtype_name(x[0].dtype)), copy=False)
     if v.size == 0:
         return
     e = xp.exp(v - v.max(axis=axis, keepdims=True))
@@ -189,7 +189,7 @@ def _check_layer_norm(i: list[TensorRef], o: list[TensorRef], p: Mapping[str, An
 
 
 def _layer_norm(x: list[Any], y: list[Any], p: Mapping[str, Any], xp: Any) -> None:
-    acc = acc_dtype(x[0].dtype.name)
+    acc = acc_dtype(dtype_name(x[0].dtype))
     axes = tuple(range(x[0].ndim - x[1].ndim, x[0].ndim))
     v = x[0].astype(acc, copy=False)
     if v.size == 0:
