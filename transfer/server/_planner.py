@@ -302,7 +302,6 @@ class Planner:
                 raise type(exc)(f"graph{' created at ' + site if site else ''}, node {i} ({node.op}): {exc.message}") from None
             op = planned[-1] if isinstance(planned, list) else planned
             op.run = _guarded(op.run, [nodes[j] for j in graph.deps[i]], times, i, node.op)
-            op.info = _Kernel(compute)  # the signature, for the profile
             ops.extend(planned if isinstance(planned, list) else (planned,))
             nodes.append(op)
         done = [r for op in nodes for r in op.writes]
@@ -315,7 +314,7 @@ class Planner:
                 return None
             return {"nodes": [
                 {"node": i, "op": graph.nodes[i].op, "device": op.device.index, "kind": op.device.kind,
-                 "kernel": op.info.sig, "us": round(times[i] * 1e6, 1)}
+                 "kernel": _signature_text(graph, graph.nodes[i]), "us": round(times[i] * 1e6, 1)}
                 for i, op in enumerate(nodes)
             ]}
 
@@ -323,15 +322,12 @@ class Planner:
         return ops
 
 
-class _Kernel:
-    """What the profile says of a node's kernel: its dtype signature."""
-
-    __slots__ = ("sig",)
-
-    def __init__(self, req: P.Compute) -> None:
-        s = signature(req.inputs, req.outputs)
-        n = len(req.inputs)
-        self.sig = f"({', '.join(s[:n])}) -> ({', '.join(s[n:])})"
+def _signature_text(graph: GraphSpec, node: Any) -> str:
+    """What a profile says of a node's kernel: its dtype signature (the graph's dtypes, which
+    every run binds alike; written only when a profile is asked for)."""
+    ins = ", ".join(graph.tensors[n].dtype for n in node.inputs)
+    outs = ", ".join(graph.tensors[n].dtype for n in node.outputs)
+    return f"({ins}) -> ({outs})"
 
 
 def _guarded(run: Any, deps: list[Op], times: list[float], i: int, name: str) -> Any:
