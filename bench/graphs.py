@@ -126,6 +126,12 @@ class InProcess:
         else:
             self.xp = np
 
+    def device_name(self) -> str | None:
+        if not self.gpu:
+            return None
+        name = self.xp.cuda.runtime.getDeviceProperties(self.xp.cuda.Device().id)["name"]
+        return name.decode() if isinstance(name, bytes) else str(name)
+
     def put(self, a: np.ndarray) -> Any:
         return self.xp.asarray(a) if self.gpu else a
 
@@ -325,13 +331,15 @@ def mlp_point(c: transfer.Client, side: InProcess, wbuf: Any, ws: list[np.ndarra
         if err_k > 1e-3:
             raise SystemExit(f"batch {batch}: the kernels in-process disagree with NumPy (max abs error {err_k:.2e})")
         sides["kernels"] = (_each(lambda x: kern(x, here), xs), _nothing)
+    load = os.getloadavg()[0]
     rates = compare(sides, seconds, reps)
     err = max(err, prod.error(want, yshape))  # the last timed runs' outputs are right too
     prod.close()
     c.free(prod.g)
     if err > 1e-3:
         raise SystemExit(f"batch {batch}: the graph's outputs disagree with NumPy (max abs error {err:.2e})")
-    row = {"batch": batch, "max_abs_error": err, "max_abs_output": float(max(np.abs(w).max() for w in want))}
+    row = {"batch": batch, "max_abs_error": err, "max_abs_output": float(max(np.abs(w).max() for w in want)),
+           "load_before": load, "load_after": os.getloadavg()[0]}
     row.update(summarize(rates, "in_process"))
     if "kernels" in rates:  # the service's own cost: the daemon next to its kernels run here
         row["daemon_vs_kernels"] = statistics.median(a / b for a, b in zip(rates["daemon"], rates["kernels"]))
@@ -344,7 +352,7 @@ def mlp_point(c: transfer.Client, side: InProcess, wbuf: Any, ws: list[np.ndarra
 def _mlp_line(r: dict[str, Any]) -> str:
     k = f"{r['kernels_per_s']:10,.0f} {r['daemon_vs_kernels']:8.2f}x" if "kernels_per_s" in r else f"{'-':>10s} {'-':>9s}"
     return (f"{r['batch']:6d} {r['daemon_per_s']:10,.0f} {r['in_process_per_s']:10,.0f} {r['daemon_vs_in_process']:8.2f}x "
-            f"{k} {r['max_abs_error']:10.1e}")
+            f"{k} {r['max_abs_error']:10.1e} {r['load_before']:5.1f}")
 
 
 # --- image preprocessing ----------------------------------------------------------------------
@@ -374,15 +382,16 @@ def images_point(c: transfer.Client, side: InProcess, n: int, size: int, slots: 
         "daemon": (prod.step(xs), prod.finish),
         "in_process": (side.step(lambda x: preprocess(x, side.xp), xs, here), _nothing),
     }
+    load = os.getloadavg()[0]
     rates = compare(sides, seconds, reps)
     err = max(err, prod.error(want, chw))
     prod.close()
     c.free(g)
     if err > 1e-4:
         raise SystemExit(f"images x{n}: the graph's outputs disagree with NumPy (max abs error {err:.2e})")
-    row = {"images": n, "size": size, "max_abs_error": err}
+    row = {"images": n, "size": size, "max_abs_error": err, "load_before": load, "load_after": os.getloadavg()[0]}
     row.update(summarize(rates, "in_process", per=n))
-    print(f"{n:6d} {size:4d} {row['daemon_per_s']:12,.0f} {row['in_process_per_s']:12,.0f} {row['daemon_vs_in_process']:8.2f}x {err:10.1e}", flush=True)
+    print(f"{n:6d} {size:4d} {row['daemon_per_s']:12,.0f} {row['in_process_per_s']:14,.0f} {row['daemon_vs_in_process']:8.2f}x {err:10.1e} {load:5.1f}", flush=True)
     return row
 
 
@@ -410,9 +419,9 @@ def main(argv: list[str] | None = None) -> int:
         with transfer.connect(d.endpoint, name="graphs-bench") as c:
             print(f"backend {backend}, BLAS threads {os.environ.get('OPENBLAS_NUM_THREADS', 'default')}, "
                   f"{args.slots} runs in flight, {args.reps} x {args.seconds:g} s per side")
-            print(f"{'batch':>6s} {'daemon/s':>10s} {'numpy/s':>10s} {'ratio':>9s} {'kernels/s':>10s} {'d/kern':>9s} {'max err':>10s}")
+            print(f"{'batch':>6s} {'daemon/s':>10s} {'in-proc/s':>10s} {'ratio':>9s} {'kernels/s':>10s} {'d/kern':>9s} {'max err':>10s} {'load':>5s}")
             mlp_rows = bench_mlp(c, side, parse(args.batches), args.slots, args.seconds, args.reps)
-            print(f"{'images':>6s} {'size':>4s} {'daemon img/s':>12s} {'numpy img/s':>12s} {'ratio':>9s} {'max err':>10s}")
+            print(f"{'images':>6s} {'size':>4s} {'daemon img/s':>12s} {'in-proc img/s':>14s} {'ratio':>9s} {'max err':>10s} {'load':>5s}")
             img_rows = bench_images(c, side, parse(args.image_batches), args.image_size, min(args.slots, 2),
                                     args.seconds, args.reps)
     if args.json:
@@ -421,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
             "command": "python bench/graphs.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
             "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                         "python": platform.python_version(), "numpy": np.__version__, "backend": backend,
-                        "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS", "default")},
+                        "gpu": side.device_name(), "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS", "default"),
+                        "load_note": "1-minute load average before and after each point: others share this machine"},
             "config": {"mlp": list(SIZES), "dtype": "float32", "slots": args.slots, "seconds": args.seconds, "reps": args.reps},
             "mlp": mlp_rows,
             "images": img_rows,
