@@ -338,7 +338,7 @@ def mlp_point(c: transfer.Client, side: InProcess, wbuf: Any, ws: list[np.ndarra
     c.free(prod.g)
     if err > 1e-3:
         raise SystemExit(f"batch {batch}: the graph's outputs disagree with NumPy (max abs error {err:.2e})")
-    row = {"batch": batch, "max_abs_error": err, "max_abs_output": float(max(np.abs(w).max() for w in want)),
+    row: dict[str, Any] = {"batch": batch, "max_abs_error": err, "max_abs_output": float(max(np.abs(w).max() for w in want)),
            "load_before": load, "load_after": os.getloadavg()[0]}
     row.update(summarize(rates, "in_process"))
     if "kernels" in rates:  # the service's own cost: the daemon next to its kernels run here
@@ -382,6 +382,12 @@ def images_point(c: transfer.Client, side: InProcess, n: int, size: int, slots: 
         "daemon": (prod.step(xs), prod.finish),
         "in_process": (side.step(lambda x: preprocess(x, side.xp), xs, here), _nothing),
     }
+    if not side.gpu:
+        kern = kernels_images(hwc)
+        kern(xs[0], here)
+        if float(np.abs(here - want[0]).max()) > 1e-4:
+            raise SystemExit(f"images x{n}: the kernels in-process disagree with NumPy")
+        sides["kernels"] = (_each(lambda x: kern(x, here), xs), _nothing)
     load = os.getloadavg()[0]
     rates = compare(sides, seconds, reps)
     err = max(err, prod.error(want, chw))
@@ -389,10 +395,29 @@ def images_point(c: transfer.Client, side: InProcess, n: int, size: int, slots: 
     c.free(g)
     if err > 1e-4:
         raise SystemExit(f"images x{n}: the graph's outputs disagree with NumPy (max abs error {err:.2e})")
-    row = {"images": n, "size": size, "max_abs_error": err, "load_before": load, "load_after": os.getloadavg()[0]}
+    row: dict[str, Any] = {"images": n, "size": size, "max_abs_error": err, "load_before": load, "load_after": os.getloadavg()[0]}
     row.update(summarize(rates, "in_process", per=n))
-    print(f"{n:6d} {size:4d} {row['daemon_per_s']:12,.0f} {row['in_process_per_s']:14,.0f} {row['daemon_vs_in_process']:8.2f}x {err:10.1e} {load:5.1f}", flush=True)
+    if "kernels" in rates:
+        row["daemon_vs_kernels"] = statistics.median(a / b for a, b in zip(rates["daemon"], rates["kernels"]))
+    kcols = f"{row['kernels_per_s']:12,.0f} {row['daemon_vs_kernels']:8.2f}x" if "kernels" in rates else f"{'-':>12s} {'-':>9s}"
+    print(f"{n:6d} {size:4d} {row['daemon_per_s']:12,.0f} {row['in_process_per_s']:14,.0f} {row['daemon_vs_in_process']:8.2f}x "
+          f"{kcols} {err:10.1e} {load:5.1f}", flush=True)
     return row
+
+
+def kernels_images(hwc: tuple[int, ...]) -> Callable[[np.ndarray, np.ndarray], None]:
+    """The image graph's kernels (flip, then normalize with the layout change) run here on
+    NumPy arrays with a preallocated intermediate: its work without the service."""
+    flip = REGISTRY.lookup("flip", ("uint8", "uint8"), "cpu")
+    norm = REGISTRY.lookup("normalize", ("uint8", "float32"), "cpu")
+    flipped = np.empty(hwc, np.uint8)
+    params = {"mean": MEAN, "std": STD, "layout": "NHWC", "out_layout": "NCHW"}
+
+    def run(x: np.ndarray, y: np.ndarray) -> None:
+        flip.run([x], [flipped], {"axes": [2]}, np)
+        norm.run([flipped], [y], params, np)
+
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -421,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{args.slots} runs in flight, {args.reps} x {args.seconds:g} s per side")
             print(f"{'batch':>6s} {'daemon/s':>10s} {'in-proc/s':>10s} {'ratio':>9s} {'kernels/s':>10s} {'d/kern':>9s} {'max err':>10s} {'load':>5s}")
             mlp_rows = bench_mlp(c, side, parse(args.batches), args.slots, args.seconds, args.reps)
-            print(f"{'images':>6s} {'size':>4s} {'daemon img/s':>12s} {'in-proc img/s':>14s} {'ratio':>9s} {'max err':>10s} {'load':>5s}")
+            print(f"{'images':>6s} {'size':>4s} {'daemon img/s':>12s} {'in-proc img/s':>14s} {'ratio':>9s} {'kernels img/s':>12s} {'d/kern':>9s} {'max err':>10s} {'load':>5s}")
             img_rows = bench_images(c, side, parse(args.image_batches), args.image_size, min(args.slots, 2),
                                     args.seconds, args.reps)
     if args.json:
