@@ -26,7 +26,7 @@ from .. import errors as E
 from ._ops import Op
 from ._placement import VirtualDevice
 
-__all__ = ["assign_waves", "coalesce", "run_inline", "run_waves", "issue", "issue_off_loop", "wait_visible", "device_failed"]
+__all__ = ["assign_waves", "coalesce", "run_inline", "run_waves", "run_stretch", "issue", "issue_off_loop", "wait_visible", "device_failed"]
 
 
 class _Intervals:
@@ -388,14 +388,14 @@ def _fail_rest(waves: Sequence[Sequence[Op]], why: E.TransferError) -> None:
                 op.error = why
 
 
-def _run_stretch(waves: Sequence[Sequence[Op]], device: VirtualDevice,
-                 stop: Callable[[], E.TransferError | None] | None) -> None:
+def run_stretch(waves: Sequence[Sequence[Op]], device: VirtualDevice,
+                stop: Callable[[], E.TransferError | None] | None) -> None:
     """A worker thread's share: waves on its device, in order, each made visible as it ends.
-    (It may block on slow driver calls: pinning a segment.) `stop` is asked between waves,
+    (It may block on slow driver calls: pinning a segment.) `stop` is asked before each wave,
     as the loop would ask it: it reads the session's state, which only the loop changes."""
     with device.backend.off_loop():
         for i, wave in enumerate(waves):
-            why = stop() if stop is not None and i else None
+            why = stop() if stop is not None else None
             if why is not None:
                 _fail_rest(waves[i:], why)
                 return
@@ -413,7 +413,7 @@ async def _on_device(waves: Any, device: VirtualDevice | None, nbytes: int, limi
         return
     device.queued_bytes += nbytes
     try:
-        await trio.to_thread.run_sync(_run_stretch, waves, device, stop, limiter=limiter)
+        await trio.to_thread.run_sync(run_stretch, waves, device, stop, limiter=limiter)
     finally:
         device.queued_bytes -= nbytes
         device.completed += 1
