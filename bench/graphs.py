@@ -14,7 +14,10 @@ noisy machine:
   one after another: the service's overhead is `daemon` next to `kernels`.
 * **Image preprocessing** (examples/image_preprocess.py's graph: uint8 NHWC ->
   horizontal flip -> normalize to float32 NCHW), in images/s, against NumPy
-  in-process as a user would write it.
+  in-process as a user would write it, and against the graph's kernels run here.
+* `--baseline DIR`: the MLP also through a transferd imported from DIR (a
+  checkout of another commit, its native extension built), in the same run:
+  before and after a change, under the same load.
 
 Each point gives each side `--seconds`, in half-second slices taken in turn, `--reps`
 times; the tables show medians and the median of the per-rep ratios. Outputs are
@@ -23,7 +26,8 @@ BLAS threads are set for this process and the daemon alike (`--blas-threads`,
 before NumPy loads; the daemon inherits it).
 
     python bench/graphs.py [--backend auto|numpy|cupy] [--batches 1,4,16,64,256,1024]
-                           [--seconds 2] [--reps 3] [--blas-threads 1] [--json bench/results/graphs.json]
+                           [--seconds 2] [--reps 3] [--blas-threads 1] [--baseline DIR]
+                           [--json bench/results/graphs.json]
 """
 
 from __future__ import annotations
@@ -53,14 +57,16 @@ if __name__ == "__main__":
     _set_blas_threads(sys.argv[1:])
 
 import argparse
+import contextlib
 import importlib
 import json
 import platform
 import shlex
 import statistics
+import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -290,8 +296,8 @@ def kernels_mlp(batch: int, ws: list[np.ndarray]) -> Callable[[np.ndarray, np.nd
     return run
 
 
-def bench_mlp(c: transfer.Client, side: InProcess, batches: Sequence[int], slots: int, seconds: float, reps: int) -> list[dict[str, Any]]:
-    ws = make_weights()
+def upload_weights(c: transfer.Client, ws: list[np.ndarray]) -> Any:
+    """The weights, one after another, in a device buffer of `c`'s daemon."""
     nw = sum(w.nbytes for w in ws)
     staging, wbuf = c.segment(nw), c.alloc(nw)
     off = 0
@@ -300,30 +306,40 @@ def bench_mlp(c: transfer.Client, side: InProcess, batches: Sequence[int], slots
         off += w.nbytes
     c.copy(wbuf, staging).result()
     c.free(staging)
-    rows = [mlp_point(c, side, wbuf, ws, batch, slots, seconds, reps) for batch in batches]
-    c.free(wbuf)
+    return wbuf
+
+
+def bench_mlp(clients: dict[str, transfer.Client], side: InProcess, batches: Sequence[int], slots: int,
+              seconds: float, reps: int) -> list[dict[str, Any]]:
+    """`clients`: "daemon", and "baseline" where another daemon is compared (`--baseline`)."""
+    ws = make_weights()
+    wbufs = {name: upload_weights(c, ws) for name, c in clients.items()}
+    rows = [mlp_point(clients, side, wbufs, ws, batch, slots, seconds, reps) for batch in batches]
+    for name, c in clients.items():
+        c.free(wbufs[name])
     return rows
 
 
-def mlp_point(c: transfer.Client, side: InProcess, wbuf: Any, ws: list[np.ndarray], batch: int, slots: int,
-              seconds: float, reps: int) -> dict[str, Any]:
+def mlp_point(clients: dict[str, transfer.Client], side: InProcess, wbufs: dict[str, Any], ws: list[np.ndarray],
+              batch: int, slots: int, seconds: float, reps: int) -> dict[str, Any]:
     """One batch size: checked, then timed; its table row."""
     rng = np.random.default_rng(batch)
     xs = [rng.standard_normal((batch, SIZES[0]), dtype=np.float32) for _ in range(DISTINCT)]
     want = [mlp(x, ws, np) for x in xs]
     yshape = (batch, SIZES[-1])
-    prod = Producer(c, mlp_graph(c, wbuf, batch), batch * SIZES[0] * 4, batch * SIZES[-1] * 4, slots)
+    prods = {name: Producer(c, mlp_graph(c, wbufs[name], batch), batch * SIZES[0] * 4, batch * SIZES[-1] * 4, slots)
+             for name, c in clients.items()}
     # Correctness, untimed: each distinct batch through the graph (the first run defines it).
-    for k, x in enumerate(xs):
-        prod.run(k, x)
-    prod.finish()
-    err = prod.error(want, yshape)
+    err = 0.0
+    for prod in prods.values():
+        for k, x in enumerate(xs):
+            prod.run(k, x)
+        prod.finish()
+        err = max(err, prod.error(want, yshape))
     here = np.empty(yshape, np.float32)
     dws = [side.put(w) for w in ws]
-    sides: dict[str, Side] = {
-        "daemon": (prod.step(xs), prod.finish),
-        "in_process": (side.step(lambda x: mlp(x, dws, side.xp), xs, here), _nothing),
-    }
+    sides: dict[str, Side] = {name: (prod.step(xs), prod.finish) for name, prod in prods.items()}
+    sides["in_process"] = (side.step(lambda x: mlp(x, dws, side.xp), xs, here), _nothing)
     if not side.gpu:
         kern = kernels_mlp(batch, ws)
         kern(xs[0], here)
@@ -333,16 +349,18 @@ def mlp_point(c: transfer.Client, side: InProcess, wbuf: Any, ws: list[np.ndarra
         sides["kernels"] = (_each(lambda x: kern(x, here), xs), _nothing)
     load = os.getloadavg()[0]
     rates = compare(sides, seconds, reps)
-    err = max(err, prod.error(want, yshape))  # the last timed runs' outputs are right too
-    prod.close()
-    c.free(prod.g)
+    for name, prod in prods.items():
+        err = max(err, prod.error(want, yshape))  # the last timed runs' outputs are right too
+        prod.close()
+        clients[name].free(prod.g)
     if err > 1e-3:
         raise SystemExit(f"batch {batch}: the graph's outputs disagree with NumPy (max abs error {err:.2e})")
     row: dict[str, Any] = {"batch": batch, "max_abs_error": err, "max_abs_output": float(max(np.abs(w).max() for w in want)),
-           "load_before": load, "load_after": os.getloadavg()[0]}
+                           "load_before": load, "load_after": os.getloadavg()[0]}
     row.update(summarize(rates, "in_process"))
-    if "kernels" in rates:  # the service's own cost: the daemon next to its kernels run here
-        row["daemon_vs_kernels"] = statistics.median(a / b for a, b in zip(rates["daemon"], rates["kernels"]))
+    for other in ("kernels", "baseline"):  # kernels: the service's own cost; baseline: another daemon's
+        if other in rates:
+            row[f"daemon_vs_{other}"] = statistics.median(a / b for a, b in zip(rates["daemon"], rates[other]))
     row["samples_per_s_daemon"] = row["daemon_per_s"] * batch
     row["samples_per_s_in_process"] = row["in_process_per_s"] * batch
     print(_mlp_line(row), flush=True)
@@ -351,8 +369,9 @@ def mlp_point(c: transfer.Client, side: InProcess, wbuf: Any, ws: list[np.ndarra
 
 def _mlp_line(r: dict[str, Any]) -> str:
     k = f"{r['kernels_per_s']:10,.0f} {r['daemon_vs_kernels']:8.2f}x" if "kernels_per_s" in r else f"{'-':>10s} {'-':>9s}"
+    b = f" {r['baseline_per_s']:10,.0f} {r['baseline_vs_in_process']:8.2f}x" if "baseline_per_s" in r else ""
     return (f"{r['batch']:6d} {r['daemon_per_s']:10,.0f} {r['in_process_per_s']:10,.0f} {r['daemon_vs_in_process']:8.2f}x "
-            f"{k} {r['max_abs_error']:10.1e} {r['load_before']:5.1f}")
+            f"{k} {r['max_abs_error']:10.1e} {r['load_before']:5.1f}{b}")
 
 
 # --- image preprocessing ----------------------------------------------------------------------
@@ -420,6 +439,34 @@ def kernels_images(hwc: tuple[int, ...]) -> Callable[[np.ndarray, np.ndarray], N
     return run
 
 
+@contextlib.contextmanager
+def _started_from(cwd: str, pythonpath: str) -> Iterator[None]:
+    """Processes started inside see this working directory and PYTHONPATH; both restored after."""
+    saved_cwd, saved_path = os.getcwd(), os.environ.get("PYTHONPATH")
+    os.chdir(cwd)
+    os.environ["PYTHONPATH"] = pythonpath
+    try:
+        yield
+    finally:
+        os.chdir(saved_cwd)
+        if saved_path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved_path
+
+
+@contextlib.contextmanager
+def baseline_daemon(checkout: Path, backend: str) -> Iterator[Any]:
+    """A transferd whose package comes from `checkout`, started from a directory with no
+    `transfer` in it (`python -m` puts the working directory first on the path)."""
+    if not (checkout / "transfer" / "__init__.py").is_file():
+        raise SystemExit(f"--baseline {checkout}: no transfer package there")
+    with tempfile.TemporaryDirectory(prefix="graphs-baseline-") as neutral, contextlib.ExitStack() as stack:
+        with _started_from(neutral, str(checkout.resolve())):
+            d = stack.enter_context(run_daemon(["--backend", backend]))
+        yield d
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="auto", choices=("auto", "numpy", "cupy"), help="the daemon's; the in-process side follows it")
@@ -430,25 +477,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=2.0, help="per side, per rep")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--blas-threads", default="1", help="BLAS threads here and in the daemon ('default': leave the environment as it is)")
+    ap.add_argument("--baseline", type=Path, metavar="DIR",
+                    help="also run the MLP through a transferd imported from DIR (a checkout of another commit, "
+                         "its native extension built): before/after in one run")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
     def parse(text: str) -> list[int]:
         return [int(v) for v in text.split(",") if v]
 
-    with run_daemon(["--backend", args.backend]) as d:
+    with contextlib.ExitStack() as stack:
+        d = stack.enter_context(run_daemon(["--backend", args.backend]))
         backend = d.ready["backend"]
         if backend not in ("numpy", "cupy"):
             raise SystemExit(f"unexpected backend {backend!r}")
         side = InProcess(backend)
-        with transfer.connect(d.endpoint, name="graphs-bench") as c:
-            print(f"backend {backend}, BLAS threads {os.environ.get('OPENBLAS_NUM_THREADS', 'default')}, "
-                  f"{args.slots} runs in flight, {args.reps} x {args.seconds:g} s per side")
-            print(f"{'batch':>6s} {'daemon/s':>10s} {'in-proc/s':>10s} {'ratio':>9s} {'kernels/s':>10s} {'d/kern':>9s} {'max err':>10s} {'load':>5s}")
-            mlp_rows = bench_mlp(c, side, parse(args.batches), args.slots, args.seconds, args.reps)
-            print(f"{'images':>6s} {'size':>4s} {'daemon img/s':>12s} {'in-proc img/s':>14s} {'ratio':>9s} {'kernels img/s':>12s} {'d/kern':>9s} {'max err':>10s} {'load':>5s}")
-            img_rows = bench_images(c, side, parse(args.image_batches), args.image_size, min(args.slots, 2),
-                                    args.seconds, args.reps)
+        c = stack.enter_context(transfer.connect(d.endpoint, name="graphs-bench"))
+        clients = {"daemon": c}
+        if args.baseline is not None:
+            base = stack.enter_context(baseline_daemon(args.baseline, args.backend))
+            clients["baseline"] = stack.enter_context(transfer.connect(base.endpoint, name="graphs-bench-baseline"))
+        print(f"backend {backend}, BLAS threads {os.environ.get('OPENBLAS_NUM_THREADS', 'default')}, "
+              f"{args.slots} runs in flight, {args.reps} x {args.seconds:g} s per side")
+        print(f"{'batch':>6s} {'daemon/s':>10s} {'in-proc/s':>10s} {'ratio':>9s} {'kernels/s':>10s} {'d/kern':>9s} {'max err':>10s} {'load':>5s}"
+              + (f" {'base/s':>10s} {'b ratio':>9s}" if args.baseline is not None else ""))
+        mlp_rows = bench_mlp(clients, side, parse(args.batches), args.slots, args.seconds, args.reps)
+        print(f"{'images':>6s} {'size':>4s} {'daemon img/s':>12s} {'in-proc img/s':>14s} {'ratio':>9s} {'kernels img/s':>12s} {'d/kern':>9s} {'max err':>10s} {'load':>5s}")
+        img_rows = bench_images(c, side, parse(args.image_batches), args.image_size, min(args.slots, 2),
+                                args.seconds, args.reps)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         doc = {
@@ -457,7 +513,8 @@ def main(argv: list[str] | None = None) -> int:
                         "python": platform.python_version(), "numpy": np.__version__, "backend": backend,
                         "gpu": side.device_name(), "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS", "default"),
                         "load_note": "1-minute load average before and after each point: others share this machine"},
-            "config": {"mlp": list(SIZES), "dtype": "float32", "slots": args.slots, "seconds": args.seconds, "reps": args.reps},
+            "config": {"mlp": list(SIZES), "dtype": "float32", "slots": args.slots, "seconds": args.seconds, "reps": args.reps,
+                       "baseline": None if args.baseline is None else str(args.baseline)},
             "mlp": mlp_rows,
             "images": img_rows,
         }
