@@ -341,3 +341,24 @@ def test_scaling_bench_runs_tiny(tmp_path: Path) -> None:
     doc = json.loads(out.read_text())
     assert len(doc["runs"]) == 8 and all(run["verified"] and run["groups"] > 0 for run in doc["runs"])
     assert len(doc["checks"]) == 4 and doc["model"]["daemon"]["per_frame_us"] > 0
+
+
+def test_graphs_bench_tiny(tmp_path: Path) -> None:
+    """bench/graphs.py runs end to end in a tiny configuration and records what docs/benchmarks.md reads
+    (with --baseline pointing at this same checkout: the second daemon's path runs)."""
+    out = tmp_path / "graphs.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "graphs.py"), "--backend", "numpy", "--batches", "1,4",
+                           "--image-batches", "2", "--image-size", "16", "--seconds", "0.05", "--reps", "1",
+                           "--baseline", str(ROOT), "--json", str(out)],
+                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["command"].startswith("python bench/graphs.py ") and doc["machine"]["blas_threads"] == "1"
+    assert [r["batch"] for r in doc["mlp"]] == [1, 4] and [r["images"] for r in doc["images"]] == [2]
+    for r in doc["mlp"]:
+        assert r["max_abs_error"] <= 1e-5
+        assert r["daemon_per_s"] > 0 and r["in_process_per_s"] > 0 and r["kernels_per_s"] > 0
+        assert r["daemon_vs_in_process"] > 0 and r["daemon_vs_kernels"] > 0
+        assert r["baseline_per_s"] > 0 and r["daemon_vs_baseline"] > 0  # here the same code: the path works
+    img = doc["images"][0]
+    assert img["daemon_per_s"] > 0 and img["kernels_per_s"] > 0 and img["max_abs_error"] <= 1e-5

@@ -109,6 +109,42 @@ def test_mlp_graph_matches_numpy_and_profiles(client: transfer.Client) -> None:
     assert client.stats()["session"]["defines"] >= 1
 
 
+def test_a_graph_run_is_one_worker_call(client: transfer.Client) -> None:
+    """Its nodes' waves all run on one device: one hop to that device's worker runs them all
+    (each node's work is over inline_bytes, so each wave once took a hop of its own)."""
+    g, ws = mlp(client, 64, [256, 512, 512, 16])
+    xs, ys = client.segment(64 * 256 * 4), client.segment(64 * 16 * 4)
+    x = xs.ndarray((64, 256), np.float32)
+    x[...] = RNG.standard_normal((64, 256))
+    client.run_graph(g, [xs], [ys]).result()
+
+    def calls() -> int:
+        return client.stats()["daemon"]["devices"][client.home_device]["batches"]
+
+    before = calls()
+    for _ in range(3):
+        client.run_graph(g, [xs], [ys]).result()
+    assert calls() - before == 3
+    np.testing.assert_allclose(ys.ndarray((64, 16), np.float32), mlp_ref(x, ws), rtol=1e-4, atol=1e-4)
+
+
+def test_cpu_passes_are_pipelined(client: transfer.Client) -> None:
+    """Runs submitted back to back on a CPU device: the session's worker runs one pass while the
+    loop plans the next (pipelined_passes counts them); every run's output is its own batch's."""
+    g, ws = mlp(client, 64, [256, 512, 512, 16])
+    n, nin, nout = 12, 64 * 256 * 4, 64 * 16 * 4
+    xs, ys = client.segment(n * nin), client.segment(n * nout)
+    x = xs.ndarray((n, 64, 256), np.float32)
+    x[...] = RNG.standard_normal((n, 64, 256))
+    before = client.stats()["daemon"]["pipelined_passes"]
+    pending = [client.run_graph(g, [xs.va + i * nin], [ys.va + i * nout]) for i in range(n)]
+    assert [p.result() for p in pending] == [None] * n
+    y = ys.ndarray((n, 64, 16), np.float32)
+    for i in range(n):
+        np.testing.assert_allclose(y[i], mlp_ref(x[i], ws), rtol=1e-4, atol=1e-4)
+    assert client.stats()["daemon"]["pipelined_passes"] > before
+
+
 def test_dag_with_two_branches(client: transfer.Client) -> None:
     n = 12
     g = client.graph()

@@ -17,7 +17,7 @@ from .._checksum import checksum64_xp
 from . import _cuda
 from ._checks import fail, param_axis, param_float
 from ._registry import REGISTRY, CudaFn, KernelFn, Operator, Sig
-from ._tensors import ALL, FLOATS, HALVES, INTS, SIGNED, TensorRef
+from ._tensors import ALL, FLOATS, HALVES, INTS, SIGNED, TensorRef, dtype_name
 
 __all__ = ["register_both", "LIGHT"]
 
@@ -104,7 +104,7 @@ def _check_scale_add(i: list[TensorRef], o: list[TensorRef], p: Mapping[str, Any
 
 
 def _scale_add(x: list[Any], y: list[Any], p: Mapping[str, Any], xp: Any) -> None:
-    acc = acc_of(x[0].dtype.name)
+    acc = acc_of(dtype_name(x[0].dtype))
     y[0][...] = x[0].astype(acc, copy=False) * xp.asarray(p.get("a", 1.0), dtype=acc) + xp.asarray(p.get("b", 0.0), dtype=acc)
 
 
@@ -129,7 +129,7 @@ def _check_reduce(op: str) -> Any:
 def _reduce(mean: bool) -> KernelFn:
     def fn(x: list[Any], y: list[Any], p: Mapping[str, Any], xp: Any) -> None:
         axis = p.get("axis")
-        xd, yd = x[0].dtype.name, y[0].dtype.name
+        xd, yd = dtype_name(x[0].dtype), dtype_name(y[0].dtype)
         acc = acc_of(xd, yd) if xd in FLOATS or mean else yd  # integer sums wrap in the output's type
         r = x[0].mean(axis=axis, dtype=acc) if mean else x[0].sum(axis=axis, dtype=acc)
         y[0][...] = r

@@ -124,7 +124,11 @@ def _view(x: Any, p: Mapping[str, Any]) -> tuple[Any, str]:
 def _normalize(x: list[Any], y: list[Any], p: Mapping[str, Any], xp: Any) -> None:
     v, dst = _view(x[0], p)
     a, b = _tables(p, dst, v.shape[dst.index("C")])
-    y[0][...] = v.astype(np.float32) * xp.asarray(a) - xp.asarray(b)
+    if y[0].dtype == np.float32:  # computed in the output itself: no temporaries of its size
+        xp.multiply(v, xp.asarray(a), out=y[0])
+        xp.subtract(y[0], xp.asarray(b), out=y[0])
+        return
+    y[0][...] = v.astype(np.float32) * xp.asarray(a) - xp.asarray(b)  # rounded once from float32
 
 
 def _normalize_cuda(x: list[Any], y: list[Any], p: Mapping[str, Any], cp: Any, sig: Sig) -> None:

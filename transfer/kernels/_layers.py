@@ -18,7 +18,7 @@ from . import _cuda
 from ._basic import register_both
 from ._checks import fail, param_axis, param_choice, param_float, param_pair, same_shape
 from ._registry import REGISTRY, Operator, Sig
-from ._tensors import FLOATS, TensorRef, acc_dtype
+from ._tensors import FLOATS, TensorRef, acc_dtype, dtype_name
 
 __all__ = ["MAX_SCRATCH_ELEMENTS", "broadcast_shapes"]
 
@@ -42,19 +42,23 @@ def broadcast_shapes(op: str, a: tuple[int, ...], b: tuple[int, ...]) -> tuple[i
 
 def _sig(arrays: list[Any], sig: Sig | None) -> Sig:
     """The dtype signature: given on the GPU (CuPy arrays of bfloat16 are uint16 bits), else read."""
-    return sig if sig is not None else tuple(a.dtype.name for a in arrays)
+    return sig if sig is not None else tuple(dtype_name(a.dtype) for a in arrays)
 
 
 def gemm(a: Any, b: Any, bias: Any, out: Any, xp: Any, sig: Sig) -> None:
     """out = a @ b (+ bias), batch dimensions broadcast; sig = (a, b, bias, out) dtypes.
 
-    Computed in acc_dtype(a): 16-bit floats in float32, int8 in int32."""
+    Computed in acc_dtype(a): 16-bit floats in float32, int8 in int32. Where the output has
+    that dtype the product is written straight into it (outputs never overlap inputs): no
+    temporary of the output's size, and no copy of one (in a graph, every layer's)."""
     if xp is np or sig[0] in ("float32", "float64"):
         acc = acc_dtype(sig[0])
-        r = xp.matmul(a.astype(acc, copy=False), b.astype(acc, copy=False))
+        a, b = a.astype(acc, copy=False), b.astype(acc, copy=False)
+        r = xp.matmul(a, b, out=out) if out.dtype == acc else xp.matmul(a, b)
         if bias is not None:
-            r += bias.astype(acc, copy=False)
-        out[...] = r
+            xp.add(r, bias.astype(acc, copy=False), out=r)
+        if r is not out:
+            out[...] = r  # 16-bit outputs: rounded once, from float32
         return
     batch = out.shape[:-2]
     a = xp.broadcast_to(a, batch + a.shape[-2:])
@@ -116,7 +120,7 @@ def _check_unary(op: str) -> Any:
 
 
 def _relu(x: list[Any], y: list[Any], p: Mapping[str, Any], xp: Any) -> None:
-    y[0][...] = xp.maximum(x[0], xp.zeros((), dtype=x[0].dtype))  # exact in any dtype; NaN stays NaN
+    xp.maximum(x[0], xp.zeros((), dtype=x[0].dtype), out=y[0])  # exact in any dtype; NaN stays NaN
 
 
 def _relu_cuda(x: list[Any], y: list[Any], p: Mapping[str, Any], cp: Any, sig: Sig) -> None:
@@ -134,7 +138,7 @@ def erf(z: Any, xp: Any) -> Any:
 
 
 def _gelu(x: list[Any], y: list[Any], p: Mapping[str, Any], xp: Any) -> None:
-    v = x[0].astype(acc_dtype(x[0].dtype.name), copy=False)
+    v = x[0].astype(acc_dtype(dtype_name(x[0].dtype)), copy=False)
     if p.get("approximate", "none") == "tanh":
         r = 0.5 * v * (1.0 + xp.tanh(0.7978845608028654 * (v + 0.044715 * v * v * v)))
     else:
@@ -163,7 +167,7 @@ def _check_softmax(i: list[TensorRef], o: list[TensorRef], p: Mapping[str, Any])
 
 def _softmax(x: list[Any], y: list[Any], p: Mapping[str, Any], xp: Any) -> None:
     axis = p.get("axis", -1)
-    v = x[0].astype(acc_dtype(x[0].dtype.name), copy=False)
+    v = x[0].astype(acc_dtype(dtype_name(x[0].dtype)), copy=False)
     if v.size == 0:
         return
     e = xp.exp(v - v.max(axis=axis, keepdims=True))
@@ -185,7 +189,7 @@ def _check_layer_norm(i: list[TensorRef], o: list[TensorRef], p: Mapping[str, An
 
 
 def _layer_norm(x: list[Any], y: list[Any], p: Mapping[str, Any], xp: Any) -> None:
-    acc = acc_dtype(x[0].dtype.name)
+    acc = acc_dtype(dtype_name(x[0].dtype))
     axes = tuple(range(x[0].ndim - x[1].ndim, x[0].ndim))
     v = x[0].astype(acc, copy=False)
     if v.size == 0:

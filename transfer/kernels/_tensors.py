@@ -15,7 +15,7 @@ from .. import errors as E
 
 __all__ = [
     "DTYPES", "FLOATS", "HALVES", "INTS", "SIGNED", "UNSIGNED", "NUMERIC", "ALL", "MAX_DIMS",
-    "TensorRef", "tensor_extent", "tensor_nbytes", "acc_dtype", "storage_dtype", "shape_tuple",
+    "TensorRef", "tensor_extent", "tensor_nbytes", "acc_dtype", "dtype_name", "storage_dtype", "shape_tuple",
 ]
 
 #: dtypes a tensor may have on the wire (names as NumPy spells them; bfloat16 from ml_dtypes).
@@ -34,6 +34,16 @@ INTS = UNSIGNED + SIGNED
 NUMERIC = INTS + FLOATS
 ALL = NUMERIC + ("bool",)
 MAX_DIMS = 8
+
+
+#: dtype -> its name, for the wire dtypes: `np.dtype.name` is computed in Python on every call
+#: (~3 us), and kernels ask for it per operand, per call.
+_NAMES: dict[np.dtype[Any], str] = {dt: name for name, dt in DTYPES.items()}
+
+
+def dtype_name(dt: np.dtype[Any]) -> str:
+    """`dt.name`, looked up for the wire dtypes."""
+    return _NAMES.get(dt) or dt.name
 
 
 def acc_dtype(dtype: str) -> str:

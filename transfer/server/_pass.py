@@ -39,7 +39,7 @@ from ._ops import RING, Op
 from ._planner import CopyRun, Planner, answers, plan_batch
 from ._rings import COMPLETION_DETAIL, Rings
 from ._session import Session
-from ._waves import assign_waves, device_failed, issue, issue_off_loop, run_inline, run_waves, wait_visible
+from ._waves import assign_waves, device_failed, issue, issue_off_loop, run_inline, run_stretch, run_waves, wait_visible
 
 __all__ = ["Pass", "Batch"]
 
@@ -51,18 +51,21 @@ _QUEUES_AT_ONCE = frozenset(("copy", "copyv", "fill"))
 _POLL_S = 500e-6
 #: Passes in a row that `kick` runs inline before it hands the rest to the session's task.
 _INLINE_PASSES = 4
+#: How long a worker runs a session's queued CPU passes before it lets other sessions have it.
+_CPU_SLICE_S = 0.02
 
 
-def _one_gpu_lane(ops: list[Op]) -> tuple[Any, Any] | None:
-    """(device, lane) if every op runs on that one lane of one GPU (a stream backend, which
-    orders host work after the queued device work it touches), else None."""
+def _one_lane(ops: list[Op]) -> tuple[Any, Any] | None:
+    """(device, lane) if the pass may be pipelined, else None: every op runs on one lane of
+    one GPU (a stream backend, which orders host work after the queued device work it
+    touches), or on one CPU device (lane None: the session's completer runs its passes in
+    order on that device's worker). Never with RDMA."""
     if not ops:
         return None
-    device, lane = ops[0].device, ops[0].lane
-    if device.kind != "gpu":
-        return None
+    device = ops[0].device
+    lane = ops[0].lane if device.kind == "gpu" else None
     for op in ops:
-        if op.device is not device or op.lane != lane or op.remote is not None:
+        if op.device is not device or op.remote is not None or (lane is not None and op.lane != lane):
             return None
     return device, lane
 
@@ -70,7 +73,7 @@ def _one_gpu_lane(ops: list[Op]) -> tuple[Any, Any] | None:
 class Batch:
     """One pass's share of a session's queue, and what became of it."""
 
-    __slots__ = ("session", "remote", "data", "after", "replies", "refused", "ops", "waves", "inline", "socket_n", "ring_n", "pipe", "fence", "control")
+    __slots__ = ("session", "remote", "data", "after", "replies", "refused", "ops", "waves", "inline", "socket_n", "ring_n", "pipe", "fence", "control", "ran")
 
     def __init__(self, session: Session) -> None:
         self.session = session
@@ -86,12 +89,16 @@ class Batch:
         self.inline = True
         self.socket_n = 0
         self.ring_n = 0
-        #: (device, lane) when every op runs on that one GPU lane: the pass may be pipelined
-        #: (queued, answered once its fence passes, while the next pass is queued behind it).
+        #: (device, lane) when every op runs on that one GPU lane, or on one CPU device (lane
+        #: None): the pass may be pipelined (queued, answered once done, while the next pass
+        #: is planned and queued behind it).
         self.pipe: tuple[Any, Any] | None = None
+        #: A pipelined GPU pass: the fence its completion waits for (None on a CPU).
         self.fence: Any = None
         #: The types of the control requests taken (their latency is accounted per kind).
         self.control: list[type] = []
+        #: A pipelined CPU pass: its work has run (set by the worker that ran it).
+        self.ran = False
 
     def count(self, req: Any, route: int) -> None:
         """One queue entry taken: it holds a credit (socket) or completion slots (ring) until answered."""
@@ -167,16 +174,25 @@ class Pass:
             self.complete(batch)
         await trio.lowlevel.checkpoint()  # a queue of inline passes must not hold the loop
 
-    # --- pipelining: GPU passes queued behind one another ------------------------------------------
+    # --- pipelining: passes queued behind one another ------------------------------------------------
     async def _issue(self, session: Session, batch: Batch) -> bool:
-        """Queue a one-lane GPU pass without waiting for it; the session's completer answers it.
+        """Queue a one-lane pass without waiting for it; the session's completer answers it.
 
         The GPU then runs this pass while the loop takes and queues the next: the engine does
-        not idle for a round trip per pass. Returns False if it ran to completion instead."""
+        not idle for a round trip per pass. A CPU pass is queued as planned: the completer's
+        worker runs the session's queued passes one after another (`_run_queued`) while the
+        loop plans the next, so the CPU does not idle while the loop plans and answers.
+        Returns False if it ran to completion instead."""
         assert batch.pipe is not None
         if session.pipeline and session.pipeline[-1].pipe != batch.pipe:
             await self.drain(session)  # another lane or device: nothing would order the two
         device, lane = batch.pipe
+        if device.kind != "gpu":
+            device.queued_bytes += sum(op.cost for op in batch.ops)
+            session.pipeline.append(batch)
+            session.pipeline_wake.set()
+            self.accounting.counters["pipelined_passes"] += 1
+            return True
         try:
             if all(op.kind in _QUEUES_AT_ONCE and (batch.inline or not op.host_only) for op in batch.ops) and device.backend.all_pinned():
                 batch.fence = issue(batch.waves, device, lane)  # cudaMemcpyAsync from pinned pages: returns at once
@@ -204,6 +220,11 @@ class Pass:
                 session.pipeline_wake = trio.Event()
                 continue
             batch = session.pipeline[0]
+            if batch.fence is None:  # CPU passes: run them, in order; each is answered as it ends
+                with trio.CancelScope(shield=True):  # the worker's thread finishes what it started
+                    await trio.to_thread.run_sync(self._run_queued, session, batch.pipe[0], trio.lowlevel.current_trio_token(),
+                                                  limiter=self.limiters[batch.pipe[0].index])
+                continue
             with trio.CancelScope(shield=True):  # issued work finishes: its memory is in use until then
                 # Look between the loop's other work for a while (a query is a microsecond, a
                 # thread hop tens), then let a worker wait for long work.
@@ -217,6 +238,36 @@ class Pass:
             self.complete(batch)
             moved, session.pipeline_moved = session.pipeline_moved, trio.Event()
             moved.set()
+
+    def _run_queued(self, session: Session, device: Any, token: trio.lowlevel.TrioToken) -> None:
+        """A worker thread: the session's queued CPU passes, in order, until none is left (or
+        its slice of the device's worker is used up); each is answered on the loop as it ends,
+        while this thread goes on to the next one the loop has planned meanwhile."""
+        give_up = time.perf_counter() + _CPU_SLICE_S
+        while True:
+            # A snapshot (the loop appends and answers meanwhile; tuple() copies under the GIL).
+            batch = next((b for b in tuple(session.pipeline) if not b.ran), None)
+            if batch is None or batch.fence is not None or batch.pipe is None or batch.pipe[0] is not device:
+                return
+            try:
+                run_stretch(batch.waves, device, lambda: self._stopped(session))
+            except Exception as exc:  # a bug below the ops' own handling: fail this pass, serve on
+                device_failed(batch.ops, f"running on {device}", exc)
+            batch.ran = True
+            token.run_sync_soon(self._answer_ran, session, batch)
+            if time.perf_counter() > give_up:
+                return  # the completer queues for the worker again: other sessions get their turn
+
+    def _answer_ran(self, session: Session, batch: Batch) -> None:
+        """On the loop: a pipelined CPU pass has run; answer it. It is the pipeline's head: one
+        worker at a time runs a session's passes, in order, and these calls come in order."""
+        session.pipeline.popleft()
+        device = batch.pipe[0]  # type: ignore[index]
+        device.queued_bytes -= sum(op.cost for op in batch.ops)
+        device.completed += 1
+        self.complete(batch)
+        moved, session.pipeline_moved = session.pipeline_moved, trio.Event()
+        moved.set()
 
     def _stopped(self, session: Session) -> E.TransferError | None:
         """Between waves: the error for what has not started, once the session stopped running."""
@@ -304,7 +355,7 @@ class Pass:
                     b.inline = False  # remote posts wait; GPU kernels may compile (never on the loop)
             if nbytes >= self.config.inline_bytes:
                 b.inline = False
-            b.pipe = _one_gpu_lane(b.ops)
+            b.pipe = _one_lane(b.ops)
         return b
 
     # --- complete and account ------------------------------------------------------------------

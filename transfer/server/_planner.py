@@ -203,21 +203,23 @@ class Planner:
         op.check(req.inputs, req.outputs, req.params)
         placed: list[tuple[TensorRef, Any, int, int]] = []
         pulls: list[Op] = []
-        work = 0
+        work = nbytes = 0
+        all_host = True
+        translate = self.table.translate
         for k, t in enumerate((*req.inputs, *req.outputs)):
-            extent = tensor_extent(t)
-            seg, off = self.table.translate(t.va, extent, owner)
+            elements = tensor_nbytes(t)
+            extent = elements if t.strides is None else tensor_extent(t)  # contiguous: the same
+            seg, off = translate(t.va, extent, owner)
             # Element work is bounded by the bytes that really back it: repeated strides
             # (stride 0: broadcasting) may show memory several times, but never more element
             # bytes than the whole segment holds. So a 4-byte tensor cannot ask for 2**33
             # elements of work; work grows only with memory the session has been granted.
-            elements = tensor_nbytes(t)
             if elements > seg.nbytes:
                 raise E.InvalidField(
                     f"{req.op}: tensor {k} has {elements} bytes of elements, more than its segment "
                     f"{seg.id} holds ({seg.nbytes} bytes); repeated strides may not present more"
                 )
-            work += max(elements, extent)
+            work += elements if elements > extent else extent
             if seg.kind == SegmentKind.REMOTE and k < op.n_inputs:
                 # A remote input is pulled first (one NIXL READ into a staging buffer); the
                 # staging buffer's synthetic segment makes the compute wait for the pull.
@@ -226,6 +228,8 @@ class Planner:
             elif seg.kind == SegmentKind.REMOTE:
                 raise E.InvalidField("compute cannot write a remote segment: write a daemon buffer, then copy it out")
             placed.append((t, seg, off, extent))
+            nbytes += extent
+            all_host = all_host and seg.kind == SegmentKind.HOST
         n_in = op.n_inputs
         reads = [(seg.id, off, off + ext) for _, seg, off, ext in placed[:n_in]]
         writes = [(seg.id, off, off + ext) for _, seg, off, ext in placed[n_in:]]
@@ -237,11 +241,10 @@ class Planner:
                     same = op.in_place and j == 0 and (wa, wb) == (ra, rb) and req.outputs[k] == req.inputs[0]
                     if not same:
                         raise E.InvalidField(f"{req.op}: output {k} overlaps {'input' if j < len(reads) else 'output'} {j if j < len(reads) else j - len(reads)}")
-        nbytes = sum(ext for *_, ext in placed)
-        dev = self._device_of((seg for _, seg, _, _ in placed), nbytes, req.device, req.placement, work)
+        dev = self._device_of([seg for _, seg, _, _ in placed], nbytes, req.device, req.placement, work)
         # The kernel by dtype signature; a light operator the device has no kernel for may run
         # on a device of the registry's fallback kind, when its operands are all host memory.
-        host_only = req.device == -1 and all(seg.kind == SegmentKind.HOST for _, seg, _, _ in placed)
+        host_only = req.device == -1 and all_host
         kind, kernel = REGISTRY.select(req.op, signature(req.inputs, req.outputs), dev.kind,
                                        {d.kind for d in self.devices} if host_only else ())
         if kind != dev.kind:
@@ -300,7 +303,6 @@ class Planner:
                 raise type(exc)(f"graph{' created at ' + site if site else ''}, node {i} ({node.op}): {exc.message}") from None
             op = planned[-1] if isinstance(planned, list) else planned
             op.run = _guarded(op.run, [nodes[j] for j in graph.deps[i]], times, i, node.op)
-            op.info = _Kernel(compute)  # the signature, for the profile
             ops.extend(planned if isinstance(planned, list) else (planned,))
             nodes.append(op)
         done = [r for op in nodes for r in op.writes]
@@ -313,7 +315,7 @@ class Planner:
                 return None
             return {"nodes": [
                 {"node": i, "op": graph.nodes[i].op, "device": op.device.index, "kind": op.device.kind,
-                 "kernel": op.info.sig, "us": round(times[i] * 1e6, 1)}
+                 "kernel": _signature_text(graph, graph.nodes[i]), "us": round(times[i] * 1e6, 1)}
                 for i, op in enumerate(nodes)
             ]}
 
@@ -321,15 +323,12 @@ class Planner:
         return ops
 
 
-class _Kernel:
-    """What the profile says of a node's kernel: its dtype signature."""
-
-    __slots__ = ("sig",)
-
-    def __init__(self, req: P.Compute) -> None:
-        s = signature(req.inputs, req.outputs)
-        n = len(req.inputs)
-        self.sig = f"({', '.join(s[:n])}) -> ({', '.join(s[n:])})"
+def _signature_text(graph: GraphSpec, node: Any) -> str:
+    """What a profile says of a node's kernel: its dtype signature (the graph's dtypes, which
+    every run binds alike; written only when a profile is asked for)."""
+    ins = ", ".join(graph.tensors[n].dtype for n in node.inputs)
+    outs = ", ".join(graph.tensors[n].dtype for n in node.outputs)
+    return f"({ins}) -> ({outs})"
 
 
 def _guarded(run: Any, deps: list[Op], times: list[float], i: int, name: str) -> Any:
