@@ -59,6 +59,7 @@ if __name__ == "__main__":
 import argparse
 import contextlib
 import importlib
+import importlib.util
 import json
 import platform
 import shlex
@@ -74,9 +75,21 @@ import transfer
 from transfer.kernels import REGISTRY
 from transfer.testing import run_daemon
 
-SIZES = (256, 512, 512, 10)
-MEAN = [123.675, 116.28, 103.53]
-STD = [58.395, 57.12, 57.375]
+
+
+def _example(name: str) -> Any:
+    """One of examples/: the graphs and the math measured here are the examples' own."""
+    path = Path(__file__).resolve().parent.parent / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"transfer_example_{name}", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_MLP, _IMAGES = _example("mlp_forward"), _example("image_preprocess")
+SIZES, make_weights, mlp, mlp_graph = _MLP.SIZES, _MLP.make_weights, _MLP.reference, _MLP.build
+MEAN, STD = _IMAGES.MEAN, _IMAGES.STD
 #: Distinct input batches cycled through (so no run reads the same cache-hot batch twice in a row).
 DISTINCT = 4
 #: One side of a comparison: step(i) runs item i, finish() waits for what is in flight.
@@ -96,24 +109,6 @@ def _each(fn: Callable[[np.ndarray], None], xs: Sequence[np.ndarray]) -> Step:
 
 
 # --- the math, in-process ---------------------------------------------------------------------
-def make_weights(seed: int = 0) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    ws: list[np.ndarray] = []
-    for a, b in zip(SIZES, SIZES[1:]):
-        ws += [(rng.standard_normal((b, a)) / np.sqrt(a)).astype(np.float32), rng.standard_normal(b).astype(np.float32)]
-    return ws
-
-
-def mlp(x: Any, ws: Sequence[Any], xp: Any) -> Any:
-    """The MLP as a user writes it in NumPy or CuPy: x @ W.T + b, relu between layers."""
-    h = x
-    for k in range(0, len(ws), 2):
-        h = h @ ws[k].T + ws[k + 1]
-        if k + 2 < len(ws):
-            h = xp.maximum(h, 0)
-    return h
-
-
 def preprocess(x: Any, xp: Any) -> Any:
     """The image graph's math as a user writes it: flip W, to float, normalize, NHWC -> NCHW."""
     y = x[:, :, ::-1, :].astype(xp.float32)
@@ -255,24 +250,6 @@ def summarize(rates: dict[str, list[float]], base: str, per: float = 1.0) -> dic
 
 
 # --- the MLP ----------------------------------------------------------------------------------
-def mlp_graph(c: transfer.Client, wbuf: Any, batch: int) -> transfer.Graph:
-    """linear -> relu -> linear -> relu -> linear, weights read from `wbuf` (examples/mlp_forward.py)."""
-    g = c.graph()
-    g.input("x", (batch, SIZES[0]), np.float32)
-    off, prev = 0, "x"
-    for k, (a, b) in enumerate(zip(SIZES, SIZES[1:])):
-        g.weight(f"w{k}", wbuf.tensor((b, a), np.float32, offset=off))
-        g.weight(f"b{k}", wbuf.tensor((b,), np.float32, offset=off + a * b * 4))
-        off += (a * b + b) * 4
-        last = k == len(SIZES) - 2
-        h = g.output("y", (batch, b), np.float32) if last else g.tensor(f"h{k}", (batch, b), np.float32)
-        g.op("linear", [prev, f"w{k}", f"b{k}"], h)
-        if not last:
-            prev = g.tensor(f"a{k}", (batch, b), np.float32)
-            g.op("relu", [h], prev)
-    return g
-
-
 def kernels_mlp(batch: int, ws: list[np.ndarray]) -> Callable[[np.ndarray, np.ndarray], None]:
     """The daemon's own kernels (chosen by dtype as the daemon chooses them), run here on
     NumPy arrays with preallocated intermediates: the graph's work without the service.
@@ -382,12 +359,7 @@ def bench_images(c: transfer.Client, side: InProcess, batches: Sequence[int], si
 def images_point(c: transfer.Client, side: InProcess, n: int, size: int, slots: int, seconds: float, reps: int) -> dict[str, Any]:
     """n images per batch (examples/image_preprocess.py's graph): checked, then timed; its table row."""
     hwc, chw = (n, size, size, 3), (n, 3, size, size)
-    g = c.graph()
-    g.input("img", hwc, np.uint8)
-    g.tensor("flipped", hwc, np.uint8)
-    g.output("x", chw, np.float32)
-    g.op("flip", ["img"], "flipped", {"axes": [2]})
-    g.op("normalize", ["flipped"], "x", {"mean": MEAN, "std": STD, "layout": "NHWC", "out_layout": "NCHW"})
+    g = _IMAGES.build(c, hwc, chw)
     rng = np.random.default_rng(n)
     xs = [rng.integers(0, 256, hwc, dtype=np.uint8) for _ in range(DISTINCT)]
     want = [preprocess(x, np) for x in xs]

@@ -38,18 +38,24 @@ def expected(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(y.transpose(0, 3, 1, 2))
 
 
+def build(c: transfer.Client, hwc: tuple[int, ...], chw: tuple[int, ...]) -> transfer.Graph:
+    """uint8 HWC images -> flipped along W -> float32 CHW, normalized per channel."""
+    g = c.graph()
+    g.input("img", hwc, np.uint8)
+    g.tensor("flipped", hwc, np.uint8)
+    g.output("x", chw, np.float32)
+    g.op("flip", ["img"], "flipped", {"axes": [2]})
+    g.op("normalize", ["flipped"], "x", {"mean": MEAN, "std": STD, "layout": "NHWC", "out_layout": "NCHW"})
+    return g
+
+
 def producer(endpoint: str, token: bytes, rank: int, batches: int, hwc: tuple[int, ...], free_q, done_q) -> None:
     n, h, w, ch = hwc
     chw = (n, ch, h, w)
     slots = 2
     with transfer.connect(endpoint, name=f"producer{rank}") as c:
         out = c.attach(token)  # the consumer's output buffers
-        g = c.graph()
-        g.input("img", hwc, np.uint8)
-        g.tensor("flipped", hwc, np.uint8)
-        g.output("x", chw, np.float32)
-        g.op("flip", ["img"], "flipped", {"axes": [2]})
-        g.op("normalize", ["flipped"], "x", {"mean": MEAN, "std": STD, "layout": "NHWC", "out_layout": "NCHW"})
+        g = build(c, hwc, chw)
         nin, nout = int(np.prod(hwc)), int(np.prod(chw)) * 4
         seg = c.segment(slots * nin)
         pending: list = [None] * slots

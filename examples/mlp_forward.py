@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import time
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -36,12 +37,13 @@ def batch_of(i: int, batch: int) -> np.ndarray:
     return np.random.default_rng(1000 + i).standard_normal((batch, SIZES[0]), dtype=np.float32)
 
 
-def reference(x: np.ndarray, ws: list[np.ndarray]) -> np.ndarray:
+def reference(x: Any, ws: Sequence[Any], xp: Any = np) -> Any:
+    """The MLP as a user writes it (NumPy, or CuPy as `xp`): x @ W.T + b, relu between layers."""
     h = x
     for k in range(0, len(ws), 2):
         h = h @ ws[k].T + ws[k + 1]
         if k + 2 < len(ws):
-            h = np.maximum(h, 0)
+            h = xp.maximum(h, 0)
     return h
 
 
