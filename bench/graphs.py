@@ -88,7 +88,7 @@ def _example(name: str) -> Any:
 
 
 _MLP, _IMAGES = _example("mlp_forward"), _example("image_preprocess")
-SIZES, make_weights, mlp, mlp_graph = _MLP.SIZES, _MLP.make_weights, _MLP.reference, _MLP.build
+SIZES, make_weights, mlp, mlp_graph, upload_weights = _MLP.SIZES, _MLP.make_weights, _MLP.reference, _MLP.build, _MLP.upload_weights
 MEAN, STD = _IMAGES.MEAN, _IMAGES.STD
 #: Distinct input batches cycled through (so no run reads the same cache-hot batch twice in a row).
 DISTINCT = 4
@@ -271,19 +271,6 @@ def kernels_mlp(batch: int, ws: list[np.ndarray]) -> Callable[[np.ndarray, np.nd
             h = act
 
     return run
-
-
-def upload_weights(c: transfer.Client, ws: list[np.ndarray]) -> Any:
-    """The weights, one after another, in a device buffer of `c`'s daemon."""
-    nw = sum(w.nbytes for w in ws)
-    staging, wbuf = c.segment(nw), c.alloc(nw)
-    off = 0
-    for w in ws:
-        staging.ndarray(w.shape, w.dtype, offset=off)[...] = w
-        off += w.nbytes
-    c.copy(wbuf, staging).result()
-    c.free(staging)
-    return wbuf
 
 
 def bench_mlp(clients: dict[str, transfer.Client], side: InProcess, batches: Sequence[int], slots: int,

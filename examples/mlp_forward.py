@@ -47,6 +47,19 @@ def reference(x: Any, ws: Sequence[Any], xp: Any = np) -> Any:
     return h
 
 
+def upload_weights(c: transfer.Client, ws: list[np.ndarray]) -> Any:
+    """The weights, one after another, in a device buffer of `c`'s daemon (via a segment)."""
+    nw = sum(w.nbytes for w in ws)
+    staging, wbuf = c.segment(nw), c.alloc(nw)
+    off = 0
+    for w in ws:
+        staging.ndarray(w.shape, w.dtype, offset=off)[...] = w
+        off += w.nbytes
+    c.copy(wbuf, staging).result()
+    c.free(staging)
+    return wbuf
+
+
 def build(c: transfer.Client, wbuf: transfer.client.SharedSegment, batch: int) -> transfer.Graph:
     """linear -> relu -> linear -> relu -> linear, weights read from `wbuf`."""
     g = c.graph()
@@ -132,13 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ws = make_weights()
     with transfer.serve_in_process(backend=args.backend) as daemon, transfer.connect(daemon.endpoint, name="consumer") as c:
-        nw = sum(w.nbytes for w in ws)
-        staging, wbuf = c.segment(nw), c.alloc(nw)
-        off = 0
-        for w in ws:
-            staging.ndarray(w.shape, w.dtype, offset=off)[...] = w
-            off += w.nbytes
-        c.copy(wbuf, staging).result()
+        wbuf = upload_weights(c, ws)
         wtoken = c.share(wbuf)
         rate, err = run(daemon.endpoint, c, ws, wtoken, args.batches, args.batch, per_op=False)
         print(f"graph: {args.batches} batches of {args.batch}x{SIZES[0]} through {SIZES}: {rate:,.0f} batches/s, max abs error {err:.2e}")
