@@ -727,14 +727,10 @@ class Ring:
         With ``timeout`` > 0, keep waiting for space until all are in or the
         time is up. Returns how many were published (a prefix of ``descs``)."""
         ss = self.out_dtype.itemsize
-        if type(descs) is bytes and timeout <= 0:  # the client's every push: one call
-            if len(descs) % ss:
-                raise ValueError(f"push_many: {len(descs)} bytes are not whole {ss}-byte slots")
-            return self.outbox.push_buffer(descs, len(descs) // ss, wake)
         if isinstance(descs, (bytes, bytearray)):  # whole slots, already in the layout
             if len(descs) % ss:
                 raise ValueError(f"push_many: {len(descs)} bytes are not whole {ss}-byte slots")
-            raw: Any = memoryview(descs)
+            raw: Any = descs
             total = len(descs) // ss
         elif isinstance(descs, np.ndarray) and descs.dtype == self.out_dtype:
             descs = np.ascontiguousarray(descs).reshape(-1)
@@ -750,7 +746,7 @@ class Ring:
                 left = deadline - time.monotonic()
                 if left <= 0 or self.outbox.wait(1, left, self.spin) < 1:
                     break
-                done += self.outbox.push_buffer(raw[done * ss :], total - done, wake)
+                done += self.outbox.push_buffer(memoryview(raw)[done * ss :], total - done, wake)
         return done
 
     def free(self) -> int:

@@ -134,45 +134,31 @@ class RingLink:
     def push(self, reqs: Sequence[P.Request], pending: dict[int, Pending], wait_credits: Callable[[int], None]) -> None:
         """Publish `reqs` (all `takes`), waiting for credits when the window is full; a
         request's descriptors (a CopyV's chain) go out in one push, never split."""
-        r = reqs[0]
-        t = type(r)
-        if len(reqs) == 1 and t is not P.CopyV and t is not P.Wait and self.in_flight < self.credits:
-            # One single-descriptor request with room for it (most calls): the loop below, unrolled.
-            try:
-                data = _descriptors(r)[0]
-            except (OverflowError, TypeError, ValueError, struct.error) as exc:
-                pending.pop(r.id, None)
-                raise E.InvalidField(f"request field out of range: {exc}") from None
-            if self.ring.push_many(data) != 1:
-                raise E.ConnectionLost("the daemon stopped taking ring descriptors")
-            self.outstanding[r.id] = (pending[r.id], t is P.Checksum, 1)
-            self.in_flight += 1
-            self.pushed += 1
-            return
         try:
             groups = [(r.id, type(r) is P.Checksum, *_descriptors(r)) for r in reqs if type(r) is not P.Wait]
         except (OverflowError, TypeError, ValueError, struct.error) as exc:  # a field out of range
             self._forget([(r.id, False, b"", 0) for r in reqs], pending)
             raise E.InvalidField(f"request field out of range: {exc}") from None
-        i = 0
-        while i < len(groups):
+        while groups:
             room, n, used = self.room, 0, 0
-            while i + n < len(groups) and used + groups[i + n][3] <= room:
-                used += groups[i + n][3]
+            for g in groups:  # the longest prefix the credits allow (usually all of them)
+                if used + g[3] > room:
+                    break
+                used += g[3]
                 n += 1
             if n == 0:
-                wait_credits(groups[i][3])
+                wait_credits(groups[0][3])
                 continue
-            take = groups[i : i + n]
+            take, groups = (groups, []) if n == len(groups) else (groups[:n], groups[n:])
             # One buffer of whole descriptors, published with one release store (and one wake).
             data = take[0][2] if n == 1 else b"".join([g if isinstance(g, bytes) else g.tobytes() for _, _, g, _ in take])
-            if not self.ring.push_many(data) == used:  # cannot happen within credits unless the daemon broke the ring
+            if self.ring.push_many(data) != used:  # cannot happen within credits unless the daemon broke the ring
                 raise E.ConnectionLost("the daemon stopped taking ring descriptors")
+            outstanding = self.outstanding
             for rid, valued, _, k in take:
-                self.outstanding[rid] = (pending[rid], valued, k)
+                outstanding[rid] = (pending[rid], valued, k)
             self.in_flight += used
             self.pushed += used
-            i += n
 
     @staticmethod
     def _forget(groups: Sequence[tuple[int, bool, bytes | np.ndarray, int]], pending: dict[int, Pending]) -> None:
