@@ -146,15 +146,11 @@ class ClientCore:
         """Deferred definitions a request needs first: allocations it touches, descriptors it names.
         `touched` gives the VAs when they are not one request's fields (`prepare_many`)."""
         state = self.deferred
-        if not objects and (state is None or not (state.buffers or state.frees)):
-            return []  # the common case: nothing deferred to send first
-        stale = [o for o in objects if o.sent_version != o.version]
+        stale = [o for o in objects if o.sent_version != o.version] if objects else []
+        if not stale and (state is None or not (state.buffers or state.frees)):
+            return []  # (most calls: nothing deferred to send first)
         if state is None:
-            if not stale:
-                return []
             state = DeferredState(())
-        elif not (state.buffers or state.frees or stale):
-            return []
         vas = _touched(cls, args) if touched is None else touched()
         return state.definitions_for(vas, stale, lambda c, *a: self.new(c, *a)[0])
 
