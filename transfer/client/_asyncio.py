@@ -21,7 +21,6 @@ import contextlib
 import functools
 import logging
 import os
-import time
 from typing import Any, AsyncIterator, Coroutine
 
 import zmq
@@ -29,7 +28,7 @@ import zmq
 from .. import errors as E
 from ..transport._zmq import default_endpoint, ipc_path
 from ..transport._zmq_asyncio import AsyncioPump
-from ._evloop import BELL, FAIR_S, IDLE, YIELD, LoopSession
+from ._evloop import BELL, IDLE, YIELD, LoopSession
 from ._pending import AwaitablePending, Pending
 from ._ringlink import RingLink
 from ._session import open_socket
@@ -54,7 +53,6 @@ class AsyncioClient(LoopSession):
         self._ring_kick = asyncio.Event()  # set when descriptors go out: the reaper has work
         self._tasks: set[asyncio.Task[None]] = set()
         self._pidfd = -1
-        self._yielded_at = time.perf_counter()
 
     async def close(self) -> None:
         """End the session: the daemon releases everything it holds for us (`open_asyncio_client`
@@ -83,28 +81,21 @@ class AsyncioClient(LoopSession):
         self._sock.close(0)
 
     # --- asyncio's primitives (client._evloop does the rest) ---------------------------------
-    async def _checkpoint(self) -> None:
-        """Yield to the loop only if this client has not for `FAIR_S`: asyncio asks no
-        checkpoint of an await that completes at once, and a loop iteration per ring reply
-        would cost more than the reply, but `while True: await c.copy(...)` must not starve
-        the program's other tasks (or this client's heartbeats)."""
-        now = time.perf_counter()
-        if now - self._yielded_at > FAIR_S:
-            self._yielded_at = now
-            await asyncio.sleep(0)
+    async def _yield(self) -> None:
+        await asyncio.sleep(0)
+
+    async def _cancel_point(self) -> None:
+        """Nothing: asyncio delivers a cancellation at the task's next suspension."""
 
     async def _sleep(self, p: Pending, timeout: float | None) -> None:
         if p._waker is None:
             p._waker = asyncio.Event()
-        try:
-            if timeout is None:
+        if timeout is None:
+            await p._waker.wait()
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
                 await p._waker.wait()
-                return
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(timeout):
-                    await p._waker.wait()
-        finally:
-            self._yielded_at = time.perf_counter()
 
     def _kick_ring(self) -> None:
         self._ring_kick.set()

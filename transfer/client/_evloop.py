@@ -61,10 +61,27 @@ class LoopSession(Session):
         self._held: deque[P.Request] = deque()
         self._last_rx = time.monotonic()
         self._closed = False
+        self._yielded_at = time.perf_counter()
+
+    async def _checkpoint(self) -> None:
+        """A cancel point always; a schedule point only if this client has not yielded for
+        `FAIR_S`: a ring reply reaped in the waiter then costs no pass of the event loop
+        (more than the reply costs), and `while True: await c.copy(...)` still lets the
+        program's other tasks (and this client's heartbeats) run."""
+        now = time.perf_counter()
+        if now - self._yielded_at > FAIR_S:
+            self._yielded_at = now
+            await self._yield()
+        else:
+            await self._cancel_point()
 
     # --- what each loop supplies ------------------------------------------------------------
-    async def _checkpoint(self) -> None:
-        """Let other tasks run (trio requires it of every await that completes)."""
+    async def _yield(self) -> None:
+        """Let the loop run its other tasks (a schedule point, and a cancel point)."""
+        raise NotImplementedError
+
+    async def _cancel_point(self) -> None:
+        """Raise if the task was cancelled; never suspends."""
         raise NotImplementedError
 
     async def _sleep(self, p: Pending, timeout: float | None) -> None:
@@ -134,7 +151,10 @@ class LoopSession(Session):
                 if link.ring.wait(timeout=left, spin=left) and self._core.reap_ring():
                     self._release_held()
         if not p._done:
-            await self._sleep(p, timeout)
+            try:
+                await self._sleep(p, timeout)
+            finally:
+                self._yielded_at = time.perf_counter()
             if not p._done:
                 raise E.RequestTimeout(f"no reply within {timeout}s")
             return True

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import time
 from typing import Any, AsyncIterator
 
 import trio
@@ -25,7 +24,7 @@ import zmq
 
 from .. import errors as E
 from ..transport._zmq import SocketPump, default_endpoint, ipc_path
-from ._evloop import BELL, FAIR_S, IDLE, YIELD, LoopSession
+from ._evloop import BELL, IDLE, YIELD, LoopSession
 from ._pending import AwaitablePending, Pending
 from ._ringlink import RingLink
 from ._session import open_socket
@@ -51,7 +50,6 @@ class TrioClient(LoopSession):
         self._bg = trio.CancelScope()
         self._bg_nursery: trio.Nursery | None = None
         self._bg_done = trio.Event()
-        self._yielded_at = time.perf_counter()
 
     async def close(self) -> None:
         """End the session: the daemon releases everything it holds for us (`open_client` does this on exit)."""
@@ -69,26 +67,17 @@ class TrioClient(LoopSession):
         self._sock.close(0)
 
     # --- trio's primitives (client._evloop does the rest) ------------------------------------
-    async def _checkpoint(self) -> None:
-        """A cancel point always; a schedule point (a pass of trio's run loop, ~10 us) only
-        if this client has not yielded for `FAIR_S`: a ring reply reaped in the waiter
-        then costs no loop pass, and `while True: await c.copy(...)` still lets the
-        program's other tasks (and this client's heartbeats) run."""
-        now = time.perf_counter()
-        if now - self._yielded_at > FAIR_S:
-            self._yielded_at = now
-            await trio.lowlevel.checkpoint()
-        else:
-            await trio.lowlevel.checkpoint_if_cancelled()
+    async def _yield(self) -> None:
+        await trio.lowlevel.checkpoint()  # a pass of trio's run loop (~10 us)
+
+    async def _cancel_point(self) -> None:
+        await trio.lowlevel.checkpoint_if_cancelled()
 
     async def _sleep(self, p: Pending, timeout: float | None) -> None:
         if p._waker is None:
             p._waker = trio.Event()
-        try:
-            with trio.move_on_after(math.inf if timeout is None else timeout):
-                await p._waker.wait()
-        finally:
-            self._yielded_at = time.perf_counter()
+        with trio.move_on_after(math.inf if timeout is None else timeout):
+            await p._waker.wait()
 
     def _kick_ring(self) -> None:
         self._ring_kick.set()
