@@ -18,9 +18,8 @@ operations, so `pool.acquire()` blocks on a `Client` and is awaited on a
 
 from __future__ import annotations
 
-import math
-
 import inspect
+import math
 from collections import deque
 from typing import Any, Callable, Generator, Sequence
 
@@ -189,10 +188,6 @@ class SlotPool:
 
     def _op_acquire(self, timeout: float | None) -> Generator[Pending, None, Slot]:
         self._reap()
-        if not self._free and self._in_flight:
-            with self.client._io_lock():  # completions already on the ring: no wait needed
-                self.client._core.reap_ring()
-            self._reap()
         while not self._free:
             if self._in_flight:
                 wait_on = self._in_flight[0].pending
