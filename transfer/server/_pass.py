@@ -39,7 +39,7 @@ from ._ops import RING, Op
 from ._planner import CopyRun, Planner, answers, plan_batch
 from ._rings import COMPLETION_DETAIL, Rings
 from ._session import Session
-from ._waves import assign_waves, device_failed, issue, issue_off_loop, run_inline, run_stretch, run_waves, wait_visible
+from ._waves import assign_waves, device_failed, issue, issue_off_loop, one_device, run_inline, run_stretch, run_waves, wait_visible
 
 __all__ = ["Pass", "Batch"]
 
@@ -60,13 +60,12 @@ def _one_lane(ops: list[Op]) -> tuple[Any, Any] | None:
     one GPU (a stream backend, which orders host work after the queued device work it
     touches), or on one CPU device (lane None: the session's completer runs its passes in
     order on that device's worker). Never with RDMA."""
-    if not ops:
+    device = one_device(ops) if ops else None
+    if device is None:
         return None
-    device = ops[0].device
     lane = ops[0].lane if device.kind == "gpu" else None
-    for op in ops:
-        if op.device is not device or op.remote is not None or (lane is not None and op.lane != lane):
-            return None
+    if lane is not None and any(op.lane != lane for op in ops):
+        return None
     return device, lane
 
 

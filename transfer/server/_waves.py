@@ -27,7 +27,7 @@ from ..backends import Span
 from ._ops import Op
 from ._placement import VirtualDevice
 
-__all__ = ["assign_waves", "coalesce", "run_inline", "run_waves", "run_stretch", "issue", "issue_off_loop", "wait_visible", "device_failed"]
+__all__ = ["assign_waves", "coalesce", "run_inline", "run_waves", "run_stretch", "one_device", "issue", "issue_off_loop", "wait_visible", "device_failed"]
 
 
 class _Intervals:
@@ -303,7 +303,7 @@ def run_inline(waves: Sequence[Sequence[Op]]) -> None:
         _run_wave_inline(wave)
 
 
-def _one_device(wave: Sequence[Op]) -> VirtualDevice | None:
+def one_device(wave: Sequence[Op]) -> VirtualDevice | None:
     """The device a wave's work all runs on (no remote copies, one device), else None."""
     device = wave[0].device
     for op in wave:
@@ -336,10 +336,10 @@ async def run_waves(
         if why is not None:
             _fail_rest(waves[k:], why)
             return
-        device = _one_device(waves[k])
+        device = one_device(waves[k])
         if device is not None:
             j = k + 1
-            while j < len(waves) and _one_device(waves[j]) is device:
+            while j < len(waves) and one_device(waves[j]) is device:
                 j += 1
             stretch, k = waves[k:j], j
             nbytes = sum(op.cost for wave in stretch for op in wave)
