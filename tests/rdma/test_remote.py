@@ -173,6 +173,40 @@ def test_forged_and_out_of_range_remote_vas_are_refused(tcp_daemon: tuple[Daemon
     client.free(seg)
 
 
+def test_hostile_remote_vectors_fail_alone(client: transfer.Client) -> None:
+    """A copy vector naming a remote segment is one NIXL post, so what one post cannot
+    order or express is refused whole, with a clear error, and the session serves on."""
+    arr = np.arange(64 << 10, dtype=np.uint8)
+    seg = client.register_remote(arr)
+    buf = client.alloc(64 << 10)
+    shm = client.segment(4096)
+    u = np.uint64
+    with pytest.raises(transfer.InvalidField, match="overlaps another copy"):  # one post has no order inside
+        client.copy_many(np.array([buf.va, buf.va + 100], u), np.array([seg.va, seg.va + 4096], u),
+                         np.array([256, 256], u)).result()
+    with pytest.raises(transfer.InvalidField, match="mixing remote and local-only"):
+        client.copy_many(np.array([buf.va, buf.va + 4096], u), np.array([seg.va, shm.va], u),
+                         np.array([256, 256], u)).result()
+    with pytest.raises(transfer.InvalidField, match="mixing reads from and writes to"):
+        client.copy_many(np.array([buf.va, seg.va + 8192], u), np.array([seg.va, buf.va + 4096], u),
+                         np.array([256, 256], u)).result()
+    with pytest.raises(transfer.InvalidField, match="two remote"):
+        client.copy_many(np.array([seg.va], u), np.array([seg.va + 8192], u), np.array([256], u)).result()
+    with pytest.raises(transfer.OutOfBounds):
+        client.copy_many(np.array([buf.va, buf.va + 4096], u), np.array([seg.va, seg.va + (64 << 10) - 8], u),
+                         np.array([256, 256], u)).result()
+    # Zero-length pieces are no work; adjacent pieces merge into one descriptor: still exact.
+    before = client.stats()["daemon"]["nixl_descs"]
+    client.copy_many(np.array([buf.va, buf.va + 4096, buf.va + 4096, buf.va + 8192], u),
+                     np.array([seg.va + 1, seg.va + 9, seg.va + 4097, seg.va + 8193], u),
+                     np.array([4096, 0, 4096, 100], u)).result()
+    assert client.stats()["daemon"]["nixl_descs"] - before == 1
+    assert client.checksum(buf, 8292).result() == transfer.checksum64(arr[1:8293])
+    client.free(shm)
+    client.free(buf)
+    client.free(seg)
+
+
 def test_freed_remote_segment_is_dead(client: transfer.Client) -> None:
     seg = client.remote_segment(4096)
     buf = client.alloc(4096)

@@ -28,14 +28,15 @@ METHODS_QUICK = ("transfer", "shm-pipe", "iceoryx2", "torch-mp", "zmq-copy", "zm
 MODES_ALL = ("local", "compute", "remote", "gpu", "latency")
 
 #: Methods that run in every mode but ``remote``; ``remote`` has its own baseline.
-METHODS_REMOTE = ("transfer", "transfer-socket", "nixl-raw")
+METHODS_REMOTE = ("transfer", "nixl-raw")
 
 
 def method_runs_in(method: str, mode: str) -> bool:
     """Whether ``method`` has a meaningful ``mode`` cell.
 
     ``remote``: the producer's own (non-shared) memory, read over NIXL: only
-    ``transfer`` (the daemon READs) and ``nixl-raw`` (a consumer READs) apply.
+    ``transfer`` (a tcp session, as from another host; the daemon READs) and
+    ``nixl-raw`` (a consumer READs) apply.
     ``nixl-raw`` is the baseline of ``remote`` only.
     """
     if mode == "remote":

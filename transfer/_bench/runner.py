@@ -8,6 +8,7 @@ import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import shutil
+import socket
 import statistics
 import tempfile
 import uuid
@@ -61,12 +62,21 @@ def mode_available(mode: str) -> tuple[bool, str]:
     return False, f"unknown mode {mode!r}"
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 class Runner:
     """Owns everything a run creates: temp dir, daemon, forkserver children, shm files."""
 
     def __init__(self, *, need_daemon: bool, reps: int, rep_s: float, warmup_s: float,
-                 daemon_args: dict[str, Any] | None = None) -> None:
+                 daemon_args: dict[str, Any] | None = None, tcp: bool = False) -> None:
         self.need_daemon = need_daemon
+        #: Also serve tcp on loopback: the remote mode's producers connect as from another host.
+        self.tcp = tcp
+        self.tcp_endpoint: str | None = None
         self.reps = reps
         self.rep_s = rep_s
         self.warmup_s = warmup_s
@@ -89,7 +99,11 @@ class Runner:
             if self.need_daemon:
                 from transfer.testing import run_daemon
 
-                d = self._stack.enter_context(run_daemon(**self.daemon_args))
+                args: list[str] = []
+                if self.tcp:
+                    self.tcp_endpoint = f"tcp://127.0.0.1:{_free_port()}"
+                    args = ["--endpoint", self.tcp_endpoint, "--allow-insecure-tcp"]  # loopback only
+                d = self._stack.enter_context(run_daemon(args, **self.daemon_args))
                 self.endpoint = d.endpoint
                 self.daemon_pid = getattr(d, "pid", None)
         except BaseException:
@@ -122,7 +136,8 @@ class Runner:
     # ------------------------------------------------------------------ one cell
 
     def run_cell(self, cell: Cell, on_rep: Callable[[int, int], None] | None = None) -> Record:
-        cons_spec, prod_specs = make_plumbing(cell, self.ctx, self.run_dir, self.run_id, self.endpoint)
+        endpoint = self.tcp_endpoint if cell.mode == "remote" else self.endpoint
+        cons_spec, prod_specs = make_plumbing(cell, self.ctx, self.run_dir, self.run_id, endpoint)
         workers: dict[str, tuple[mpc.Connection, mp.process.BaseProcess]] = {}
         try:
             if cons_spec is not None:

@@ -194,7 +194,8 @@ def _main(args: argparse.Namespace) -> int:
         try:
             daemon_args = {"shm_dir": args.daemon_shm_dir} if args.daemon_shm_dir else {}
             with runner.Runner(need_daemon=uses_daemon and bool(cells), reps=reps, rep_s=rep_s,
-                               warmup_s=warm_s, daemon_args=daemon_args) as rn:
+                               warmup_s=warm_s, daemon_args=daemon_args,
+                               tcp=any(c.mode == "remote" for c in cells)) as rn:
                 for cell in cells:
                     progress.start_cell(cell)
                     r = rn.run_cell(cell, on_rep=progress.rep)

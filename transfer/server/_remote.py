@@ -6,9 +6,10 @@ need it). It knows:
 
 * which producer agent belongs to which session (agent names are chosen by
   the peer: a name already used by another session is refused);
-* what each producer *declared* (its descriptor list): every range the daemon
-  ever reads or writes on a peer is checked with `check_ranges_within`
-  against that session's declared ranges, whatever NIXL itself would accept;
+* what each producer *declared* (its descriptor list): a remote segment is
+  exactly one declared range, the mapping table bounds every range by its
+  segment, and a post goes out only while its segment is still declared
+  (`check_declared`), whatever NIXL itself would accept;
 * which of the daemon's own memory (device buffers, shared-memory segments)
   is registered with the agent as DRAM (lazily, once per segment; released
   with the segment).
@@ -16,7 +17,7 @@ need it). It knows:
 `post()` runs ONE NIXL transfer for a whole descriptor list and waits for it;
 it blocks (a same-host `cma` READ copies inside the post), so the scheduler
 calls it on a worker thread. The planning of copies that name remote
-segments lives here too (`plan_remote_copy`, `plan_remote_copies`,
+segments lives here too (`plan_remote_copy`, `plan_remote_copies`, `plan_remote_rows`,
 `pull_input`): the planner calls them when a VA falls in a remote segment.
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -33,7 +35,7 @@ import numpy as np
 from .. import errors as E
 from ..addressing import Segment, SegmentKind
 from ..transport import _nixl as N
-from ._ops import Op, Staged, hulls
+from ._ops import Op, Range, Staged, hulls
 
 __all__ = ["RemotePlane", "RemoteHandle", "RemoteWork", "names_remote", "plan_remote_copy", "plan_remote_copies", "pull_input"]
 
@@ -65,9 +67,8 @@ class RemoteWork:
 class _Peer:
     name: str
     session: int
-    declared: list[tuple[int, int]] = field(default_factory=list)
-    #: (N, 2) view of `declared`, rebuilt on change (for the vectorised check).
-    ranges: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.uint64))
+    #: (address, nbytes) -> how many of the session's remote segments declare that range.
+    declared: Counter[tuple[int, int]] = field(default_factory=Counter)
     dead: bool = False
 
 
@@ -137,8 +138,7 @@ class RemotePlane:
                 peer = self._peers[loaded] = _Peer(loaded, session)
                 self._by_session[session] = loaded
                 self.counters["nixl_peers"] += 1
-            peer.declared.append((addr, length))
-            peer.ranges = np.array(peer.declared, dtype=np.uint64).reshape(-1, 2)
+            peer.declared[(addr, length)] += 1
         return RemoteHandle(loaded, addr, length, session)
 
     def drop_segment(self, handle: RemoteHandle) -> None:
@@ -147,11 +147,11 @@ class RemotePlane:
             peer = self._peers.get(handle.peer)
             if peer is None:
                 return
-            try:
-                peer.declared.remove((handle.addr, handle.nbytes))
-            except ValueError:
-                pass
-            peer.ranges = np.array(peer.declared, dtype=np.uint64).reshape(-1, 2)
+            key = (handle.addr, handle.nbytes)
+            if peer.declared[key] > 1:
+                peer.declared[key] -= 1
+            else:
+                peer.declared.pop(key, None)
 
     def drop_session(self, session: int) -> None:
         """The session ended: forget its peer and disconnect from it."""
@@ -167,22 +167,18 @@ class RemotePlane:
                 except E.NixlError as exc:
                     log.warning("removing NIXL peer %r: %s", name, exc)
 
-    def check_remote(self, handle: RemoteHandle, ranges: np.ndarray) -> None:
-        """Every range must lie inside what this peer declared (and still declares)."""
-        peer = self._peers.get(handle.peer)
-        if peer is None or peer.session != handle.session:
-            raise E.SegmentFreed(f"NIXL peer {handle.peer!r} is gone")
-        N.check_ranges_within(peer.ranges, ranges)
+    def check_declared(self, handle: RemoteHandle) -> None:
+        """The segment's range is still one this session's peer declares.
 
-    def check_remote_one(self, handle: RemoteHandle, addr: int, nbytes: int) -> None:
-        """`check_remote` for one range, without NumPy."""
+        A remote segment is exactly one declared range, and the mapping table bounds
+        every range by its segment, so each range the daemon reads or writes on a peer
+        lies inside what that peer declared for as long as this holds.
+        """
         peer = self._peers.get(handle.peer)
         if peer is None or peer.session != handle.session:
             raise E.SegmentFreed(f"NIXL peer {handle.peer!r} is gone")
-        for a, n in peer.declared:
-            if a <= addr and addr + nbytes <= a + n:
-                return
-        raise E.RemoteRangeError(f"range (0x{addr:x}, {nbytes} bytes) lies outside every range the producer registered")
+        if (handle.addr, handle.nbytes) not in peer.declared:
+            raise E.SegmentFreed(f"remote range (0x{handle.addr:x}, {handle.nbytes} bytes) is no longer registered")
 
     # --- the daemon's own memory ---------------------------------------------------------------
     def local_base(self, seg: Any) -> int:
@@ -299,108 +295,94 @@ def names_remote(table: Any, vas: Iterable[int]) -> bool:
     return False
 
 def plan_remote_copy(planner: Any, owner: Any, req: Any) -> Op:
-    """One copy to or from a remote segment: the same checks as the vector path, in plain
-    Python (NumPy's per-call overhead would dominate for one descriptor)."""
-    plane, n = planner.remote, req.nbytes
+    """One copy to or from a remote segment: `plan_remote_rows` of one row."""
+    n = req.nbytes
     dseg, doff = planner.table.translate(req.dst, n, owner)
     sseg, soff = planner.table.translate(req.src, n, owner)
-    d_rem, s_rem = dseg.kind == SegmentKind.REMOTE, sseg.kind == SegmentKind.REMOTE
-    if d_rem and s_rem:
-        raise E.InvalidField("a copy between two remote segments is not supported: copy through a daemon buffer")
-    rseg, roff, lseg, loff = (dseg, doff, sseg, soff) if d_rem else (sseg, soff, dseg, doff)
-    if rseg.owner != owner:
-        raise E.NotOwner(f"remote segment {rseg.id} belongs to another session (remote segments are not shareable)")
-    dev = planner._device_of((lseg,), n)
-    reads, writes = [(sseg.id, soff, soff + n)], [(dseg.id, doff, doff + n)]
-    if n == 0:
-        return Op(req.id, reads, writes, dev, 0, lambda: None)
-    handle = rseg.handle
-    raddr = handle.addr + roff
-    plane.check_remote_one(handle, raddr, n)
-    laddr = plane.local_base(lseg) + loff
-    work = RemoteWork(
-        plane, handle.peer, "WRITE" if d_rem else "READ",
-        np.array([[laddr, n]], dtype=np.uint64), np.array([[raddr, n]], dtype=np.uint64),
-    )
-    return Op(req.id, reads, writes, dev, n, lambda: plane.post(work.peer, work.op, work.local, work.remote), remote=work)
+    return plan_remote_rows(planner, owner, req.id, [(dseg.id, doff, sseg.id, soff, n)], {dseg.id: dseg, sseg.id: sseg},
+                            [(sseg.id, soff, soff + n)], [(dseg.id, doff, doff + n)])
+
 
 def plan_remote_copies(
     planner: Any, owner: Any, rid: int, dsid: np.ndarray, doff: np.ndarray, ssid: np.ndarray, soff: np.ndarray,
     size: np.ndarray, dsegs: dict[int, Segment[Any]], ssegs: dict[int, Segment[Any]],
 ) -> Op:
+    """A vector of copies naming remote segments: `plan_remote_rows` of its translated rows."""
+    rows = list(zip(dsid.tolist(), doff.tolist(), ssid.tolist(), soff.tolist(), size.tolist()))
+    return plan_remote_rows(planner, owner, rid, rows, {**dsegs, **ssegs}, hulls(ssid, soff, size), hulls(dsid, doff, size))
+
+
+def plan_remote_rows(
+    planner: Any, owner: Any, rid: int, rows: list[tuple[int, int, int, int, int]], segs: dict[int, Segment[Any]],
+    reads: list[Range], writes: list[Range],
+) -> Op:
     """Copies between a remote (NIXL) segment and the daemon's memory: one descriptor list.
 
-    All READs (remote -> local) or all WRITEs (local -> remote), with one peer.
-    Bounds and ownership were checked by the table; here the remote side is
-    checked again against what the producer declared (check_ranges_within),
-    and destinations must not overlap (one RDMA post has no order inside).
+    `rows` are (dst segment, dst offset, src segment, src offset, nbytes), bounds and
+    ownership checked by the table; `reads` and `writes` their hazard ranges. All READs (remote -> local) or all WRITEs (local ->
+    remote), with one peer; destinations must not overlap (one RDMA post has no order
+    inside). A remote segment is exactly one range its producer declared, so a range
+    the table bounds by the segment lies inside a declared range: what is left to check
+    is that the segment is still declared (`check_declared`).
+
+    Plain Python over the rows: vectors are short, and NumPy's fixed cost per call
+    (tens of calls) was most of a 4-copy group's daemon time.
     """
     plane = planner.remote
     if plane is None:
         raise E.InvalidField("remote segments are served by the RDMA data plane (not enabled in this daemon)")
-    keep = size > 0
-    if not keep.all():
-        dsid, doff, ssid, soff, size = dsid[keep], doff[keep], ssid[keep], soff[keep], size[keep]
-    segs = {**dsegs, **ssegs}
-    remote_ids = [sid for sid, seg in segs.items() if seg.kind == SegmentKind.REMOTE]
-    for sid in remote_ids:
-        if segs[sid].owner != owner:
+    remote = {sid: seg for sid, seg in segs.items() if seg.kind == SegmentKind.REMOTE}
+    for sid, seg in remote.items():
+        if seg.owner != owner:
             raise E.NotOwner(f"remote segment {sid} belongs to another session (remote segments are not shareable)")
-    rid_arr = np.array(remote_ids, dtype=np.uint64)
-    d_rem, s_rem = np.isin(dsid, rid_arr), np.isin(ssid, rid_arr)
-    if (d_rem & s_rem).any():
+    rows = [r for r in rows if r[4]]
+    d_rem = [r[0] in remote for r in rows]
+    s_rem = [r[2] in remote for r in rows]
+    if any(d and s for d, s in zip(d_rem, s_rem)):
         raise E.InvalidField("a copy between two remote segments is not supported: copy through a daemon buffer")
-    if (~d_rem & ~s_rem).any():
+    if not all(d or s for d, s in zip(d_rem, s_rem)):
         raise E.InvalidField("a vector mixing remote and local-only copies: send them as separate requests")
-    if d_rem.any() and s_rem.any():
+    if any(d_rem) and any(s_rem):
         raise E.InvalidField("a vector mixing reads from and writes to remote segments: send them as separate requests")
-    op = "WRITE" if d_rem.any() else "READ"
-    lsid, loff, rsid, roff = (ssid, soff, dsid, doff) if op == "WRITE" else (dsid, doff, ssid, soff)
-    n = len(size)
-    total = int(size.sum(dtype=np.uint64))
-    local_segs = {int(s): segs[int(s)] for s in np.unique(lsid).tolist()}
-    dev = planner._device_of(local_segs.values(), total)
-    if n == 0:
+    write = any(d_rem)
+    op = "WRITE" if write else "READ"
+    total = sum(r[4] for r in rows)
+    local_segs = {r[2] if write else r[0]: None for r in rows}
+    dev = planner._device_of([segs[s] for s in local_segs], total)
+    if not rows:
         return Op(rid, [], [], dev, 0, lambda: None)
-    handles = {h.peer for h in (segs[s].handle for s in remote_ids)}
-    if len(handles) != 1:
+    peers = {seg.handle.peer for seg in remote.values()}
+    if len(peers) != 1:
         raise E.InvalidField("copies name remote segments of several NIXL agents")
-    (peer,) = handles
-
-    def bases(sids: np.ndarray, table: dict[int, int]) -> np.ndarray:
-        uniq = np.unique(sids)
-        vals = np.array([table[int(s)] for s in uniq.tolist()], dtype=np.uint64)
-        return vals[np.searchsorted(uniq, sids)]
-
-    laddr = bases(lsid, {s: plane.local_base(seg) for s, seg in local_segs.items()}) + loff
-    raddr = bases(rsid, {s: segs[s].handle.addr for s in remote_ids}) + roff
-    remote = np.stack([raddr, size], axis=1)
-    plane.check_remote(segs[remote_ids[0]].handle, remote)
-    # Destinations must not overlap: inside one post, NIXL gives no order.
-    dst_addr = laddr if op == "READ" else raddr
-    if n > 1:
-        order = np.argsort(dst_addr, kind="stable")
-        sa, sz = dst_addr[order], size[order]
-        clash = np.flatnonzero(sa[1:] < sa[:-1] + sz[:-1])
-        if clash.size:
-            i = int(order[clash[0] + 1])
-            raise E.InvalidField(f"copy {i}: its destination overlaps another copy's in the same remote batch")
-    reads = hulls(ssid, soff, size)  # hazards: per segment, the hull touched
-    writes = hulls(dsid, doff, size)
+    (peer,) = peers
+    for seg in remote.values():
+        plane.check_declared(seg.handle)
+    lbase = {s: plane.local_base(segs[s]) for s in local_segs}
+    # (local address, remote address, nbytes) per row
+    if write:
+        pairs = [(lbase[ss] + so, remote[ds].handle.addr + do, n) for ds, do, ss, so, n in rows]
+    else:
+        pairs = [(lbase[ds] + do, remote[ss].handle.addr + so, n) for ds, do, ss, so, n in rows]
+    if len(pairs) > 1:
+        # Destinations must not overlap: inside one post, NIXL gives no order.
+        k = 1 if write else 0
+        order = sorted(range(len(pairs)), key=lambda i: pairs[i][k])
+        for a, b in zip(order, order[1:]):
+            if pairs[b][k] < pairs[a][k] + pairs[a][2]:
+                raise E.InvalidField(f"copy {b}: its destination overlaps another copy's in the same remote batch")
     # Merge runs that continue each other on both sides (fewer descriptors).
-    if n > 1:
-        cont = np.zeros(n, dtype=bool)
-        cont[1:] = (laddr[1:] == laddr[:-1] + size[:-1]) & (raddr[1:] == raddr[:-1] + size[:-1])
-        if cont.any():
-            starts = np.flatnonzero(~cont)
-            csum = np.concatenate(([0], np.cumsum(size, dtype=np.uint64))).astype(np.uint64)
-            ends = np.append(starts[1:], n)
-            lens = csum[ends] - csum[starts]
-            laddr, raddr, size = laddr[starts], raddr[starts], lens
-            remote = np.stack([raddr, size], axis=1)
-    local = np.stack([laddr, size], axis=1)
-    work = RemoteWork(plane, peer, op, np.ascontiguousarray(local), np.ascontiguousarray(remote))
-    return Op(rid, reads, writes, dev, total, lambda: plane.post(peer, op, work.local, work.remote), remote=work)
+    merged = [list(pairs[0])]
+    for la, ra, n in pairs[1:]:
+        last = merged[-1]
+        if la == last[0] + last[2] and ra == last[1] + last[2]:
+            last[2] += n
+        else:
+            merged.append([la, ra, n])
+    local = np.array([(la, n) for la, _, n in merged], np.uint64)
+    far = np.array([(ra, n) for _, ra, n in merged], np.uint64)
+    work = RemoteWork(plane, peer, op, local, far)
+    return Op(rid, reads, writes, dev, total, lambda: plane.post(peer, op, local, far), remote=work)
+
 
 def pull_input(planner: Any, owner: Any, rseg: Segment[Any], roff: int, nbytes: int) -> tuple[Op, Any, int]:
     """An internal op (no reply of its own) reading a remote range into a staging buffer."""
@@ -411,7 +393,7 @@ def pull_input(planner: Any, owner: Any, rseg: Segment[Any], roff: int, nbytes: 
         raise E.NotOwner(f"remote segment {rseg.id} belongs to another session (remote segments are not shareable)")
     handle = rseg.handle
     raddr = handle.addr + roff
-    plane.check_remote_one(handle, raddr, nbytes)
+    plane.check_declared(handle)
     arr, reg = plane.staging(nbytes)
     staged = Staged(arr)
     work = RemoteWork(plane, handle.peer, "READ", np.array([[reg.addr, nbytes]], np.uint64), np.array([[raddr, nbytes]], np.uint64))
