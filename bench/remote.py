@@ -53,7 +53,7 @@ def burst(size: int) -> int:
 def raw_initiator(conn, metadata: bytes, descs: bytes, sizes: list[int], reps: int) -> None:
     from transfer.transport._nixl import NixlEndpoint, check_ranges_within, decode_descs
 
-    ep = NixlEndpoint(f"bench-raw-{os.getpid()}", progress="event")
+    ep = NixlEndpoint(f"bench-raw-{os.getpid()}", progress="none")  # an initiator: as the daemon's agent
     peer = ep.add_peer(metadata)
     remote = decode_descs(descs)
     raddr = int(remote.ranges[0, 0])

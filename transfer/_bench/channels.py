@@ -596,7 +596,7 @@ class NixlRawConsumer:
         self.live = list(self.conns)
         self.ready: list[Connection] = []
         S, K, D = cell.size, cell.batch, cell.depth
-        self.ep = NixlEndpoint(f"{spec['run_id']}-c-{os.getpid()}", progress="event")
+        self.ep = NixlEndpoint(f"{spec['run_id']}-c-{os.getpid()}", progress="none")  # an initiator: as the daemon's agent
         self.dev = np.zeros(cell.slot_bytes, np.uint8)
         self.dev[:] = 0
         self.reg = self.ep.register(self.dev)
