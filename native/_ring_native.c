@@ -848,8 +848,8 @@ static PyObject *Worker_counters(WorkerObject *self, PyObject *unused)
 {
     tdp_worker_t *w = &self->w;
 #define C(x) (unsigned long long)atomic_load_explicit(&w->x, memory_order_relaxed)
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsK}", "copy", C(n_copy), "fill", C(n_fill),
-                         "checksum", C(n_checksum), "fence", C(n_fence), "bytes", C(n_bytes),
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "copy", C(n_copy), "fill", C(n_fill),
+                         "checksum", C(n_checksum), "fused", C(n_fused), "fence", C(n_fence), "bytes", C(n_bytes),
                          "batches", C(n_batches), "wakes", C(n_wakes),
                          "handover_opcode", C(handovers[TDP_WHY_OPCODE]),
                          "handover_fields", C(handovers[TDP_WHY_FIELDS]),

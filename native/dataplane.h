@@ -64,6 +64,12 @@ enum { TDP_NOP = 0, TDP_COPY = 1, TDP_FILL = 2, TDP_CHECKSUM = 3, TDP_FENCE = 4 
 #define TDP_GOLDEN 0x9E3779B97F4A7C15ull
 /* Bytes touched under one hold of the table's read lock. */
 #define TDP_CHUNK (4ull << 20)
+/* Copies whose source or destination a CHECKSUM later in the same batch names are summed as
+ * they are copied (a verified copy reads its bytes once): at most this many sums are kept per
+ * batch, ... */
+#define TDP_MEMO 16
+/* ... and the fused loop copies this much at a time, then sums it while it is in cache. */
+#define TDP_FUSE_STEP (64ull << 10)
 /* Completions are pushed early once this many bytes were moved since the last push. */
 #define TDP_FLUSH_BYTES (1ull << 20)
 #define TDP_ARMED 2u
@@ -277,6 +283,12 @@ typedef struct {
     _Atomic uint64_t hist[TDP_KINDS][TDP_HMAX + 1];
     _Atomic uint64_t hsum_ns[TDP_KINDS];
     uint64_t kinds[TDP_KINDS];  /* requests of each kind since the last commit (worker-private) */
+    /* This batch's CHECKSUM ranges (src VA, bytes), and the sums of copies that read or wrote
+     * them: (pointer, bytes, word sum), dropped when a later write overlaps the range. */
+    struct { uint64_t va, n; } want[TDP_MEMO];
+    struct { const uint8_t *p; uint64_t n, sum; } memo[TDP_MEMO];
+    uint32_t nwant, nmemo;
+    _Atomic uint64_t n_fused;   /* checksums answered from a copy's sum */
     uint64_t t0;                /* when the current batch was peeked */
     pthread_t thread;
     int started;
@@ -339,14 +351,54 @@ static inline int tdp_commit(tdp_worker_t *w, uint64_t n, uint64_t nc)
     return 0;
 }
 
+/* A write to [d, d + n) invalidates the sums of sources it overlaps. */
+static inline void tdp_memo_drop(tdp_worker_t *w, const uint8_t *d, uint64_t n)
+{
+    for (uint32_t k = 0; k < w->nmemo;) {
+        if (d < w->memo[k].p + w->memo[k].n && w->memo[k].p < d + n)
+            w->memo[k] = w->memo[--w->nmemo];
+        else
+            k++;
+    }
+}
+
+/* Which ranges of a copy [dva | sva, + n) a CHECKSUM later in this batch names exactly:
+ * TDP_WANT_SRC and/or TDP_WANT_DST (0: none, the copy is not summed). */
+enum { TDP_WANT_SRC = 1, TDP_WANT_DST = 2 };
+
+static inline int tdp_wanted(const tdp_worker_t *w, uint64_t dva, uint64_t sva, uint64_t n)
+{
+    int r = 0;
+    for (uint32_t k = 0; k < w->nwant && n; k++) {
+        if (w->want[k].n == n)
+            r |= (w->want[k].va == sva ? TDP_WANT_SRC : 0) | (w->want[k].va == dva ? TDP_WANT_DST : 0);
+    }
+    return r;
+}
+
+static inline void tdp_memo_add(tdp_worker_t *w, const uint8_t *p, uint64_t n, uint64_t sum)
+{
+    if (w->nmemo < TDP_MEMO) {
+        w->memo[w->nmemo].p = p;
+        w->memo[w->nmemo].n = n;
+        w->memo[w->nmemo].sum = sum;
+        w->nmemo++;
+    }
+}
+
 /* Bytes of one copy/fill/checksum, chunk by chunk, each chunk translated under the read lock.
  * Returns 0, or the reason (TDP_WHY_*) the worker must hand this request to Python, or -1
  * when stopping. A failure after the first chunk leaves a partial copy: only a free that
- * races the request can cause it, and Python's retry then reports the freed segment. */
+ * races the request can cause it, and Python's retry then reports the freed segment.
+ * A COPY with `want` (tdp_wanted) sums what it copies, step by step while the step is in
+ * cache, and keeps the sum for the later CHECKSUM of its source or destination; unless the
+ * two overlap (then one memmove, as a sequential copy would be, and no sum). */
 static inline int tdp_bytes(tdp_worker_t *w, int op, uint64_t dva, uint64_t sva, uint64_t n,
-                            uint8_t value, uint64_t *sum)
+                            uint8_t value, uint64_t *sum, int want)
 {
-    uint64_t off = 0;
+    uint64_t off = 0, fsum = 0;
+    const uint8_t *d0 = NULL, *s0 = NULL;
+    int fuse = op == TDP_COPY && want != 0;
     do {
         if (atomic_load_explicit(&w->stop, memory_order_relaxed))
             return -1;
@@ -360,17 +412,60 @@ static inline int tdp_bytes(tdp_worker_t *w, int op, uint64_t dva, uint64_t sva,
             why = TDP_WHY_ADDRESS;
         else if (op == TDP_COPY && ddev >= 0 && sdev >= 0 && ddev != sdev)
             why = TDP_WHY_DEVICES;
-        else if (op == TDP_COPY)
-            memmove(d, s, len);
-        else if (op == TDP_FILL)
+        else if (op == TDP_COPY) {
+            if (off == 0) {
+                d0 = d;
+                s0 = s;
+            }
+            if (fuse && d < s + len && s < d + len)
+                fuse = 0;
+            if (fuse) {
+                for (uint64_t o = 0; o < len; o += TDP_FUSE_STEP) {
+                    uint64_t l = len - o < TDP_FUSE_STEP ? len - o : TDP_FUSE_STEP;
+                    memcpy(d + o, s + o, l);
+                    fsum += tdp_sum64(d + o, l);
+                }
+            } else
+                memmove(d, s, len);
+        } else if (op == TDP_FILL)
             memset(d, value, len);
         else
             *sum += tdp_sum64(s, len);
+        if (d && w->nmemo)
+            tdp_memo_drop(w, d, len);
         pthread_rwlock_unlock(&w->table->lock);
         if (why)
             return why;
         off += len;
     } while (off < n);
+    if (fuse) {
+        if (want & TDP_WANT_SRC)
+            tdp_memo_add(w, s0, n, fsum);
+        if (want & TDP_WANT_DST)
+            tdp_memo_add(w, d0, n, fsum);
+    }
+    return 0;
+}
+
+/* A CHECKSUM answered from the sum of a copy that read exactly its range earlier in this
+ * batch, with no write to that range since: 1 (the sum in *sum), else 0. The range is still
+ * translated (under the read lock), so a segment freed meanwhile is refused as before. */
+static inline int tdp_memo_hit(tdp_worker_t *w, uint64_t sva, uint64_t n, uint64_t *sum)
+{
+    if (!w->nmemo || n == 0)
+        return 0;
+    int32_t dev = -1;
+    pthread_rwlock_rdlock(&w->table->lock);
+    const uint8_t *s = tdp_translate(w->table, w->session, sva, n, &dev);
+    pthread_rwlock_unlock(&w->table->lock);
+    if (!s)
+        return 0;
+    for (uint32_t k = 0; k < w->nmemo; k++) {
+        if (w->memo[k].p == s && w->memo[k].n == n) {
+            *sum = w->memo[k].sum;
+            return 1;
+        }
+    }
     return 0;
 }
 
@@ -440,6 +535,14 @@ static inline int64_t tdp_serve(tdp_worker_t *w, uint64_t avail)
         goto corrupt;
     atomic_fetch_add_explicit(&w->n_batches, 1, memory_order_relaxed);
     w->t0 = trq_now_ns();
+    w->nwant = w->nmemo = 0;
+    for (uint64_t k = 0; k < n && w->nwant < TDP_MEMO; k++) {
+        if (w->batch[k].op == TDP_CHECKSUM && w->batch[k].nbytes) {
+            w->want[w->nwant].va = w->batch[k].src;
+            w->want[w->nwant].n = w->batch[k].nbytes;
+            w->nwant++;
+        }
+    }
     uint64_t i = 0, nc = 0, since = 0, need = 0;
     uint64_t consumed = 0; /* descriptors committed so far */
     int why = 0;
@@ -466,18 +569,26 @@ static inline int64_t tdp_serve(tdp_worker_t *w, uint64_t avail)
                  * run's ranges overlap (then piece by piece, as sequential copies would be). */
                 const tdp_desc_t *p = &w->batch[i + k];
                 uint64_t d0 = p->dst, s0 = p->src, n = p->nbytes, m = k + 1;
+                int want = w->nwant ? tdp_wanted(w, d0, s0, n) : 0;
+                if (want) { /* a piece checksummed later in the batch: alone, and summed */
+                    why = tdp_bytes(w, TDP_COPY, d0, s0, n, 0, NULL, want);
+                    k = m;
+                    moved += n;
+                    continue;
+                }
                 while (m < len && w->batch[i + m].dst == d0 + n && w->batch[i + m].src == s0 + n &&
-                       w->batch[i + m].nbytes <= TDP_OFFSET_MASK - n) {
+                       w->batch[i + m].nbytes <= TDP_OFFSET_MASK - n &&
+                       !(w->nwant && tdp_wanted(w, w->batch[i + m].dst, w->batch[i + m].src, w->batch[i + m].nbytes))) {
                     n += w->batch[i + m].nbytes;
                     m++;
                 }
                 if (m - k > 1 && d0 < s0 + n && s0 < d0 + n) {
                     for (; k < m && !why; k++) {
                         p = &w->batch[i + k];
-                        why = tdp_bytes(w, TDP_COPY, p->dst, p->src, p->nbytes, 0, NULL);
+                        why = tdp_bytes(w, TDP_COPY, p->dst, p->src, p->nbytes, 0, NULL, 0);
                     }
                 } else {
-                    why = tdp_bytes(w, TDP_COPY, d0, s0, n, 0, NULL);
+                    why = tdp_bytes(w, TDP_COPY, d0, s0, n, 0, NULL, 0);
                     k = m;
                 }
                 moved += n;
@@ -499,7 +610,11 @@ static inline int64_t tdp_serve(tdp_worker_t *w, uint64_t avail)
                 break;
             }
             uint64_t sum = 0;
-            why = tdp_bytes(w, d->op, d->dst, d->src, d->nbytes, (uint8_t)d->arg0, &sum);
+            if (d->op == TDP_CHECKSUM && tdp_memo_hit(w, d->src, d->nbytes, &sum))
+                atomic_fetch_add_explicit(&w->n_fused, 1, memory_order_relaxed);
+            else
+                why = tdp_bytes(w, d->op, d->dst, d->src, d->nbytes, (uint8_t)d->arg0, &sum,
+                                d->op == TDP_COPY && w->nwant ? tdp_wanted(w, d->dst, d->src, d->nbytes) : 0);
             if (why)
                 break;
             if (d->op == TDP_CHECKSUM)

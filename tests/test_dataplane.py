@@ -50,14 +50,20 @@ def _outcome(p: Any) -> Any:
 # with offsets and sizes that sometimes run out of bounds, and VAs of a segment that does not exist.
 _where = st.tuples(st.integers(0, 3), st.integers(0, SEG + 64))  # buffer 3: the unknown segment
 _size = st.one_of(st.integers(0, 256), st.integers(0, SEG + 8))
-_op = st.one_of(
+_leaf = st.one_of(
     st.tuples(st.just("copy"), _where, _where, _size),
     st.tuples(st.just("fill"), _where, _size, st.integers(0, 255)),
     st.tuples(st.just("checksum"), _where, _size),
     st.tuples(st.just("copy_many"), st.lists(st.tuples(_where, _where, st.integers(0, 512)), min_size=1, max_size=12)),
     st.tuples(st.just("checksum_many"), st.lists(st.tuples(_where, st.integers(0, 512)), min_size=1, max_size=12)),
-    st.tuples(st.just("fence")),
 )
+# A batch leaves in one push, so a worker takes it whole: a checksum of what a copy in the same
+# batch read or wrote is answered from the copy's sum, unless a write in between touched it.
+_verified = st.builds(
+    lambda d, s, n, extra: ("batch", [("copy", d, s, n), *extra, ("checksum", s, n), ("checksum", d, n)]),
+    _where, _where, _size, st.lists(_leaf, max_size=3),
+)
+_op = st.one_of(_leaf, st.tuples(st.just("batch"), st.lists(_leaf, min_size=1, max_size=8)), _verified, st.tuples(st.just("fence")))
 
 
 class _Rig:
@@ -81,7 +87,8 @@ class _Rig:
 
         answers: list[Any] = []
         pending: list[Any] = []
-        for op in program:
+
+        def submit(op: tuple[Any, ...]) -> None:
             if op[0] == "copy":
                 pending.append(c.copy(va(op[1]), va(op[2]), op[3]))
             elif op[0] == "fill":
@@ -93,6 +100,14 @@ class _Rig:
                 pending.append(c.copy_many([va(d) for d, _, _ in pieces], [va(s) for _, s, _ in pieces], [n for _, _, n in pieces]))
             elif op[0] == "checksum_many":
                 pending.append(c.checksum_many([va(w) for w, _ in op[1]], [n for _, n in op[1]]))
+
+        for op in program:
+            if op[0] == "batch":
+                with c.batch():
+                    for inner in op[1]:
+                        submit(inner)
+            elif op[0] != "fence":
+                submit(op)
             else:
                 answers.extend(_outcome(p) for p in pending)
                 pending.clear()
@@ -131,6 +146,14 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Any:
 # would differ from copying piece by piece.
 @example(program=[("copy_many", [((0, 50), (0, 0), 50), ((0, 100), (0, 50), 50)]), ("checksum", (0, 0), 200)])
 @example(program=[("copy_many", [((1, 0), (0, 0), 4096), ((1, 4096), (0, 4096), 4096), ((2, 0), (0, 0), 64)])])
+# Verified copies: the source overwritten (a fill, a copy onto it) before its checksum, which
+# must not be answered from the copy's sum; the destination's still may be.
+@example(program=[("batch", [("copy", (2, 0), (0, 0), 4096), ("fill", (0, 100), 10, 7),
+                             ("checksum", (0, 0), 4096), ("checksum", (2, 0), 4096)])])
+@example(program=[("batch", [("copy_many", [((2, 0), (0, 0), 512), ((2, 512), (0, 512), 512)]),
+                             ("copy", (0, 256), (1, 0), 64), ("checksum_many", [((0, 0), 512), ((0, 512), 512), ((2, 0), 512)])])])
+# ... and a copy onto itself, shifted (overlapping: never summed as it copies).
+@example(program=[("batch", [("copy", (0, 8), (0, 0), 4096), ("checksum", (0, 0), 4096), ("checksum", (0, 8), 4096)])])
 def test_workers_answer_exactly_as_the_python_pass(pair: list[_Rig], program: list[tuple[Any, ...]]) -> None:
     native, python = pair
     got_native = native.run(program)
@@ -153,6 +176,31 @@ def test_workers_really_serve_and_hand_over(pair: list[_Rig]) -> None:
     python.run(program)
     stats = python.stats()
     assert stats["native_requests"] == 0 and stats["ring_workers"] == 0
+
+
+def test_a_verified_copy_reads_its_bytes_once(daemon: DaemonProcess) -> None:
+    """A checksum of what a copy in the same batch read or wrote is answered from the sum the
+    worker took while copying (the stats count it), with the value a separate read gives."""
+    with transfer.connect(daemon.endpoint) as c:
+        S, K = 64 << 10, 4
+        seg, dev = c.segment(S * K), c.alloc(S * K)
+        data = np.random.default_rng(5).integers(0, 256, S * K, dtype=np.uint8)
+        seg.ndarray((S * K,), np.uint8)[:] = data
+        offs = np.arange(K, dtype=np.uint64) * np.uint64(S)
+        sizes = np.full(K, S, np.uint64)
+        c.copy(dev, seg, 8).result()  # defines the device buffer first
+        before = c.stats()["daemon"]["fused_checksums"]
+        with c.batch():  # the transfer-bench group: a copy vector, then checksums of its sources
+            done = c.copy_many(np.uint64(dev.va) + offs, np.uint64(seg.va) + offs, sizes)
+            sums = c.checksum_many(np.uint64(seg.va) + offs, sizes)
+            whole = c.checksum(dev, S * K)  # not a piece's range: read
+        want = [transfer.checksum64(data[i * S:(i + 1) * S]) for i in range(K)]
+        assert done.result() is None and sums.result().tolist() == want
+        assert whole.result() == transfer.checksum64(data)
+        with c.batch():  # one copy, then checksums of both its ends
+            one = [c.copy(dev, seg, S), c.checksum(seg, S), c.checksum(dev, S)]
+        assert [p.result() for p in one] == [None, want[0], want[0]]
+        assert c.stats()["daemon"]["fused_checksums"] - before == K + 2
 
 
 def test_a_socket_request_waits_for_the_ring_requests_before_it(daemon: DaemonProcess) -> None:

@@ -36,6 +36,9 @@ class Accounting:
             "pipelined_passes": 0,
             # Ring requests a native worker executed (also in "requests"; docs/ring.md).
             "native_requests": 0, "ring_handovers": 0,
+            # Of those, checksums a worker answered from the sum of the copy that read or
+            # wrote their range earlier in the same batch (docs/ring.md, "Verified copies").
+            "fused_checksums": 0,
         }
 
     def native(self, session: Session, counts: dict[str, int], latency: dict[str, tuple[list[int], float]]) -> None:
@@ -45,6 +48,7 @@ class Accounting:
         c["requests"] += n
         c["native_requests"] += n
         c["ring_handovers"] += counts["handovers"]
+        c["fused_checksums"] += counts["fused"]
         c["bytes_moved"] += counts["bytes"]
         session.stats.requests += n
         session.stats.bytes_moved += counts["bytes"]

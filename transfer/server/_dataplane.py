@@ -35,7 +35,7 @@ log = logging.getLogger("transfer.server")
 
 _native = native_module()
 NATIVE, PYTHON, BROKEN = 0, 1, 2
-_COUNTED = ("copy", "fill", "checksum", "fence", "bytes", "handovers")
+_COUNTED = ("copy", "fill", "checksum", "fused", "fence", "bytes", "handovers")
 
 
 class DataPlane:
