@@ -352,3 +352,51 @@ def test_mlp_graph_on_each_backend(backend_daemon: DaemonProcess) -> None:
             prof = c.run_graph(g, [xs], [ys], profile=True).result()
             np.testing.assert_allclose(ys.ndarray((8, 4), np.float32), mlp_ref(x, ws), rtol=1e-4, atol=1e-4)
         assert {n["kind"] for n in prof["nodes"]} == {"cpu" if c.backend["backend"] == "numpy" else "gpu"}
+
+
+def test_a_graph_run_is_one_op(client: transfer.Client) -> None:
+    """Planned from its definition's layout, a one-device graph run is one op (one wave), not
+    one per node plus one that answers; the outputs are still the math's."""
+    g, ws = mlp(client, 8, [16, 12, 12, 4])
+    xs, ys = client.segment(8 * 16 * 4), client.segment(8 * 4 * 4)
+    x = xs.ndarray((8, 16), np.float32)
+    x[...] = RNG.standard_normal((8, 16))
+    client.run_graph(g, [xs], [ys]).result()
+
+    def counters() -> tuple[int, int]:
+        d = client.stats()["daemon"]
+        return d["ops"], d["waves"]
+
+    ops, waves = counters()
+    for _ in range(3):
+        client.run_graph(g, [xs], [ys]).result()
+    assert counters() == (ops + 3, waves + 3)
+    np.testing.assert_allclose(ys.ndarray((8, 4), np.float32), mlp_ref(x, ws), rtol=1e-4, atol=1e-4)
+
+
+def test_runs_revalidate_weights_and_bound_vas(client: transfer.Client) -> None:
+    """What a definition fixed is not trusted blindly: a bound output overlapping a bound
+    input is refused, a weight freed after the definition fails the run (naming the node
+    that reads it), and the daemon serves on."""
+    g = client.graph()
+    g.input("x", (4, 4), "float32")
+    g.tensor("h", (4, 4), "float32")
+    g.output("y", (4, 4), "float32")
+    wbuf = client.alloc(64)
+    g.weight("w", wbuf.tensor((4, 4), "float32"))
+    g.op("relu", ["x"], "h")
+    g.op("matmul", ["h", "w"], "y")
+    xs, ys = client.segment(64), client.segment(64)
+    client.run_graph(g, [xs], [ys]).result()
+    one = client.graph()
+    one.input("x", (4, 4), "float32")
+    one.output("y", (4, 4), "float32")
+    one.weight("w", wbuf.tensor((4, 4), "float32"))
+    one.op("matmul", ["x", "w"], "y")
+    with pytest.raises(E.InvalidField, match="node 0 \\(matmul\\).*overlaps"):
+        client.run_graph(one, [xs], [xs]).result()
+    client.free(wbuf)
+    client.fence()
+    with pytest.raises(E.AddressError, match="node 1 \\(matmul\\)"):
+        client.run_graph(g, [xs], [ys]).result()
+    assert client.fill(xs, 64, 0).result() is None

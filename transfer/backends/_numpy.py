@@ -57,7 +57,8 @@ class NumpyBackend(Backend):
     def tensor(t: Any, span: Span) -> np.ndarray:
         """A NumPy view of a tensor reference over checked memory (NumPy re-checks the extent)."""
         base = span.mem.array if span.kind == SegmentKind.HOST else span.mem
-        return np.ndarray(t.shape, dtype=t.np_dtype, buffer=base, offset=span.offset, strides=t.strides)
+        # Positional: NumPy parses keyword arguments here at a cost of about 0.5 us a view.
+        return np.ndarray(t.shape, t.np_dtype, base, span.offset, t.strides)
 
     def compute(self, kernel: Any, inputs: list[tuple[Any, Span]], outputs: list[tuple[Any, Span]], params: Any, device: int) -> Any:
         ins = [self.tensor(t, s) for t, s in inputs]

@@ -13,6 +13,12 @@ Tensors have four roles, given by where their memory comes from:
 * weights: a VA fixed by the definition (a device buffer, usually);
 * intermediates: everything else; the daemon lays them out in one block of
   its own memory (`offsets`), which the client never addresses.
+
+`parse_graph` also lays out each node's operands once (`GraphSpec.layout`,
+`GraphSpec.externals`): which are intermediates (an offset in that block) and
+which name memory outside it (an input or output bound by each run, or a
+weight), in the order the nodes first use them. A run then only translates
+the outside VAs and executes (server/_planner.py, `Planner._plan_graph`).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from .. import errors as E
 from ._registry import OPERATORS
 from ._tensors import DTYPES, MAX_DIMS, TensorRef, tensor_nbytes
 
-__all__ = ["GraphSpec", "GraphNode", "parse_graph", "graph_wire", "MAX_GRAPH_NODES", "MAX_GRAPH_TENSORS", "GRAPH_ALIGN"]
+__all__ = ["GraphSpec", "GraphNode", "NodeLayout", "External", "parse_graph", "graph_wire", "MAX_GRAPH_NODES", "MAX_GRAPH_TENSORS", "GRAPH_ALIGN"]
 
 #: Limits of one graph definition (docs/protocol.md): nodes, named tensors.
 MAX_GRAPH_NODES = 256
@@ -47,6 +53,38 @@ class GraphNode:
     placement: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class External:
+    """A tensor a node names outside the graph's own memory: a graph input or output (its VA
+    bound by each run: `va` 0) or a weight (`va` fixed by the definition)."""
+
+    name: str
+    va: int
+    #: Bytes from its VA the tensor touches (graph tensors are C-contiguous: its element bytes).
+    extent: int
+    #: The first node that names it (what an error about it names), and whether the graph writes it.
+    first: int
+    written: bool
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLayout:
+    """Where a node's operands live, inputs then outputs, fixed by the definition.
+
+    Each operand is (external index, intermediate offset, ref, extent): an index into
+    `GraphSpec.externals`, or -1 and its byte offset in the graph's memory. `ref` has the
+    graph's dtype and shape (its VA is not used: memory is named by the run's spans)."""
+
+    operands: tuple[tuple[int, int, TensorRef, int], ...]
+    n_inputs: int
+    #: The dtype signature (the kernel is chosen by it), and as a profile writes it.
+    signature: tuple[str, ...]
+    signature_text: str
+    #: Bytes the operands span, and the element work (a compute request's `nbytes` and `work`).
+    nbytes: int
+    work: int
+
+
 @dataclass(frozen=True)
 class GraphSpec:
     """A checked graph: tensors by name, nodes in a topological order, the intermediates' layout."""
@@ -62,6 +100,10 @@ class GraphSpec:
     scratch_nbytes: int
     #: node index -> indices of the nodes whose outputs it reads
     deps: tuple[tuple[int, ...], ...]
+    #: Tensors outside the graph's memory that some node names, in order of first use.
+    externals: tuple[External, ...] = ()
+    #: node index -> where its operands live
+    layout: tuple[NodeLayout, ...] = ()
 
     def param_bytes(self) -> int:
         """Bytes of the weights: what `size` placement calls the graph's parameter size."""
@@ -198,7 +240,35 @@ def parse_graph(d: Any, where: str = "graph") -> GraphSpec:
             continue
         offsets[n] = end
         end += -(-max(tensor_nbytes(tensors[n]), 1) // GRAPH_ALIGN) * GRAPH_ALIGN
-    return GraphSpec(tensors, tuple(nodes), inputs, outputs, device, placement, offsets, max(end, GRAPH_ALIGN), tuple(deps))
+    externals, layout = _lay_out(tensors, nodes, offsets, outputs)
+    return GraphSpec(tensors, tuple(nodes), inputs, outputs, device, placement, offsets, max(end, GRAPH_ALIGN), tuple(deps),
+                     externals, layout)
+
+
+def _lay_out(tensors: dict[str, TensorRef], nodes: Sequence[GraphNode], offsets: dict[str, int],
+             outputs: Sequence[str]) -> tuple[tuple[External, ...], tuple[NodeLayout, ...]]:
+    """Each node's operands as intermediates (offsets) or externals (first use first)."""
+    index: dict[str, int] = {}
+    found: list[list[Any]] = []
+    layout: list[NodeLayout] = []
+    for i, node in enumerate(nodes):
+        operands: list[tuple[int, int, TensorRef, int]] = []
+        for k, n in enumerate((*node.inputs, *node.outputs)):
+            t = tensors[n]
+            nbytes = tensor_nbytes(t)  # contiguous: the extent is the element bytes
+            if n in offsets:
+                operands.append((-1, offsets[n], t, nbytes))
+                continue
+            if n not in index:
+                index[n] = len(found)
+                found.append([n, t.va, nbytes, i, n in outputs])
+            operands.append((index[n], 0, t, nbytes))
+        n_in = len(node.inputs)
+        sig = tuple(t.dtype for _, _, t, _ in operands)
+        text = f"({', '.join(sig[:n_in])}) -> ({', '.join(sig[n_in:])})"
+        total = sum(e for _, _, _, e in operands)
+        layout.append(NodeLayout(tuple(operands), n_in, sig, text, total, total))
+    return tuple(External(*f) for f in found), tuple(layout)
 
 
 def graph_wire(tensors: Sequence[tuple[str, str, Sequence[int], int | None]], nodes: Sequence[GraphNode],

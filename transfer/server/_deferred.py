@@ -16,6 +16,7 @@ from .. import errors as E
 from .. import protocol as P
 from ..addressing import OFFSET_BITS, SegmentKind
 from ..kernels import OPERATORS, REGISTRY, TensorRef, parse_graph, signature, tensor_extent
+from ._graphplan import GraphPlan
 from ._resources import Resources
 from ._session import Session
 
@@ -120,7 +121,7 @@ def define_graph(resources: Resources, session: Session, va: int, d: Any, site: 
     _alloc(resources, session, va, spec.scratch_nbytes, spec.device, "graph", where)
     seg = resources.table.get(sid)
     assert seg is not None
-    seg.info["graph"] = spec
+    seg.info["graph"] = GraphPlan(spec, seg, site)
     seg.info["site"] = site
 
 

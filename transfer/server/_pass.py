@@ -69,6 +69,15 @@ def _one_lane(ops: list[Op]) -> tuple[Any, Any] | None:
     return device, lane
 
 
+def _joins(batch: "Batch", tail: "Batch | None") -> bool:
+    """Whether a pass goes on the session's CPU pipeline as it is: one CPU device, the
+    pipeline's own (or an empty pipeline and work too big to run inline)."""
+    pipe = batch.pipe
+    if pipe is None or pipe[0].kind == "gpu" or batch.remote is not None:
+        return False
+    return pipe == tail.pipe if tail is not None else not batch.inline
+
+
 class Batch:
     """One pass's share of a session's queue, and what became of it."""
 
@@ -129,22 +138,31 @@ class Pass:
 
     # --- entry points --------------------------------------------------------------------------
     def kick(self, session: Session) -> None:
-        """Requests were queued: run small passes right now, hand anything else to the session's task."""
-        if session.pipeline or session.ring_wait is not None:
-            # Answers stay in order: what follows a pipelined pass waits its turn, and a frame
-            # waits for the ring requests its client pushed before it (`Rings.catch_up`).
+        """Requests were queued: run small passes right now, queue a pass that only joins the
+        session's CPU pipeline right now, and hand anything else to the session's task."""
+        if session.ring_wait is not None:
+            # A frame waits for the ring requests its client pushed before it (`Rings.catch_up`).
             session.wake.set()
             return
         for _ in range(_INLINE_PASSES):
             if session.current is not None or not session.queue:
                 break
+            tail = session.pipeline[-1] if session.pipeline else None
+            if tail is not None and (tail.fence is not None or type(session.queue[0][0]) in _BARRIERS):
+                break  # a GPU pipeline, or a barrier that waits for the pipeline: the task's
             batch = self.take(session)
-            if not batch.inline:
-                session.current = batch
+            if _joins(batch, tail):
+                # Only queued (what `run` would do, without the hop to the session's task):
+                # the completer's worker runs it in turn, after the passes before it.
+                self._queue_cpu(session, batch)
+                continue
+            if tail is not None or not batch.inline:
+                session.current = batch  # answers stay in order: the task runs it in its turn
                 break
             run_inline(batch.waves)
             self.complete(batch)
-        session.wake.set()
+        if session.current is not None or session.queue or not session.accepting:
+            session.wake.set()  # else the task has nothing to do: only passes were queued
 
     async def run(self, session: Session) -> None:
         """The session task's step: the pass `kick` handed over, or a new one."""
@@ -187,10 +205,7 @@ class Pass:
             await self.drain(session)  # another lane or device: nothing would order the two
         device, lane = batch.pipe
         if device.kind != "gpu":
-            device.queued_bytes += sum(op.cost for op in batch.ops)
-            session.pipeline.append(batch)
-            session.pipeline_wake.set()
-            self.accounting.counters["pipelined_passes"] += 1
+            self._queue_cpu(session, batch)
             return True
         try:
             if all(op.kind in _QUEUES_AT_ONCE and (batch.inline or not op.host_only) for op in batch.ops) and device.backend.all_pinned():
@@ -205,6 +220,13 @@ class Pass:
         session.pipeline_wake.set()
         self.accounting.counters["pipelined_passes"] += 1
         return True
+
+    def _queue_cpu(self, session: Session, batch: Batch) -> None:
+        """A CPU pass joins the session's pipeline: the completer's worker runs it in turn."""
+        batch.pipe[0].queued_bytes += sum(op.cost for op in batch.ops)  # type: ignore[index]
+        session.pipeline.append(batch)
+        session.pipeline_wake.set()
+        self.accounting.counters["pipelined_passes"] += 1
 
     async def drain(self, session: Session) -> None:
         """Wait until every pipelined pass of the session has been answered."""

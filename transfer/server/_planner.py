@@ -17,8 +17,9 @@ from .. import errors as E
 from .. import protocol as P
 from ..addressing import MappingTable, Segment, SegmentKind
 from ..backends import Span
-from ..kernels import OPERATORS, REGISTRY, GraphSpec, TensorRef, signature, tensor_extent, tensor_nbytes
-from ._ops import SOCKET, Op, hulls, lane_of
+from ..kernels import OPERATORS, REGISTRY, TensorRef, signature, tensor_extent, tensor_nbytes
+from ._graphplan import GraphPlan, NodePlan
+from ._ops import SOCKET, Op, Range, hulls, lane_of
 from ._placement import Placement, VirtualDevice
 from ._remote import names_remote, plan_remote_copies, plan_remote_copy, pull_input
 
@@ -201,12 +202,14 @@ class Planner:
         if len(req.inputs) != op.n_inputs or len(req.outputs) != op.n_outputs:
             raise E.InvalidField(f"{req.op} takes {op.n_inputs} input(s) and {op.n_outputs} output(s)")
         op.check(req.inputs, req.outputs, req.params)
-        placed: list[tuple[TensorRef, Any, int, int]] = []
+        refs = (*req.inputs, *req.outputs)
+        segs: list[Any] = []
+        spans: list[Span] = []
+        ranges: list[Range] = []
         pulls: list[Op] = []
         work = nbytes = 0
-        all_host = True
         translate = self.table.translate
-        for k, t in enumerate((*req.inputs, *req.outputs)):
+        for k, t in enumerate(refs):
             elements = tensor_nbytes(t)
             extent = elements if t.strides is None else tensor_extent(t)  # contiguous: the same
             seg, off = translate(t.va, extent, owner)
@@ -220,38 +223,16 @@ class Planner:
                     f"{seg.id} holds ({seg.nbytes} bytes); repeated strides may not present more"
                 )
             work += elements if elements > extent else extent
-            if seg.kind == SegmentKind.REMOTE and k < op.n_inputs:
-                # A remote input is pulled first (one NIXL READ into a staging buffer); the
-                # staging buffer's synthetic segment makes the compute wait for the pull.
-                pull, seg, off = pull_input(self, owner, seg, off, extent)
-                pulls.append(pull)
-            elif seg.kind == SegmentKind.REMOTE:
-                raise E.InvalidField("compute cannot write a remote segment: write a daemon buffer, then copy it out")
-            placed.append((t, seg, off, extent))
+            if seg.kind == SegmentKind.REMOTE:
+                seg, off = self._pull(owner, seg, off, extent, k < op.n_inputs, pulls)
+            segs.append(seg)
+            spans.append(Span(seg.kind, seg.handle, off, extent))
+            ranges.append((seg.id, off, off + extent))
             nbytes += extent
-            all_host = all_host and seg.kind == SegmentKind.HOST
-        n_in = op.n_inputs
-        reads = [(seg.id, off, off + ext) for _, seg, off, ext in placed[:n_in]]
-        writes = [(seg.id, off, off + ext) for _, seg, off, ext in placed[n_in:]]
-        # Outputs must not overlap inputs (or each other), unless the operator works in place
-        # and the output is exactly its first input.
-        for k, (ws, wa, wb) in enumerate(writes):
-            for j, (rs, ra, rb) in enumerate(reads + writes[:k]):
-                if ws == rs and wa < rb and ra < wb:
-                    same = op.in_place and j == 0 and (wa, wb) == (ra, rb) and req.outputs[k] == req.inputs[0]
-                    if not same:
-                        raise E.InvalidField(f"{req.op}: output {k} overlaps {'input' if j < len(reads) else 'output'} {j if j < len(reads) else j - len(reads)}")
-        dev = self._device_of([seg for _, seg, _, _ in placed], nbytes, req.device, req.placement, work)
-        # The kernel by dtype signature; a light operator the device has no kernel for may run
-        # on a device of the registry's fallback kind, when its operands are all host memory.
-        host_only = req.device == -1 and all_host
-        kind, kernel = REGISTRY.select(req.op, signature(req.inputs, req.outputs), dev.kind,
-                                       {d.kind for d in self.devices} if host_only else ())
-        if kind != dev.kind:
-            dev = min((d for d in self.devices if d.kind == kind), key=lambda d: (d.queued_bytes, d.index))
+        dev, kernel, ins, outs = self._place(req.op, op.in_place, op.n_inputs, signature(req.inputs, req.outputs),
+                                             refs, segs, spans, ranges, nbytes, work, req.device, req.placement)
+        reads, writes = ranges[:op.n_inputs], ranges[op.n_inputs:]
         backend, params = dev.backend, req.params
-        ins = [(t, self._span(seg, off, ext)) for t, seg, off, ext in placed[:n_in]]
-        outs = [(t, self._span(seg, off, ext)) for t, seg, off, ext in placed[n_in:]]
         if not pulls:
             return Op(req.id, reads, writes, dev, nbytes, lambda: backend.compute(kernel, ins, outs, params, dev.local_id), work=work)
 
@@ -262,93 +243,239 @@ class Planner:
                         raise pull.error  # the input never arrived: this request fails with the reason
                 return backend.compute(kernel, ins, outs, params, dev.local_id)
             finally:
-                for pull in pulls:
-                    self.remote.release_staging(pull.info)
+                self._release(pulls)
 
         return [*pulls, Op(req.id, reads, writes, dev, nbytes, run, work=work)]
 
-    def _plan_graph(self, owner: Any, req: P.RunGraph) -> list[Op]:
-        """A graph run: each node planned as the compute request it is (`_plan_compute`:
-        translation, checks, kernel by dtype, placement), then one op that answers.
+    def _pull(self, owner: Any, seg: Segment[Any], off: int, extent: int, is_input: bool, pulls: list[Op]) -> tuple[Any, int]:
+        """A compute operand in a remote segment: an input is pulled first (one NIXL READ into
+        a staging buffer, whose synthetic segment makes the compute wait for the pull); an
+        output is refused."""
+        if not is_input:
+            raise E.InvalidField("compute cannot write a remote segment: write a daemon buffer, then copy it out")
+        pull, staged, soff = pull_input(self, owner, seg, off, extent)
+        pulls.append(pull)
+        return staged, soff
 
-        The nodes' ops have no request id of their own; each runs only if the nodes it
-        reads succeeded, and the answering op, ordered after all of them by its hazard
-        ranges, reports the first failure or (with `profile`) each node's device, kernel
-        and time.
+    def _release(self, pulls: list[Op]) -> None:
+        for pull in pulls:
+            self.remote.release_staging(pull.info)
+
+    def _place(self, name: str, in_place: bool, n_in: int, sig: tuple[str, ...], refs: Sequence[TensorRef], segs: Sequence[Any],
+               spans: Sequence[Span], ranges: Sequence[Range], nbytes: int, work: int, pinned: int, policy: str,
+               ) -> tuple[VirtualDevice, Any, list[tuple[TensorRef, Span]], list[tuple[TensorRef, Span]]]:
+        """The rest of planning one compute once its operands are translated (per operand,
+        inputs then outputs: its ref, segment, span and hazard range): the overlap rule, the
+        device (the placement rule), the kernel by dtype signature.
+        Returns (device, kernel, input (ref, span)s, output (ref, span)s)."""
+        # Outputs must not overlap inputs (or each other), unless the operator works in place
+        # and the output is exactly its first input (the same range seen the same way).
+        for k in range(n_in, len(ranges)):
+            ws, wa, wb = ranges[k]
+            for j in range(k):
+                rs, ra, rb = ranges[j]
+                if ws == rs and wa < rb and ra < wb:
+                    out, first = refs[k], refs[0]
+                    same = (in_place and j == 0 and (wa, wb) == (ra, rb)
+                            and (out.dtype, out.shape, out.strides) == (first.dtype, first.shape, first.strides))
+                    if not same:
+                        raise E.InvalidField(f"{name}: output {k - n_in} overlaps {'input' if j < n_in else 'output'} {j if j < n_in else j - n_in}")
+        dev = self._device_of(segs, nbytes, pinned, policy, work)
+        # The kernel by dtype signature; a light operator the device has no kernel for may run
+        # on a device of the registry's fallback kind, when its operands are all host memory.
+        kernel = REGISTRY.get(name, sig, dev.kind)
+        if kernel is None:
+            host_only = pinned == -1 and all(seg.kind == SegmentKind.HOST for seg in segs)
+            kind, kernel = REGISTRY.select(name, sig, dev.kind, {d.kind for d in self.devices} if host_only else ())
+            if kind != dev.kind:
+                dev = min((d for d in self.devices if d.kind == kind), key=lambda d: (d.queued_bytes, d.index))
+        return dev, kernel, list(zip(refs[:n_in], spans[:n_in])), list(zip(refs[n_in:], spans[n_in:]))
+
+    def _bind_externals(self, owner: Any, plan: GraphPlan, vas: tuple[int, ...], segs: list[Any], spans: list[Any],
+                        ranges: list[Any], pulls: list[Op]) -> None:
+        """Fill a run's slots of the memory outside the graph: each bound VA translated, and
+        the weights one translation per segment they share (the hull of their ranges lies in
+        the segment exactly when each of them does). Where anything fails (or is remote),
+        every external is translated alone, in the order the nodes first use them, so the
+        error names the node that names the first bad VA, as one request per node would."""
+        translate = self.table.translate
+        externals = plan.spec.externals
+        try:
+            for lo, n, members in plan.weight_groups:
+                seg, base = translate(lo, n, owner)
+                if seg.kind == SegmentKind.REMOTE:
+                    raise _Alone()
+                for e in members:
+                    ext = externals[e]
+                    off = base + ext.va - lo
+                    segs[e] = seg
+                    spans[e] = Span(seg.kind, seg.handle, off, ext.extent)
+                    ranges[e] = (seg.id, off, off + ext.extent)
+            for e, k in plan.bound_slots:
+                ext = externals[e]
+                seg, off = translate(vas[k], ext.extent, owner)
+                if seg.kind == SegmentKind.REMOTE:
+                    raise _Alone()
+                segs[e] = seg
+                spans[e] = Span(seg.kind, seg.handle, off, ext.extent)
+                ranges[e] = (seg.id, off, off + ext.extent)
+            return
+        except (E.TransferError, _Alone):
+            pass
+        for e, ext in enumerate(externals):
+            try:
+                seg, off = translate(ext.va or vas[plan.binding[e]], ext.extent, owner)
+                if seg.kind == SegmentKind.REMOTE:
+                    seg, off = self._pull(owner, seg, off, ext.extent, not ext.written, pulls)
+            except E.TransferError as exc:
+                raise _at_node(exc, plan, ext.first) from None
+            segs[e] = seg
+            spans[e] = Span(seg.kind, seg.handle, off, ext.extent)
+            ranges[e] = (seg.id, off, off + ext.extent)
+
+    def _plan_graph(self, owner: Any, req: P.RunGraph) -> list[Op]:
+        """A graph run, planned with what its definition laid out (`GraphPlan`): the VAs
+        outside the graph's memory (the run's inputs and outputs, the weights) are translated
+        once each (bounds, ownership: a freed weight fails here), then each node is placed
+        as the compute request it is (`_place`: the overlap rule, the placement rule, the
+        kernel by dtype). Shapes, dtypes and parameters were checked when the graph was
+        defined, and a run binds only VAs, so they are not checked again.
+
+        Consecutive nodes on one device are ONE op: a worker runs the whole stretch in one
+        call, with no wave, unit or thread hop per node. A graph whose nodes go to several
+        devices is one op per stretch, ordered by their hazard ranges. The last op answers:
+        the first failing node's error (a node whose input failed is skipped with that
+        error), or with `profile` each node's device, kernel and time.
         """
-        seg = self.table.lookup(req.graph, owner)
-        graph: GraphSpec | None = seg.info.get("graph")
-        if graph is None or req.graph != seg.va:
+        gseg = self.table.lookup(req.graph, owner)
+        plan: GraphPlan | None = gseg.info.get("graph")
+        if plan is None or req.graph != gseg.va:
             raise E.InvalidField(f"RunGraph: {req.graph:#x} is not a graph's VA (define the graph first)")
+        graph = plan.spec
         if len(req.inputs) != len(graph.inputs) or len(req.outputs) != len(graph.outputs):
             raise E.InvalidField(
                 f"RunGraph: the graph takes {len(graph.inputs)} input and {len(graph.outputs)} output VA(s), "
                 f"got {len(req.inputs)} and {len(req.outputs)}"
             )
-        site = seg.info.get("site", "")
-        refs = {n: graph.bind(n, va) for n, va in (*zip(graph.inputs, req.inputs), *zip(graph.outputs, req.outputs))}
-        for n, off in graph.offsets.items():
-            refs[n] = graph.bind(n, seg.va + off)
+        segs, spans, ranges = plan.table(gseg)
+        pulls: list[Op] = []
+        self._bind_externals(owner, plan, (*req.inputs, *req.outputs), segs, spans, ranges, pulls)
+        run = _GraphRun(plan, req.profile, pulls, self if pulls else None)
         ops: list[Op] = []
-        nodes: list[Op] = []
-        times = [0.0] * len(graph.nodes)
-        for i, node in enumerate(graph.nodes):
-            compute = P.Compute(0, node.op, [refs.get(n) or graph.tensors[n] for n in node.inputs],
-                                [refs.get(n) or graph.tensors[n] for n in node.outputs], node.params,
-                                node.device if node.device != -1 else graph.device,
-                                node.placement or graph.placement, req.stream)
+        current: _Stretch | None = None
+        for i, node in enumerate(plan.nodes):
+            gather = node.gather
+            nranges = gather(ranges)
             try:
-                planned = self._plan_compute(owner, compute)
+                dev, kernel, ins, outs = self._place(
+                    node.op, node.in_place, node.n_inputs, node.signature, node.refs, gather(segs),
+                    gather(spans), nranges, node.nbytes, node.work, node.device, node.placement)
             except E.TransferError as exc:
-                raise type(exc)(f"graph{' created at ' + site if site else ''}, node {i} ({node.op}): {exc.message}") from None
-            op = planned[-1] if isinstance(planned, list) else planned
-            op.run = _guarded(op.run, [nodes[j] for j in graph.deps[i]], times, i, node.op)
-            ops.extend(planned if isinstance(planned, list) else (planned,))
-            nodes.append(op)
-        done = [r for op in nodes for r in op.writes]
-
-        def answer() -> Any:
-            for op in nodes:
-                if op.error is not None:
-                    raise op.error
-            if not req.profile:
-                return None
-            return {"nodes": [
-                {"node": i, "op": graph.nodes[i].op, "device": op.device.index, "kind": op.device.kind,
-                 "kernel": _signature_text(graph, graph.nodes[i]), "us": round(times[i] * 1e6, 1)}
-                for i, op in enumerate(nodes)
-            ]}
-
-        ops.append(Op(req.id, done, [], nodes[-1].device, 0, answer))
-        return ops
+                raise _at_node(exc, plan, i) from None
+            if current is None or dev is not current.device:
+                current = _Stretch(run, dev)
+                ops.append(current.op)
+            current.add(i, kernel, ins, outs, node, nranges)
+        for op in ops[:-1]:  # the last, which answers, waits for every other
+            ops[-1].reads.extend(op.writes)
+        ops[-1].rid = req.id
+        run.ops = ops
+        return [*pulls, *ops]
 
 
-def _signature_text(graph: GraphSpec, node: Any) -> str:
-    """What a profile says of a node's kernel: its dtype signature (the graph's dtypes, which
-    every run binds alike; written only when a profile is asked for)."""
-    ins = ", ".join(graph.tensors[n].dtype for n in node.inputs)
-    outs = ", ".join(graph.tensors[n].dtype for n in node.outputs)
-    return f"({ins}) -> ({outs})"
+class _Alone(Exception):
+    """A run's externals are translated one by one instead (a failure, or remote memory)."""
 
 
-def _guarded(run: Any, deps: list[Op], times: list[float], i: int, name: str) -> Any:
-    """A graph node's work: skipped with its producer's error if one failed, timed, and its
-    own error named by node."""
+def _at_node(exc: E.TransferError, plan: GraphPlan, i: int) -> E.TransferError:
+    """A planning error of a graph's node i, naming the graph's creation site and the node."""
+    site = plan.site
+    return type(exc)(f"graph{' created at ' + site if site else ''}, node {i} ({plan.nodes[i].op}): {exc.message}")
 
-    def node() -> Any:
-        for dep in deps:
-            if dep.error is not None:
-                raise dep.error
-        t0 = time.perf_counter()
+
+class _GraphRun:
+    """One run of a graph: its nodes' errors and times, shared by its stretches (ops)."""
+
+    __slots__ = ("graph", "profile", "pulls", "planner", "errors", "times", "ops")
+
+    def __init__(self, plan: GraphPlan, profile: bool, pulls: list[Op], planner: Planner | None) -> None:
+        self.graph, self.profile, self.pulls, self.planner = plan.spec, profile, pulls, planner
+        n = len(plan.nodes)
+        self.errors: list[E.TransferError | None] = [None] * n
+        self.times = [0.0] * n
+        self.ops: list[Op] = []
+
+    def answer(self) -> Any:
+        """The last stretch's end: the first failure in node order, or the profile."""
+        errors = self.errors
+        for op in self.ops[:-1]:  # a stretch the device failed under (its synchronize)
+            if op.error is not None:
+                raise op.error
+        for err in errors:
+            if err is not None:
+                raise err
+        if not self.profile:
+            return None
+        graph, times, ops = self.graph, self.times, self.ops
+        device = {i: op.device for op in ops for i in op.info}
+        return {"nodes": [
+            {"node": i, "op": node.op, "device": device[i].index, "kind": device[i].kind,
+             "kernel": graph.layout[i].signature_text, "us": round(times[i] * 1e6, 1)}
+            for i, node in enumerate(graph.nodes)
+        ]}
+
+
+class _Stretch:
+    """Consecutive nodes of a graph run on one device: one op that runs them in order."""
+
+    __slots__ = ("run", "device", "op", "steps")
+
+    def __init__(self, run: _GraphRun, device: VirtualDevice) -> None:
+        self.run, self.device = run, device
+        self.steps: list[tuple[int, Any, list[Any], list[Any], Any, tuple[int, ...], str]] = []
+        self.op = Op(0, [], [], device, 0, self.execute)
+        self.op.info = []  # the node indices it runs (what a profile reports per node)
+
+    def add(self, i: int, kernel: Any, ins: list[Any], outs: list[Any], node: NodePlan, ranges: Sequence[Range]) -> None:
+        op = self.op
+        self.steps.append((i, kernel, ins, outs, node.params, node.deps, node.op))
+        op.info.append(i)
+        op.reads.extend(ranges[:node.n_inputs])
+        op.writes.extend(ranges[node.n_inputs:])
+        op.nbytes += node.nbytes
+        op.work += node.work
+
+    def execute(self) -> Any:
+        """A worker's (or the loop's) share: each node, skipped with its producer's error if
+        one failed, timed, and its own error named by node. The last stretch answers."""
+        run = self.run
+        errors, times = run.errors, run.times
+        backend, local = self.device.backend, self.device.local_id
+        last = self.op is run.ops[-1]
         try:
-            return run()
-        except E.TransferError as exc:
-            raise type(exc)(f"graph node {i} ({name}): {exc.message}") from None
+            for pull in run.pulls:
+                if pull.error is not None:
+                    raise pull.error  # an input never arrived: the run fails with the reason
+            for i, kernel, ins, outs, params, deps, name in self.steps:
+                err = None
+                for j in deps:
+                    if errors[j] is not None:
+                        err = errors[j]
+                        break
+                if err is None:
+                    t0 = time.perf_counter()
+                    try:
+                        backend.compute(kernel, ins, outs, params, local)
+                    except E.TransferError as exc:
+                        err = type(exc)(f"graph node {i} ({name}): {exc.message}")
+                    except Exception as exc:  # a backend failure fails this node (and what reads it)
+                        err = E.BackendError(f"{type(exc).__name__}: {exc}")
+                    times[i] = time.perf_counter() - t0
+                errors[i] = err
+            return run.answer() if last else None
         finally:
-            times[i] = time.perf_counter() - t0
-
-    return node
-
+            if last and run.planner is not None:
+                run.planner._release(run.pulls)
 
 
 def plan_batch(planner: Planner, owner: Any, items: Sequence[tuple[Any, int]]) -> tuple[list[Op], list[Refusal]]:

@@ -2,10 +2,12 @@
 
 pyzmq has no trio integration, and `zmq.FD` is edge-triggered: it signals
 that `zmq.EVENTS` *may* have changed, and any send or recv can consume that
-edge. So exactly one task (`SocketPump.run`) touches the socket. Other
-tasks hand it outgoing messages with `send_nowait`, which wakes it by
-cancelling its wait; before every wait it reads `zmq.EVENTS` and loops
-while anything is ready. A message can therefore never sit unseen.
+edge. So the socket is touched only by `SocketPump`: its task (`run`), and
+`send_nowait` while that task is parked on the FD. Before every wait the
+task reads `zmq.EVENTS` and loops while anything is ready; `send_nowait`
+sends what is queued and, having read `zmq.EVENTS` after the send, wakes
+the task (by cancelling its wait) when anything is ready for it. A message
+can therefore never sit unseen.
 """
 
 from __future__ import annotations
@@ -54,12 +56,19 @@ class SocketPump:
         self.overflows = 0
 
     def send_nowait(self, parts: list[bytes]) -> None:
-        """Queue a multipart message; the pump sends it on its next pass."""
+        """Queue a multipart message; the pump sends it on its next pass, or at once when
+        the pump is parked waiting for the socket: the same flush, then `EVENTS` read, as
+        after every send, and the pump woken only if zmq has something for it (a message,
+        or one that could not go yet). Waking it instead cost a cancel, a pass of its loop
+        and a new wait (an epoll registration each way) per reply."""
         self._out.append(parts)
         if self._drained.is_set():
             self._drained = trio.Event()
-        if self._wait_scope is not None:
-            self._wait_scope.cancel()
+        scope = self._wait_scope
+        if scope is not None:
+            self._flush()
+            if self._out or self._parked or int(self.sock.getsockopt(_EVENTS)) & _POLLIN:
+                scope.cancel()
 
     async def wait_drained(self) -> None:
         """Until every queued message has been handed to zmq (or dropped with its peer)."""
