@@ -300,25 +300,25 @@ class Planner:
         error names the node that names the first bad VA, as one request per node would."""
         translate = self.table.translate
         externals = plan.spec.externals
+
+        def put(e: int, seg: Any, off: int) -> None:
+            n = externals[e].extent
+            segs[e] = seg
+            spans[e] = Span(seg.kind, seg.handle, off, n)
+            ranges[e] = (seg.id, off, off + n)
+
         try:
             for lo, n, members in plan.weight_groups:
                 seg, base = translate(lo, n, owner)
                 if seg.kind == SegmentKind.REMOTE:
                     raise _Alone()
                 for e in members:
-                    ext = externals[e]
-                    off = base + ext.va - lo
-                    segs[e] = seg
-                    spans[e] = Span(seg.kind, seg.handle, off, ext.extent)
-                    ranges[e] = (seg.id, off, off + ext.extent)
+                    put(e, seg, base + externals[e].va - lo)
             for e, k in plan.bound_slots:
-                ext = externals[e]
-                seg, off = translate(vas[k], ext.extent, owner)
+                seg, off = translate(vas[k], externals[e].extent, owner)
                 if seg.kind == SegmentKind.REMOTE:
                     raise _Alone()
-                segs[e] = seg
-                spans[e] = Span(seg.kind, seg.handle, off, ext.extent)
-                ranges[e] = (seg.id, off, off + ext.extent)
+                put(e, seg, off)
             return
         except (E.TransferError, _Alone):
             pass
@@ -329,9 +329,7 @@ class Planner:
                     seg, off = self._pull(owner, seg, off, ext.extent, not ext.written, pulls)
             except E.TransferError as exc:
                 raise _at_node(exc, plan, ext.first) from None
-            segs[e] = seg
-            spans[e] = Span(seg.kind, seg.handle, off, ext.extent)
-            ranges[e] = (seg.id, off, off + ext.extent)
+            put(e, seg, off)
 
     def _plan_graph(self, owner: Any, req: P.RunGraph) -> list[Op]:
         """A graph run, planned with what its definition laid out (`GraphPlan`): the VAs
