@@ -351,7 +351,7 @@ static inline int tdp_commit(tdp_worker_t *w, uint64_t n, uint64_t nc)
     return 0;
 }
 
-/* A write to [d, d + n) invalidates the sums of sources it overlaps. */
+/* A write to [d, d + n) drops the sums of the ranges it overlaps. */
 static inline void tdp_memo_drop(tdp_worker_t *w, const uint8_t *d, uint64_t n)
 {
     for (uint32_t k = 0; k < w->nmemo;) {
@@ -447,8 +447,8 @@ static inline int tdp_bytes(tdp_worker_t *w, int op, uint64_t dva, uint64_t sva,
     return 0;
 }
 
-/* A CHECKSUM answered from the sum of a copy that read exactly its range earlier in this
- * batch, with no write to that range since: 1 (the sum in *sum), else 0. The range is still
+/* A CHECKSUM answered from the sum of a copy that read or wrote exactly its range earlier in
+ * this batch, with no write to that range since: 1 (the sum in *sum), else 0. The range is still
  * translated (under the read lock), so a segment freed meanwhile is refused as before. */
 static inline int tdp_memo_hit(tdp_worker_t *w, uint64_t sva, uint64_t n, uint64_t *sum)
 {
@@ -569,7 +569,7 @@ static inline int64_t tdp_serve(tdp_worker_t *w, uint64_t avail)
                  * run's ranges overlap (then piece by piece, as sequential copies would be). */
                 const tdp_desc_t *p = &w->batch[i + k];
                 uint64_t d0 = p->dst, s0 = p->src, n = p->nbytes, m = k + 1;
-                int want = w->nwant ? tdp_wanted(w, d0, s0, n) : 0;
+                int want = tdp_wanted(w, d0, s0, n);
                 if (want) { /* a piece checksummed later in the batch: alone, and summed */
                     why = tdp_bytes(w, TDP_COPY, d0, s0, n, 0, NULL, want);
                     k = m;
@@ -578,7 +578,7 @@ static inline int64_t tdp_serve(tdp_worker_t *w, uint64_t avail)
                 }
                 while (m < len && w->batch[i + m].dst == d0 + n && w->batch[i + m].src == s0 + n &&
                        w->batch[i + m].nbytes <= TDP_OFFSET_MASK - n &&
-                       !(w->nwant && tdp_wanted(w, w->batch[i + m].dst, w->batch[i + m].src, w->batch[i + m].nbytes))) {
+                       !tdp_wanted(w, w->batch[i + m].dst, w->batch[i + m].src, w->batch[i + m].nbytes)) {
                     n += w->batch[i + m].nbytes;
                     m++;
                 }
@@ -614,7 +614,7 @@ static inline int64_t tdp_serve(tdp_worker_t *w, uint64_t avail)
                 atomic_fetch_add_explicit(&w->n_fused, 1, memory_order_relaxed);
             else
                 why = tdp_bytes(w, d->op, d->dst, d->src, d->nbytes, (uint8_t)d->arg0, &sum,
-                                d->op == TDP_COPY && w->nwant ? tdp_wanted(w, d->dst, d->src, d->nbytes) : 0);
+                                d->op == TDP_COPY ? tdp_wanted(w, d->dst, d->src, d->nbytes) : 0);
             if (why)
                 break;
             if (d->op == TDP_CHECKSUM)
