@@ -298,6 +298,18 @@ def names_remote(table: Any, vas: Iterable[int]) -> bool:
             return True
     return False
 
+def _plane(planner: Any) -> "RemotePlane":
+    plane: RemotePlane | None = planner.remote
+    if plane is None:
+        raise E.InvalidField("remote segments are served by the RDMA data plane (not enabled in this daemon)")
+    return plane
+
+
+def _check_owner(seg: Segment[Any], owner: Any) -> None:
+    if seg.owner != owner:
+        raise E.NotOwner(f"remote segment {seg.id} belongs to another session (remote segments are not shareable)")
+
+
 def plan_remote_copy(planner: Any, owner: Any, req: Any) -> Op:
     """One copy to or from a remote segment: `plan_remote_rows` of one row."""
     n = req.nbytes
@@ -323,22 +335,19 @@ def plan_remote_rows(
     """Copies between a remote (NIXL) segment and the daemon's memory: one descriptor list.
 
     `rows` are (dst segment, dst offset, src segment, src offset, nbytes), bounds and
-    ownership checked by the table; `reads` and `writes` their hazard ranges. All READs (remote -> local) or all WRITEs (local ->
-    remote), with one peer; destinations must not overlap (one RDMA post has no order
-    inside). A remote segment is exactly one range its producer declared, so a range
+    ownership checked by the table; `reads` and `writes` their hazard ranges. All READs
+    (remote -> local) or all WRITEs (local -> remote), with one peer; destinations must
+    not overlap (one RDMA post has no order inside). A remote segment is exactly one range its producer declared, so a range
     the table bounds by the segment lies inside a declared range: what is left to check
     is that the segment is still declared (`check_declared`).
 
     Plain Python over the rows: vectors are short, and NumPy's fixed cost per call
     (tens of calls) was most of a 4-copy group's daemon time.
     """
-    plane = planner.remote
-    if plane is None:
-        raise E.InvalidField("remote segments are served by the RDMA data plane (not enabled in this daemon)")
+    plane = _plane(planner)
     remote = {sid: seg for sid, seg in segs.items() if seg.kind == SegmentKind.REMOTE}
-    for sid, seg in remote.items():
-        if seg.owner != owner:
-            raise E.NotOwner(f"remote segment {sid} belongs to another session (remote segments are not shareable)")
+    for seg in remote.values():
+        _check_owner(seg, owner)
     rows = [r for r in rows if r[4]]
     d_rem = [r[0] in remote for r in rows]
     s_rem = [r[2] in remote for r in rows]
@@ -390,11 +399,8 @@ def plan_remote_rows(
 
 def pull_input(planner: Any, owner: Any, rseg: Segment[Any], roff: int, nbytes: int) -> tuple[Op, Any, int]:
     """An internal op (no reply of its own) reading a remote range into a staging buffer."""
-    plane = planner.remote
-    if plane is None:
-        raise E.InvalidField("remote segments are served by the RDMA data plane (not enabled in this daemon)")
-    if rseg.owner != owner:
-        raise E.NotOwner(f"remote segment {rseg.id} belongs to another session (remote segments are not shareable)")
+    plane = _plane(planner)
+    _check_owner(rseg, owner)
     handle = rseg.handle
     raddr = handle.addr + roff
     plane.check_declared(handle)
