@@ -42,7 +42,6 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -280,12 +279,9 @@ def main() -> None:
         return
     counts = [int(x) for x in args.producers.split(",")]
 
-    from transfer.testing import run_daemon
+    from transfer.testing import loopback_endpoint, run_daemon
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    endpoint = f"tcp://127.0.0.1:{port}"
+    endpoint = loopback_endpoint()
     runs: list[dict[str, Any]] = []
     t_start = time.perf_counter()
     with run_daemon(["--endpoint", endpoint, "--allow-insecure-tcp", "--backend", "numpy", "--session-timeout", "30"]) as d:

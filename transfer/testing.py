@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-__all__ = ["DaemonProcess", "memfds", "run_daemon", "start_daemon", "stop_process"]
+__all__ = ["DaemonProcess", "loopback_endpoint", "memfds", "run_daemon", "start_daemon", "stop_process"]
 
 
 @dataclass
@@ -101,6 +102,13 @@ def _spawn(endpoint: str, workdir: Path, shm_dir: Path, args: Sequence[str], tim
         proc.wait(5)
         raise RuntimeError(f"transferd failed to start (exit {proc.returncode}): {line!r}") from None
     return DaemonProcess(endpoint, proc, workdir, shm_dir, list(args), ready)
+
+
+def loopback_endpoint() -> str:
+    """`tcp://127.0.0.1:<a port free now>`: a tcp endpoint for a daemon, as remote clients reach it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 def start_daemon(

@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,7 @@ import pytest
 
 import transfer
 from transfer import protocol as P
-from transfer.testing import DaemonProcess, start_daemon
+from transfer.testing import DaemonProcess, loopback_endpoint, start_daemon
 from transfer.transport import _nixl
 
 if not _nixl.available():
@@ -38,20 +37,14 @@ HERE = Path(__file__).parent
 FAST = ["--heartbeat", "0.2", "--session-timeout", "2.0", "--backend", "numpy"]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _daemon(args: list[str]) -> Iterator[tuple[DaemonProcess, str]]:
     shm = Path("/dev/shm") / f"transfer-rdma-{uuid.uuid4().hex[:8]}"
     shm.mkdir(mode=0o700)
     wd = Path(tempfile.mkdtemp(prefix="transferd-rdma-"))
-    port = _port()
-    d = start_daemon([*FAST, "--endpoint", f"tcp://127.0.0.1:{port}", *args], workdir=wd, shm_dir=shm)
+    endpoint = loopback_endpoint()
+    d = start_daemon([*FAST, "--endpoint", endpoint, *args], workdir=wd, shm_dir=shm)
     try:
-        yield d, f"tcp://127.0.0.1:{port}"
+        yield d, endpoint
     finally:
         assert d.stop() == 0
         shutil.rmtree(wd, ignore_errors=True)
@@ -299,7 +292,7 @@ def test_wrong_curve_keys_are_refused_quickly(keys: Path, curve_daemon: tuple[Da
 
 def test_tcp_without_keys_is_refused_unless_insecure_allowed(tmp_path: Path) -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "transfer.cli.transferd", "--endpoint", f"tcp://127.0.0.1:{_port()}", "--shm-dir", str(tmp_path)],
+        [sys.executable, "-m", "transfer.cli.transferd", "--endpoint", loopback_endpoint(), "--shm-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=30,
     )
     assert r.returncode == 1 and "without authentication" in r.stderr and "keygen" in r.stderr

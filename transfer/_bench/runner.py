@@ -8,7 +8,6 @@ import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import shutil
-import socket
 import statistics
 import tempfile
 import uuid
@@ -62,12 +61,6 @@ def mode_available(mode: str) -> tuple[bool, str]:
     return False, f"unknown mode {mode!r}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Runner:
     """Owns everything a run creates: temp dir, daemon, forkserver children, shm files."""
 
@@ -97,11 +90,11 @@ class Runner:
             self.ctx = mp.get_context("forkserver")
             self.ctx.set_forkserver_preload(["numpy", "zmq", "transfer", "transfer._bench.workers"])
             if self.need_daemon:
-                from transfer.testing import run_daemon
+                from transfer.testing import loopback_endpoint, run_daemon
 
                 args: list[str] = []
                 if self.tcp:
-                    self.tcp_endpoint = f"tcp://127.0.0.1:{_free_port()}"
+                    self.tcp_endpoint = loopback_endpoint()
                     args = ["--endpoint", self.tcp_endpoint, "--allow-insecure-tcp"]  # loopback only
                 d = self._stack.enter_context(run_daemon(args, **self.daemon_args))
                 self.endpoint = d.endpoint
