@@ -301,6 +301,9 @@ class TransferProducer:
         self._offsets = np.arange(K, dtype=np.uint64) * np.uint64(S)
         self._sizes = np.full(K, S, dtype=np.uint64)
         self._use_many = K > 1 and hasattr(self.client, "copy_many") and hasattr(self.client, "checksum_many")
+        #: Per slot, its items' (copy destinations, sources, checksummed ranges) as VA arrays:
+        #: a producer with fixed slots computes them once.
+        self._vas: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def submit(self, g: int, slot: int, verify: bool, expected: Sequence[int] | None) -> None:
         c, cell = self.client, self.cell
@@ -315,15 +318,19 @@ class TransferProducer:
                 dst0 = self.dev.va + base
                 if self.remote:
                     ck0 = dst0  # ... or, remote, what the READ delivered (a remote VA is copy-only)
-                if self._use_many:
-                    pend.append(c.copy_many(np.uint64(dst0) + self._offsets,
-                                            np.uint64(src0) + self._offsets, self._sizes))
-                else:
+            if self._use_many:
+                vas = self._vas.get(slot)
+                if vas is None:
+                    d0 = dst0 if self.dev is not None else 0
+                    vas = self._vas[slot] = (np.uint64(d0) + self._offsets, np.uint64(src0) + self._offsets, np.uint64(ck0) + self._offsets)
+                if self.dev is not None:
+                    pend.append(c.copy_many(vas[0], vas[1], self._sizes))
+                if verify or self.dev is None:
+                    cks.append(c.checksum_many(vas[2], self._sizes))
+            else:
+                if self.dev is not None:
                     pend.extend(c.copy(dst0 + i * S, src0 + i * S, S) for i in range(K))
-            if verify or self.dev is None:
-                if self._use_many:
-                    cks.append(c.checksum_many(np.uint64(ck0) + self._offsets, self._sizes))
-                else:
+                if verify or self.dev is None:
                     cks.extend(c.checksum(ck0 + i * S, S) for i in range(K))
         self.inflight.append((g, pend, cks, expected))
 

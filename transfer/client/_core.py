@@ -218,6 +218,12 @@ class ClientCore:
         outstanding = len(self.ring.outstanding) if self.ring is not None else 0
         return self.max_inflight - (len(self.pending) - unsent - outstanding)
 
+    def socket_owed(self) -> bool:
+        """Whether a reply is owed on the socket: a request sent there (or held in a batch),
+        or a ring failure whose message follows there."""
+        link = self.ring  # (a failed ring request stays pending, not outstanding, until then)
+        return link is None or len(self.pending) > len(link.outstanding)
+
     def reap_ring(self) -> int:
         """Finish what the ring has completed; return how many completions there were."""
         link = self.ring

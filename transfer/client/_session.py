@@ -20,7 +20,7 @@ import os
 import socket
 import stat
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Generator, Iterator, Sequence, TypeVar
+from typing import Any, Callable, ContextManager, Generator, Sequence, TypeVar
 
 import numpy as np
 import zmq
@@ -301,20 +301,9 @@ class Session:
     stats = operation(_op_stats)
 
     # --- data requests (return a pending request at once) -------------------------------------
-    @contextlib.contextmanager
-    def batch(self) -> Iterator[None]:
-        """Requests submitted inside the block leave in one frame when it exits."""
-        with self._io_lock():
-            outer = self._batch
-            if outer is None:
-                self._batch = []
-            try:
-                yield
-            finally:
-                if outer is None:
-                    reqs, self._batch = self._batch or [], None
-                    if reqs:
-                        self._send(reqs)
+    def batch(self) -> "_Batch":
+        """Requests submitted inside the block leave in one frame (or one ring push) when it exits."""
+        return _Batch(self)
 
     def copy(self, dst: Addressable, src: Addressable, nbytes: int | None = None, *, stream: int = 0) -> Any:
         """Copy `nbytes` from `src` to `dst` inside the daemon (VAs or segments/buffers)."""
@@ -431,6 +420,34 @@ class Session:
 
     def _call(self, cls: type[P.Request], *args: Any, timeout: float | None = None) -> Any:
         return self._run(self._op_call(cls, *args), timeout)
+
+
+class _Batch:
+    """`Session.batch()`'s block: a class rather than a generator context manager, as it is
+    entered once per group on a producer's hot path. Nested blocks join the outermost."""
+
+    __slots__ = ("_session", "_lock", "_outer")
+
+    def __init__(self, session: Session) -> None:
+        self._session = session
+
+    def __enter__(self) -> None:
+        s = self._session
+        self._lock = s._io_lock()
+        self._lock.__enter__()
+        self._outer = s._batch
+        if s._batch is None:
+            s._batch = []
+
+    def __exit__(self, *exc: object) -> None:
+        s = self._session
+        try:
+            if self._outer is None:
+                reqs, s._batch = s._batch or [], None
+                if reqs:
+                    s._send(reqs)
+        finally:
+            self._lock.__exit__(None, None, None)
 
 
 def open_socket(endpoint: str, server_key: Any, client_keys: Any, connect_timeout: float) -> zmq.Socket[bytes]:

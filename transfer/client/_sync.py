@@ -110,11 +110,18 @@ class Client(Session):
                 self._core.release()
 
     def poll(self) -> int:
-        """Take in whatever replies have arrived, without waiting; return how many requests are still pending."""
+        """Take in whatever replies have arrived, without waiting; return how many requests are still pending.
+
+        The socket is read only when a reply is owed there (a request it carried, or a ring
+        failure's message): a look at an empty zmq socket costs more than reaping the ring,
+        and the heartbeat thread takes in what the daemon sends unasked."""
         with self._lock:
-            self._core.check_usable()
-            self._recv_all()
-            return len(self._core.pending)
+            core = self._core
+            core.check_usable()
+            core.reap_ring()
+            if core.socket_owed():
+                self._recv_all()
+            return len(core.pending)
 
     # --- how this client waits: in the caller's thread ------------------------------------
     def _run(self, op: Op[T], timeout: float | None = None) -> T:
