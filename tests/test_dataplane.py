@@ -203,6 +203,29 @@ def test_a_verified_copy_reads_its_bytes_once(daemon: DaemonProcess) -> None:
         assert c.stats()["daemon"]["fused_checksums"] - before == K + 2
 
 
+def test_long_copies_stream_past_the_cache_byte_exact(daemon: DaemonProcess) -> None:
+    """Copies of 4 MiB or more take the worker's streaming-store loop: misaligned ends, odd
+    lengths and a verified copy of each end give the bytes and sums a plain copy does."""
+    n = (4 << 20) + 4097
+    with transfer.connect(daemon.endpoint) as c:
+        seg, dev = c.segment(2 * n), c.alloc(2 * n)
+        data = np.random.default_rng(9).integers(0, 256, 2 * n, dtype=np.uint8)
+        seg.ndarray((2 * n,), np.uint8)[:] = data
+        c.copy(dev, seg, 8).result()  # defines the device buffer first
+        back = c.segment(2 * n)
+        out = back.ndarray((2 * n,), np.uint8)
+        for doff, soff, size in [(0, 0, n), (3, 0, n), (0, 5, n - 7), (13, 1, n + 999)]:
+            out[:] = 0
+            c.fill(dev, 2 * n).result()
+            with c.batch():
+                got = [c.copy(dev.va + doff, seg.va + soff, size), c.checksum(seg.va + soff, size),
+                       c.checksum(dev.va + doff, size)]
+            want = transfer.checksum64(data[soff:soff + size])
+            assert [p.result() for p in got] == [None, want, want]
+            c.copy(back, dev, 2 * n).result()
+            assert np.array_equal(out[doff:doff + size], data[soff:soff + size])
+            assert not out[:doff].any() and not out[doff + size:].any()  # nothing past either end
+
 def test_a_socket_request_waits_for_the_ring_requests_before_it(daemon: DaemonProcess) -> None:
     """A compute (socket) right after a big ring copy reads what the copy wrote."""
     n = 32 << 20
