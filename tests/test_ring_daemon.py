@@ -99,6 +99,34 @@ def test_errors_carry_their_message_and_the_daemon_keeps_serving(ringd) -> None:
         assert other.checksum(theirs.at(0), 16).result(5) == transfer.checksum64(bytes(16))
 
 
+def test_a_fence_waits_for_socket_requests_after_ring_failures(ringd) -> None:
+    """A failed ring request's socket reply may come before its completion is reaped (the
+    daemon sends a pass's replies, then pushes its completions). Routing must still count it
+    answered: it once stayed "outstanding on the ring", the count of socket requests in flight
+    came out short, and a fence took the ring past copies sent on the socket, returning
+    before them and without their failure (`test_equivalence` found it)."""
+    with transfer.connect(ringd.endpoint, ring=True) as c:
+        seg, dead = c.segment(4096), c.segment(4096)
+        c.free(dead)
+        va = seg.va
+        t1, t2 = transfer.TensorRef(va, "float32", (1,)), transfer.TensorRef(va, "float32", (2,))
+        for trial in range(30):
+            c.copy(va, dead.va, 0)  # a freed segment: the worker hands the ring to the loop
+            c.copy(va + 4097, va + 4096, 0)  # out of bounds, even for zero bytes
+            c.copy(va, va, 0)
+            c.copy(va, va, 1 << 40)
+            for _ in range(3):
+                c.checksum(va, 0)
+                c.copy(va, va, 0)
+            c.compute("scale_add", [t1], [t2], {"a": 0.5, "b": 0.0})  # the socket (and an error)
+            c.copy(va, va, 0)
+            with pytest.raises(E.SegmentFreed):
+                c.fence()
+            after = [c.checksum(va, 0), c.copy(va, va, 0), c.copy(va, va, 1 << 40)]
+            with pytest.raises(E.OutOfBounds):
+                c.fence()
+            assert all(p.done() for p in after), f"trial {trial}: the fence returned before the requests it follows"
+
 def test_a_field_the_ring_cannot_carry_is_refused_before_anything_is_pushed(ringd) -> None:
     """RingLink.push packs every descriptor before it publishes one: a field out of range (here a
     stream past u32, which the public calls refuse earlier) is an InvalidField, and the requests

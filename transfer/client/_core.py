@@ -236,6 +236,7 @@ class ClientCore:
         self.fail_all(E.SessionClosed("the daemon ended this session (its ring is closed)"))
         if self.ring is not None:
             self.ring.outstanding.clear()
+            self.ring.early.clear()
 
     def ring_details(self) -> list[Pending]:
         """Requests that failed on the ring and whose full error is still on its way (fence waits)."""
@@ -251,7 +252,7 @@ class ClientCore:
         except E.ProtocolError as exc:
             self.fail_all(E.ProtocolError(f"undecodable reply from the daemon: {exc}"))
             return
-        pending = self.pending
+        pending, link = self.pending, self.ring
         for r in replies:
             if r.id == 0:
                 # The daemon could not read one of our frames: nothing can be trusted now.
@@ -265,6 +266,8 @@ class ClientCore:
             p = pending.pop(r.id, None)
             if p is None:
                 continue  # a ping's reply, or a request already failed locally
+            if link is not None and r.id in link.outstanding:
+                link.answered_early(r.id)  # a ring request's error, ahead of its completion
             p._finish(r.result, r.error)
             if r.error is not None:
                 self.unobserved.append(p)

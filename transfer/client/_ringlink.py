@@ -109,6 +109,10 @@ class RingLink:
         self.in_flight = 0
         #: Failed on the ring; their reply with the full error is on its way over the socket.
         self.detail: dict[int, Pending] = {}
+        #: The other order: answered on the socket before their ring completion was reaped
+        #: (the daemon sends a pass's replies, then pushes its completions). Id -> descriptors
+        #: they took, given back when the completion comes.
+        self.early: dict[int, int] = {}
         self.pushed = 0
 
     @property
@@ -177,7 +181,8 @@ class RingLink:
         for rid, status, result, flags, _ in comps:
             entry = out.pop(rid, None)
             if entry is None:
-                continue  # not ours (a confused daemon): ignore rather than crash
+                self.in_flight -= self.early.pop(rid, 0)  # else not ours (a confused daemon): ignore
+                continue
             p, valued, took = entry
             self.in_flight -= took
             if status == 0:
@@ -190,6 +195,14 @@ class RingLink:
             else:
                 self.detail[rid] = p  # the reply with the full error is on the socket; it finishes p
         return len(comps)
+
+    def answered_early(self, rid: int) -> None:
+        """Request `rid`'s socket reply came before its ring completion: it is no longer
+        outstanding (so routing counts it as answered), but its descriptors stay in flight
+        until the completion frees their slot."""
+        entry = self.outstanding.pop(rid, None)
+        if entry is not None:
+            self.early[rid] = entry[2]
 
     def drain_bell(self) -> bool:
         """Empty the completion doorbell; True if the daemon closed its end (EOF)."""
