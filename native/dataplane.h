@@ -257,56 +257,18 @@ static inline uint64_t tdp_sum64(const uint8_t *p, uint64_t n)
     return s0 + s1 + s2 + s3;
 }
 
-/* The worker's copy of two ranges that do not overlap: 64-byte blocks of plain vector moves
- * (a fixed-size memcpy compiles to them). Not a memcpy call: glibc copies 2 KiB-512 KiB with
- * `rep movsb`, which on AMD Zen runs at a third of its speed or less when source and destination
- * share their offset within a page and the lines were touched recently -- and page-aligned
- * segments and slots always share it (measured in a daemon on an EPYC VM: 24 us against 8.3 per
- * 64 KiB copy, and 450 against 53 per verified 1 MiB copy; docs/ring.md "Copies").
+/* The worker's copy of two ranges that do not overlap, answering the checksum64 word sum of the
+ * bytes it copies in the same pass: each 16-byte load is stored and added, so a verified copy
+ * runs at the speed of a plain one (standalone: 28-31 GB/s against 19-21 for copying 16 KiB
+ * steps, then summing them from L1), and a plain copy ignores the sum (the adds are free beside
+ * the memory traffic; the compiler drops them). The words are the range's own: every block
+ * starts a multiple of 64 bytes in.
  *
- * A copy of TDP_STREAM_MIN or more (`stream`) stores past the cache (non-temporal stores, then
- * a store fence before its completion is published): it would only evict the working set, and
- * skipping each destination line's read-for-ownership makes it faster (standalone on the same
- * VM: 14.2 against 9.5 GB/s at 64 MiB, 22.3 against 18.0 at 4 MiB; slower below 2 MiB). */
-#define TDP_STREAM_MIN (4ull << 20)
-
-static inline void tdp_copy(uint8_t *restrict d, const uint8_t *restrict s, uint64_t n, int stream)
-{
-    uint64_t o = 0;
-#if defined(__SSE2__)
-    if (stream) {
-        o = (16 - ((uintptr_t)d & 15)) & 15; /* streaming stores need 16-byte alignment */
-        if (o > n)
-            o = n;
-        memcpy(d, s, o);
-        for (; o + 64 <= n; o += 64) {
-            __m128i a = _mm_loadu_si128((const __m128i *)(s + o));
-            __m128i b = _mm_loadu_si128((const __m128i *)(s + o + 16));
-            __m128i c = _mm_loadu_si128((const __m128i *)(s + o + 32));
-            __m128i e = _mm_loadu_si128((const __m128i *)(s + o + 48));
-            _mm_stream_si128((__m128i *)(d + o), a);
-            _mm_stream_si128((__m128i *)(d + o + 16), b);
-            _mm_stream_si128((__m128i *)(d + o + 32), c);
-            _mm_stream_si128((__m128i *)(d + o + 48), e);
-        }
-        if (o < n)
-            memcpy(d + o, s + o, n - o);
-        _mm_sfence();
-        return;
-    }
-#else
-    (void)stream;
-#endif
-    for (; o + 64 <= n; o += 64)
-        memcpy(d + o, s + o, 64);
-    if (o < n)
-        memcpy(d + o, s + o, n - o);
-}
-
-/* tdp_copy (not streamed) that also answers the checksum64 word sum of the bytes it copies,
- * in the same pass: each 16-byte load is stored and added, so a verified copy runs at the speed
- * of a plain one (standalone: 28-31 GB/s against 19-21 for copying 16 KiB steps, then summing
- * them from L1). The words are the range's own: every block starts a multiple of 64 bytes in. */
+ * Plain vector moves, not a memcpy call: glibc copies 2 KiB-512 KiB with `rep movsb`, which on
+ * AMD Zen runs at a third of its speed or less when source and destination share their offset
+ * within a page and the lines were touched recently -- and page-aligned segments and slots
+ * always share it (measured in a daemon on an EPYC VM: 24 us against 8.3 per 64 KiB copy, and
+ * 450 against 53 per verified 1 MiB copy; docs/ring.md "Copies"). */
 static inline uint64_t tdp_copy_sum(uint8_t *restrict d, const uint8_t *restrict s, uint64_t n)
 {
     uint64_t o = 0, t = 0;
@@ -339,6 +301,42 @@ static inline uint64_t tdp_copy_sum(uint8_t *restrict d, const uint8_t *restrict
         t += tdp_sum64(d + o, n - o);
     }
     return t;
+}
+
+/* tdp_copy_sum without the sum; or, for a copy of TDP_STREAM_MIN or more (`stream`), stores past
+ * the cache (non-temporal stores, then a store fence before its completion is published): it
+ * would only evict the working set, and skipping each destination line's read-for-ownership
+ * makes it faster (standalone on the same VM: 14.2 against 9.5 GB/s at 64 MiB, 22.3 against
+ * 18.0 at 4 MiB; slower below 2 MiB). */
+#define TDP_STREAM_MIN (4ull << 20)
+
+static inline void tdp_copy(uint8_t *restrict d, const uint8_t *restrict s, uint64_t n, int stream)
+{
+#if defined(__SSE2__)
+    if (stream) {
+        uint64_t o = (16 - ((uintptr_t)d & 15)) & 15; /* streaming stores need 16-byte alignment */
+        if (o > n)
+            o = n;
+        memcpy(d, s, o);
+        for (; o + 64 <= n; o += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(s + o));
+            __m128i b = _mm_loadu_si128((const __m128i *)(s + o + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(s + o + 32));
+            __m128i e = _mm_loadu_si128((const __m128i *)(s + o + 48));
+            _mm_stream_si128((__m128i *)(d + o), a);
+            _mm_stream_si128((__m128i *)(d + o + 16), b);
+            _mm_stream_si128((__m128i *)(d + o + 32), c);
+            _mm_stream_si128((__m128i *)(d + o + 48), e);
+        }
+        if (o < n)
+            memcpy(d + o, s + o, n - o);
+        _mm_sfence();
+        return;
+    }
+#else
+    (void)stream;
+#endif
+    (void)tdp_copy_sum(d, s, n);
 }
 
 /* ---- the worker -------------------------------------------------------------- */
