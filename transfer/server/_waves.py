@@ -256,6 +256,8 @@ async def _post_remote_on_loop(ops: Sequence[Op]) -> None:
     local, remote = _group_ranges(ops)
     try:
         xfer = w.plane.start(w.peer, w.op, local, remote)
+        if w.plane.finish(xfer, wait=False):
+            return  # a same-host (cma) post copies in place: done already, nothing to wait for
         delay = 20e-6
         # Shielded: a cancelled session must not free memory a transfer still writes into
         # (the wait is bounded by the plane's timeout; a dead peer fails it within ms).
