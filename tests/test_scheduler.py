@@ -197,13 +197,15 @@ async def run_batched(planner: Planner, devices: list, reqs: list[P.Request], in
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN bytes through scale_add, in the daemon's kernel
 def test_loop_posts_cut_a_remote_group_by_bytes() -> None:
     """A remote group fits in one post from the loop, or is cut at op boundaries into posts of
-    at most the limit; an op over the limit is a post of its own (a worker thread's)."""
-    ops = [SimpleNamespace(nbytes=n) for n in (400, 300, 500, 2000, 100, 600)]
+    at most the limit; a group with an op over the limit stays one post (a worker thread's)."""
+    ops = [SimpleNamespace(nbytes=n) for n in (400, 300, 500, 900, 100, 600)]
     assert _loop_posts(ops[:2], 1000) == [ops[:2]]
     parts = _loop_posts(ops, 1000)
-    assert parts == [ops[0:2], [ops[3]], [ops[2], ops[4]], [ops[5]]]  # order inside a wave is free
-    assert all(len(p) == 1 or sum(o.nbytes for o in p) <= 1000 for p in parts)
-    assert sorted(id(o) for p in parts for o in p) == sorted(id(o) for o in ops)
+    assert parts == [ops[0:2], [ops[2]], [ops[3], ops[4]], [ops[5]]]
+    assert all(sum(o.nbytes for o in p) <= 1000 for p in parts)
+    assert [o for p in parts for o in p] == ops
+    big = [*ops[:2], SimpleNamespace(nbytes=2000)]
+    assert _loop_posts(big, 1000) == [big]
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

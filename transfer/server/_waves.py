@@ -285,8 +285,8 @@ def _post_remote(ops: Sequence[Op]) -> None:
 
 
 def _loop_posts(group: list[Op], limit: int) -> list[list[Op]]:
-    """Cut a remote group into posts of at most `limit` bytes each (an op is never split;
-    one larger than `limit` is a post of its own, for a worker thread).
+    """Cut a remote group into posts of at most `limit` bytes each, at op boundaries; a
+    group with an op larger than `limit` stays ONE post, for a worker thread.
 
     Posting from the loop blocks it only while a same-host (cma) post copies in place:
     <= 1 MiB is ~80 us, far less than two thread hops on 2 cores (a pass that took two
@@ -294,16 +294,15 @@ def _loop_posts(group: list[Op], limit: int) -> list[list[Op]]:
     frame). NIC and tcp posts return at once whatever the size (then we poll). So a
     group is several posts from the loop, with the loop yielding between them
     (`_on_device`), rather than one post on a thread; it stays one post when it fits.
+    Not beside a thread's post of the same group: a post holds the plane's lock while
+    it copies, so a loop post would wait out the thread's large copy.
     """
-    if sum(o.nbytes for o in group) <= limit:
+    if sum(o.nbytes for o in group) <= limit or any(o.nbytes > limit for o in group):
         return [group]
     parts: list[list[Op]] = []
     cur: list[Op] = []
     size = 0
     for op in group:
-        if op.nbytes > limit:
-            parts.append([op])
-            continue
         if cur and size + op.nbytes > limit:
             parts.append(cur)
             cur, size = [], 0
@@ -394,7 +393,7 @@ async def run_waves(
         limit = max(4 * inline_bytes, 1 << 20)
         for group in remote_groups:
             for part in _loop_posts(group, limit):
-                (small if part[0].nbytes <= limit else big).append(part)
+                (small if sum(o.nbytes for o in part) <= limit else big).append(part)
         if small:
             jobs.append((small, None, -1))  # posted from the loop, one after another
         if big:
