@@ -21,7 +21,7 @@ from transfer.kernels import TensorRef
 from transfer.server._ops import SOCKET
 from transfer.server._placement import VirtualDevice, make_policy
 from transfer.server._planner import Planner, plan_batch
-from transfer.server._waves import _Intervals, assign_waves, coalesce, run_waves
+from transfer.server._waves import _Intervals, _loop_posts, assign_waves, coalesce, run_waves
 
 SIZES = [4096, 8192, 3000]  # two host segments and one device buffer per test
 
@@ -195,6 +195,19 @@ async def run_batched(planner: Planner, devices: list, reqs: list[P.Request], in
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN bytes through scale_add, in the daemon's kernel
+def test_loop_posts_cut_a_remote_group_by_bytes() -> None:
+    """A remote group fits in one post from the loop, or is cut at op boundaries into posts of
+    at most the limit; a group with an op over the limit stays one post (a worker thread's)."""
+    ops = [SimpleNamespace(nbytes=n) for n in (400, 300, 500, 900, 100, 600)]
+    assert _loop_posts(ops[:2], 1000) == [ops[:2]]
+    parts = _loop_posts(ops, 1000)
+    assert parts == [ops[0:2], [ops[2]], [ops[3], ops[4]], [ops[5]]]
+    assert all(sum(o.nbytes for o in p) <= 1000 for p in parts)
+    assert [o for p in parts for o in p] == ops
+    big = [*ops[:2], SimpleNamespace(nbytes=2000)]
+    assert _loop_posts(big, 1000) == [big]
+
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data(), st.sampled_from([0, 1 << 30]))
 @pytest.mark.parametrize("backend_name", BACKENDS)

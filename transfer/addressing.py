@@ -45,6 +45,7 @@ __all__ = [
 
 OFFSET_BITS = 40
 OFFSET_MASK = (1 << OFFSET_BITS) - 1
+_NP_BITS, _NP_MASK = np.uint64(OFFSET_BITS), np.uint64(OFFSET_MASK)
 #: A segment is at most 1 TiB: its offsets must fit the low 40 bits.
 MAX_SEGMENT_BYTES = 1 << OFFSET_BITS
 MAX_SEGMENT_ID = (1 << (64 - OFFSET_BITS)) - 1
@@ -280,8 +281,8 @@ class MappingTable(Generic[H]):
         One Python-level lookup per *distinct* segment, NumPy compares for the rest,
         so a vector of 10,000 copies validates in microseconds per segment.
         """
-        sids = vas >> np.uint64(OFFSET_BITS)
-        offs = vas & np.uint64(OFFSET_MASK)
+        sids = vas >> _NP_BITS
+        offs = vas & _NP_MASK
         segs: dict[int, Segment[H]] = {}
         # A set of Python ints, not np.unique: a vector names few segments, and np.unique's
         # fixed cost (~10 us) dominated the planning of short vectors.
@@ -291,8 +292,10 @@ class MappingTable(Generic[H]):
             segs[sid] = self.lookup(va, owner)
         if len(segs) == 1:
             (only,) = segs.values()
+            # Past the end iff off + size > limit; both sides are checked without overflow
+            # (limit - size is taken only where size <= limit: elsewhere the first term holds).
             limits = np.uint64(only.nbytes)
-            bad = (offs > limits) | (sizes > limits - np.minimum(offs, limits))
+            bad = (sizes > limits) | (offs > limits - sizes)
         else:
             table = {k: v.nbytes for k, v in segs.items()}
             limit_arr = np.fromiter((table[s] for s in sids.tolist()), np.uint64, len(sids))

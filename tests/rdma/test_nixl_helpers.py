@@ -200,3 +200,23 @@ def test_module_imports_without_nixl_and_names_the_extra() -> None:
     env = dict(os.environ, TRANSFER_NIXL_MODULE="no_such_nixl_module")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "OK", out.stderr
+
+
+@pytest.mark.parametrize("n", [1, 4, 16, 17, 64])
+def test_range_faults_read_the_same_short_or_long(n: int) -> None:
+    """Short lists are checked in Python, long ones with NumPy: the same refusal, the same
+    message (a zero length is named before an earlier overflow)."""
+    reg = np.array([[0, U64]], np.uint64)
+    ok = np.array([[4096 * (i + 1), 8] for i in range(n)], np.uint64)
+    check_ranges_within(reg, ok)
+    zero, over = ok.copy(), ok.copy()
+    zero[n - 1, 1] = 0
+    over[0] = (U64 - 3, 8)
+    with pytest.raises(InvalidField, match=f"range {n - 1} has length 0"):
+        check_ranges_within(reg, zero)
+    with pytest.raises(InvalidField, match=rf"range 0 \({U64 - 3}, 8\) overflows 64 bits"):
+        check_ranges_within(reg, over)
+    if n > 1:
+        over[n - 1, 1] = 0
+        with pytest.raises(InvalidField, match=f"range {n - 1} has length 0"):
+            check_ranges_within(reg, over)

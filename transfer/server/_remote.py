@@ -35,7 +35,7 @@ import numpy as np
 from .. import errors as E
 from ..addressing import Segment, SegmentKind
 from ..transport import _nixl as N
-from ._ops import Op, Range, Staged, hulls
+from ._ops import Op, Range, Staged
 
 __all__ = ["RemotePlane", "RemoteHandle", "RemoteWork", "names_remote", "plan_remote_copy", "plan_remote_copies", "pull_input"]
 
@@ -325,7 +325,25 @@ def plan_remote_copies(
 ) -> Op:
     """A vector of copies naming remote segments: `plan_remote_rows` of its translated rows."""
     rows = list(zip(dsid.tolist(), doff.tolist(), ssid.tolist(), soff.tolist(), size.tolist()))
-    return plan_remote_rows(planner, owner, rid, rows, {**dsegs, **ssegs}, hulls(ssid, soff, size), hulls(dsid, doff, size))
+    return plan_remote_rows(planner, owner, rid, rows, {**dsegs, **ssegs}, _row_hulls(rows, 2), _row_hulls(rows, 0))
+
+
+def _row_hulls(rows: list[tuple[int, int, int, int, int]], k: int) -> list[Range]:
+    """`_ops.hulls` over rows (k 0: destinations, 2: sources): the rows are Python ints
+    already, and the remote planning stays off NumPy (`plan_remote_rows`)."""
+    out: dict[int, list[int]] = {}
+    for r in rows:
+        sid, a = r[k], r[k + 1]
+        b = a + r[4]
+        h = out.get(sid)
+        if h is None:
+            out[sid] = [a, b]
+        else:
+            if a < h[0]:
+                h[0] = a
+            if b > h[1]:
+                h[1] = b
+    return [(sid, a, b) for sid, (a, b) in sorted(out.items())]
 
 
 def plan_remote_rows(
@@ -345,21 +363,30 @@ def plan_remote_rows(
     (tens of calls) was most of a 4-copy group's daemon time.
     """
     plane = _plane(planner)
-    remote = {sid: seg for sid, seg in segs.items() if seg.kind == SegmentKind.REMOTE}
-    for seg in remote.values():
-        _check_owner(seg, owner)
+    remote: dict[int, Segment[Any]] = {}
+    for sid, seg in segs.items():
+        if seg.kind == SegmentKind.REMOTE:
+            _check_owner(seg, owner)
+            remote[sid] = seg
     rows = [r for r in rows if r[4]]
-    d_rem = [r[0] in remote for r in rows]
-    s_rem = [r[2] in remote for r in rows]
-    if any(d and s for d, s in zip(d_rem, s_rem)):
+    both = local_only = False
+    writes_n = total = 0  # rows writing to a remote segment; bytes
+    for ds, _, ss, _, n in rows:
+        d, s = ds in remote, ss in remote
+        if d:
+            both = both or s
+            writes_n += 1
+        elif not s:
+            local_only = True
+        total += n
+    if both:
         raise E.InvalidField("a copy between two remote segments is not supported: copy through a daemon buffer")
-    if not all(d or s for d, s in zip(d_rem, s_rem)):
+    if local_only:
         raise E.InvalidField("a vector mixing remote and local-only copies: send them as separate requests")
-    if any(d_rem) and any(s_rem):
+    if 0 < writes_n < len(rows):
         raise E.InvalidField("a vector mixing reads from and writes to remote segments: send them as separate requests")
-    write = any(d_rem)
+    write = writes_n > 0
     op = "WRITE" if write else "READ"
-    total = sum(r[4] for r in rows)
     local_segs = {r[2] if write else r[0]: None for r in rows}
     dev = planner._device_of([segs[s] for s in local_segs], total)
     if not rows:
@@ -391,8 +418,9 @@ def plan_remote_rows(
             last[2] += n
         else:
             merged.append([la, ra, n])
-    local = np.array([(la, n) for la, _, n in merged], np.uint64)
-    far = np.array([(ra, n) for _, ra, n in merged], np.uint64)
+    # One conversion: (local, remote, nbytes) rows, seen as (local, nbytes) and (remote, nbytes).
+    table = np.array(merged, np.uint64)
+    local, far = table[:, 0::2], table[:, 1:]
     work = RemoteWork(plane, peer, op, local, far)
     return Op(rid, reads, writes, dev, total, lambda: plane.post(peer, op, local, far), remote=work)
 

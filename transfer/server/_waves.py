@@ -256,6 +256,8 @@ async def _post_remote_on_loop(ops: Sequence[Op]) -> None:
     local, remote = _group_ranges(ops)
     try:
         xfer = w.plane.start(w.peer, w.op, local, remote)
+        if w.plane.finish(xfer, wait=False):
+            return  # a same-host (cma) post copies in place: done already, nothing to wait for
         delay = 20e-6
         # Shielded: a cancelled session must not free memory a transfer still writes into
         # (the wait is bounded by the plane's timeout; a dead peer fails it within ms).
@@ -280,6 +282,35 @@ def _post_remote(ops: Sequence[Op]) -> None:
         err = E.BackendError(f"{type(exc).__name__}: {exc}")
         for op in ops:
             op.error = err
+
+
+def _loop_posts(group: list[Op], limit: int) -> list[list[Op]]:
+    """Cut a remote group into posts of at most `limit` bytes each, at op boundaries; a
+    group with an op larger than `limit` stays ONE post, for a worker thread.
+
+    Posting from the loop blocks it only while a same-host (cma) post copies in place:
+    <= 1 MiB is ~80 us, far less than two thread hops on 2 cores (a pass that took two
+    1 MiB frames went to a thread, and the hop was a quarter of the daemon's CPU per
+    frame). NIC and tcp posts return at once whatever the size (then we poll). So a
+    group is several posts from the loop, with the loop yielding between them
+    (`_on_device`), rather than one post on a thread; it stays one post when it fits.
+    Not beside a thread's post of the same group: a post holds the plane's lock while
+    it copies, so a loop post would wait out the thread's large copy.
+    """
+    if sum(o.nbytes for o in group) <= limit or any(o.nbytes > limit for o in group):
+        return [group]
+    parts: list[list[Op]] = []
+    cur: list[Op] = []
+    size = 0
+    for op in group:
+        if cur and size + op.nbytes > limit:
+            parts.append(cur)
+            cur, size = [], 0
+        cur.append(op)
+        size += op.nbytes
+    if cur:
+        parts.append(cur)
+    return parts
 
 
 def _run_wave_inline(wave: Sequence[Op]) -> None:
@@ -324,9 +355,10 @@ async def run_waves(
     are a *stretch*: one worker call runs them one after another, each made visible as
     it ends, instead of a round trip between the loop and the worker per wave (on 2 cores
     each cost ~150 us, more than a small layer's math). A stretch whose work is under
-    `inline_bytes` runs on the loop. A wave's remote copies are posted as one NIXL
-    transfer per (peer, direction), on a worker thread (a same-host READ copies inside
-    the post), concurrently with the wave's local work. Before each wave `stop()` may
+    `inline_bytes` runs on the loop. A wave's remote copies are posted as NIXL transfers
+    per (peer, direction), concurrently with the wave's local work: from the loop in posts
+    of at most max(4 * inline_bytes, 1 MiB) (`_loop_posts`), an op larger than that on a
+    worker thread (a same-host READ copies inside the post). Before each wave `stop()` may
     give an error: the waves not yet started fail with it instead (a wave already
     running finishes).
     """
@@ -356,15 +388,14 @@ async def run_waves(
         for op in wave:
             by_device[op.device.index].append(op)
         jobs: list[Any] = []
-        big = []
+        small: list[list[Op]] = []
+        big: list[list[Op]] = []
+        limit = max(4 * inline_bytes, 1 << 20)
         for group in remote_groups:
-            # Posting from the loop blocks it only while a same-host (cma) post copies
-            # in place: <= 1 MiB is ~80 us, far less than two thread hops on 2 cores.
-            # NIC and tcp posts return at once whatever the size (then we poll).
-            if sum(o.nbytes for o in group) <= max(4 * inline_bytes, 1 << 20):
-                jobs.append(([group], None, -1))  # posted from the loop
-            else:
-                big.append(group)
+            for part in _loop_posts(group, limit):
+                (small if sum(o.nbytes for o in part) <= limit else big).append(part)
+        if small:
+            jobs.append((small, None, -1))  # posted from the loop, one after another
         if big:
             jobs.append((big, None, 0))
         for ops in by_device.values():
@@ -409,8 +440,12 @@ def run_stretch(waves: Sequence[Sequence[Op]], device: VirtualDevice,
 async def _on_device(waves: Any, device: VirtualDevice | None, nbytes: int, limiter: trio.CapacityLimiter | None,
                      stop: Callable[[], E.TransferError | None] | None = None) -> None:
     if device is None:  # the wave's remote groups (waves): one NIXL post each
-        for group in waves:
+        for i, group in enumerate(waves):
             if nbytes < 0:
+                if i:
+                    # Other tasks run between two posts from the loop (each is <= ~80 us of
+                    # copying); not cancellable: every group of the wave is posted, or failed.
+                    await trio.lowlevel.cancel_shielded_checkpoint()
                 await _post_remote_on_loop(group)
             else:
                 await trio.to_thread.run_sync(_post_remote, group, limiter=_remote_limiter())
