@@ -203,9 +203,9 @@ def test_module_imports_without_nixl_and_names_the_extra() -> None:
 
 
 @pytest.mark.parametrize("n", [1, 4, 16, 17, 64])
-def test_range_faults_read_the_same_short_or_long(n: int) -> None:
-    """Short lists are checked in Python, long ones with NumPy: the same refusal, the same
-    message (a zero length is named before an earlier overflow)."""
+def test_range_faults_name_the_first_bad_range_at_any_length(n: int) -> None:
+    """One scan finds that a list has a fault, then the first one is named: a zero length
+    before an earlier overflow, at every list length."""
     reg = np.array([[0, U64]], np.uint64)
     ok = np.array([[4096 * (i + 1), 8] for i in range(n)], np.uint64)
     check_ranges_within(reg, ok)

@@ -84,8 +84,6 @@ RangeList = Union[Sequence[tuple[int, int]], np.ndarray]
 
 _U64_MAX = (1 << 64) - 1
 _U64_NP = np.uint64(_U64_MAX)
-#: Range lists up to this long are checked in plain Python (`_as_ranges`).
-_SHORT = 16
 
 
 # Errors live in transfer.errors (one hierarchy, one code each).
@@ -185,17 +183,6 @@ def _as_ranges(ranges: RangeList, what: str) -> np.ndarray:
                 raise InvalidField(f"{what}: address or length out of 64-bit range: ({a}, {n})")
         arr = np.array(pairs, dtype=np.uint64).reshape(-1, 2)
     if arr.shape[0] == 0:
-        return arr
-    if arr.shape[0] <= _SHORT:
-        # A short list is checked in Python: NumPy's fixed cost per call, not the rows, is
-        # what it would pay (every post checks two lists). The same checks, in the same order.
-        rows = arr.tolist()
-        for i, (a, n) in enumerate(rows):
-            if n == 0:
-                raise InvalidField(f"{what}: range {i} has length 0")
-        for i, (a, n) in enumerate(rows):
-            if a + n > _U64_MAX:
-                raise InvalidField(f"{what}: range {i} ({a}, {n}) overflows 64 bits")
         return arr
     addr, nbytes = arr[:, 0], arr[:, 1]
     # One scan for both faults, then the precise one.
