@@ -257,6 +257,21 @@ static inline uint64_t tdp_sum64(const uint8_t *p, uint64_t n)
     return s0 + s1 + s2 + s3;
 }
 
+#if defined(__SSE2__)
+/* One 64-byte block of the source, as four unaligned 16-byte loads (the copy loops' unit). */
+typedef struct {
+    __m128i v[4];
+} tdp_block_t;
+
+static inline tdp_block_t tdp_load_block(const uint8_t *s)
+{
+    tdp_block_t b;
+    for (int k = 0; k < 4; k++)
+        b.v[k] = _mm_loadu_si128((const __m128i *)(s + 16 * k));
+    return b;
+}
+#endif
+
 /* The worker's copy of two ranges that do not overlap, answering the checksum64 word sum of the
  * bytes it copies in the same pass: each 16-byte load is stored and added, so a verified copy
  * runs at the speed of a plain one (standalone: 28-31 GB/s against 19-21 for copying 16 KiB
@@ -273,23 +288,16 @@ static inline uint64_t tdp_copy_sum(uint8_t *restrict d, const uint8_t *restrict
 {
     uint64_t o = 0, t = 0;
 #if defined(__SSE2__)
-    __m128i a0 = _mm_setzero_si128(), a1 = a0, a2 = a0, a3 = a0;
+    __m128i a[4] = {_mm_setzero_si128(), _mm_setzero_si128(), _mm_setzero_si128(), _mm_setzero_si128()};
     for (; o + 64 <= n; o += 64) {
-        __m128i x = _mm_loadu_si128((const __m128i *)(s + o));
-        __m128i y = _mm_loadu_si128((const __m128i *)(s + o + 16));
-        __m128i z = _mm_loadu_si128((const __m128i *)(s + o + 32));
-        __m128i v = _mm_loadu_si128((const __m128i *)(s + o + 48));
-        _mm_storeu_si128((__m128i *)(d + o), x);
-        _mm_storeu_si128((__m128i *)(d + o + 16), y);
-        _mm_storeu_si128((__m128i *)(d + o + 32), z);
-        _mm_storeu_si128((__m128i *)(d + o + 48), v);
-        a0 = _mm_add_epi64(a0, x);
-        a1 = _mm_add_epi64(a1, y);
-        a2 = _mm_add_epi64(a2, z);
-        a3 = _mm_add_epi64(a3, v);
+        tdp_block_t b = tdp_load_block(s + o);
+        for (int k = 0; k < 4; k++) {
+            _mm_storeu_si128((__m128i *)(d + o + 16 * k), b.v[k]);
+            a[k] = _mm_add_epi64(a[k], b.v[k]);
+        }
     }
     uint64_t lanes[2];
-    _mm_storeu_si128((__m128i *)lanes, _mm_add_epi64(_mm_add_epi64(a0, a1), _mm_add_epi64(a2, a3)));
+    _mm_storeu_si128((__m128i *)lanes, _mm_add_epi64(_mm_add_epi64(a[0], a[1]), _mm_add_epi64(a[2], a[3])));
     t = lanes[0] + lanes[1];
 #endif
     for (; o + 64 <= n; o += 64) {
@@ -319,14 +327,9 @@ static inline void tdp_copy(uint8_t *restrict d, const uint8_t *restrict s, uint
             o = n;
         memcpy(d, s, o);
         for (; o + 64 <= n; o += 64) {
-            __m128i a = _mm_loadu_si128((const __m128i *)(s + o));
-            __m128i b = _mm_loadu_si128((const __m128i *)(s + o + 16));
-            __m128i c = _mm_loadu_si128((const __m128i *)(s + o + 32));
-            __m128i e = _mm_loadu_si128((const __m128i *)(s + o + 48));
-            _mm_stream_si128((__m128i *)(d + o), a);
-            _mm_stream_si128((__m128i *)(d + o + 16), b);
-            _mm_stream_si128((__m128i *)(d + o + 32), c);
-            _mm_stream_si128((__m128i *)(d + o + 48), e);
+            tdp_block_t b = tdp_load_block(s + o);
+            for (int k = 0; k < 4; k++)
+                _mm_stream_si128((__m128i *)(d + o + 16 * k), b.v[k]);
         }
         if (o < n)
             memcpy(d + o, s + o, n - o);
