@@ -156,13 +156,13 @@ class Planner:
         dsid, doff, dsegs = table.translate_many(dst, size, owner)
         ssid, soff, ssegs = table.translate_many(src, size, owner)
         segs = {**dsegs, **ssegs}
-        if any(seg.kind == SegmentKind.REMOTE for seg in segs.values()):
-            return plan_remote_copies(self, owner, rid, dsid, doff, ssid, soff, size, dsegs, ssegs)
-        total = int(size.sum(dtype=np.uint64))
-        dev = self._device_of(segs.values(), total)
         # Hazard ranges: per segment, the hull of what is read / written (conservative).
         reads = hulls(ssid, soff, size)
         writes = hulls(dsid, doff, size)
+        if any(seg.kind == SegmentKind.REMOTE for seg in segs.values()):
+            return plan_remote_copies(self, owner, rid, dsid, doff, ssid, soff, size, segs, reads, writes)
+        total = int(size.sum(dtype=np.uint64))
+        dev = self._device_of(segs.values(), total)
         cont = np.zeros(n, dtype=bool)
         if n > 1:
             cont[1:] = (

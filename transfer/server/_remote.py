@@ -321,29 +321,12 @@ def plan_remote_copy(planner: Any, owner: Any, req: Any) -> Op:
 
 def plan_remote_copies(
     planner: Any, owner: Any, rid: int, dsid: np.ndarray, doff: np.ndarray, ssid: np.ndarray, soff: np.ndarray,
-    size: np.ndarray, dsegs: dict[int, Segment[Any]], ssegs: dict[int, Segment[Any]],
+    size: np.ndarray, segs: dict[int, Segment[Any]], reads: list[Range], writes: list[Range],
 ) -> Op:
-    """A vector of copies naming remote segments: `plan_remote_rows` of its translated rows."""
+    """A vector of copies naming remote segments: `plan_remote_rows` of its translated rows
+    (`reads` and `writes`: the planner's hazard hulls of them)."""
     rows = list(zip(dsid.tolist(), doff.tolist(), ssid.tolist(), soff.tolist(), size.tolist()))
-    return plan_remote_rows(planner, owner, rid, rows, {**dsegs, **ssegs}, _row_hulls(rows, 2), _row_hulls(rows, 0))
-
-
-def _row_hulls(rows: list[tuple[int, int, int, int, int]], k: int) -> list[Range]:
-    """`_ops.hulls` over rows (k 0: destinations, 2: sources): the rows are Python ints
-    already, and the remote planning stays off NumPy (`plan_remote_rows`)."""
-    out: dict[int, list[int]] = {}
-    for r in rows:
-        sid, a = r[k], r[k + 1]
-        b = a + r[4]
-        h = out.get(sid)
-        if h is None:
-            out[sid] = [a, b]
-        else:
-            if a < h[0]:
-                h[0] = a
-            if b > h[1]:
-                h[1] = b
-    return [(sid, a, b) for sid, (a, b) in sorted(out.items())]
+    return plan_remote_rows(planner, owner, rid, rows, segs, reads, writes)
 
 
 def plan_remote_rows(
@@ -355,9 +338,10 @@ def plan_remote_rows(
     `rows` are (dst segment, dst offset, src segment, src offset, nbytes), bounds and
     ownership checked by the table; `reads` and `writes` their hazard ranges. All READs
     (remote -> local) or all WRITEs (local -> remote), with one peer; destinations must
-    not overlap (one RDMA post has no order inside). A remote segment is exactly one range its producer declared, so a range
-    the table bounds by the segment lies inside a declared range: what is left to check
-    is that the segment is still declared (`check_declared`).
+    not overlap (one RDMA post has no order inside). A remote segment is exactly one range
+    its producer declared, so a range the table bounds by the segment lies inside a
+    declared range: what is left to check is that the segment is still declared
+    (`check_declared`).
 
     Plain Python over the rows: vectors are short, and NumPy's fixed cost per call
     (tens of calls) was most of a 4-copy group's daemon time.
