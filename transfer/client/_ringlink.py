@@ -114,6 +114,8 @@ class RingLink:
         #: they took, given back when the completion comes.
         self.early: dict[int, int] = {}
         self.pushed = 0
+        #: The request queue itself: its native push takes our packed bytes as they are.
+        self._outbox = self.ring.outbox
 
     @property
     def room(self) -> int:
@@ -143,20 +145,26 @@ class RingLink:
         except (OverflowError, TypeError, ValueError, struct.error) as exc:  # a field out of range
             self._forget([(r.id, False, b"", 0) for r in reqs], pending)
             raise E.InvalidField(f"request field out of range: {exc}") from None
+        need = groups[0][3] if len(groups) == 1 else sum(g[3] for g in groups)
         while groups:
-            room, n, used = self.room, 0, 0
-            for g in groups:  # the longest prefix the credits allow (usually all of them)
-                if used + g[3] > room:
-                    break
-                used += g[3]
-                n += 1
-            if n == 0:
-                wait_credits(groups[0][3])
-                continue
-            take, groups = (groups, []) if n == len(groups) else (groups[:n], groups[n:])
+            room = self.credits - self.in_flight
+            if need <= room:  # (nearly always: everything at once)
+                take, groups, used = groups, [], need
+            else:  # the longest prefix the credits allow
+                n = used = 0
+                for g in groups:
+                    if used + g[3] > room:
+                        break
+                    used += g[3]
+                    n += 1
+                if n == 0:
+                    wait_credits(groups[0][3])
+                    continue
+                take, groups = groups[:n], groups[n:]
+                need -= used
             # One buffer of whole descriptors, published with one release store (and one wake).
-            data = take[0][2] if n == 1 else b"".join([g if isinstance(g, bytes) else g.tobytes() for _, _, g, _ in take])
-            if self.ring.push_many(data) != used:  # cannot happen within credits unless the daemon broke the ring
+            data = take[0][2] if len(take) == 1 else b"".join([g if isinstance(g, bytes) else g.tobytes() for _, _, g, _ in take])
+            if self._outbox.push_buffer(data, used) != used:  # cannot happen within credits unless the daemon broke the ring
                 raise E.ConnectionLost("the daemon stopped taking ring descriptors")
             outstanding = self.outstanding
             for rid, valued, _, k in take:

@@ -227,7 +227,7 @@ class Client(Session):
             if core.ring_route(reqs, unsent):
                 link = core.ring
                 assert link is not None
-                link.push(reqs, core.pending, lambda need: self._ring_wait(lambda: link.room >= need, None))
+                link.push(reqs, pending, self._wait_room)
                 return
             step = max(1, core.max_inflight // 2)
             for i in range(0, len(reqs), step):
@@ -240,6 +240,12 @@ class Client(Session):
                     self._sock.send(frame, 0, copy=len(frame) < 65536)
                     self.frames_sent += 1
             self._last_tx = time.monotonic()
+
+    def _wait_room(self, need: int) -> None:
+        """Wait until the ring has credits for `need` more descriptors (a full window)."""
+        link = self._core.ring
+        assert link is not None
+        self._ring_wait(lambda: link.room >= need, None)
 
     def _poll_once(self, step: float) -> None:
         """One look at the socket and the daemon's pidfd (waiting up to `step` seconds)."""
