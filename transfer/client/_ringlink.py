@@ -50,20 +50,16 @@ def _chain(req: P.CopyV) -> np.ndarray:
     return d
 
 
-def _descriptors(req: P.Request) -> tuple[bytes | np.ndarray, int]:
-    """A request's descriptors and their count: one packed descriptor, a CopyV's chain (an
-    array), none for a Wait marker. Raises struct.error for a field out of range."""
-    if type(req) is P.Copy:  # type(req) each time, not once: mypy narrows `req` by it
-        return _PACK(_COPY, 0, req.stream, req.id, req.dst, req.src, req.nbytes, 0, 0, 0), 1
-    if type(req) is P.CopyV:
-        return _chain(req), len(req.dst)
-    if type(req) is P.Fill:
-        return _PACK(_FILL, 0, req.stream, req.id, req.dst, 0, req.nbytes, req.value, 0, 0), 1
-    if type(req) is P.Checksum:
-        return _PACK(_CHECKSUM, 0, req.stream, req.id, 0, req.src, req.nbytes, 0, 0, 0), 1
-    if type(req) is P.Fence:
-        return _PACK(_FENCE, 0, req.stream, req.id, 0, 0, 0, 0, 0, 0), 1
-    return b"", 0  # a Wait marker: the ring has no round-trip accounting to do
+#: Per ring-able request kind: its descriptors (one packed descriptor, or a CopyV's chain as
+#: an array) and their count. One dict lookup per request, not a chain of type tests (a
+#: batch of checksums packs at twice the speed). Raises struct.error for a field out of range.
+_PACKERS: dict[type, Callable[[Any], tuple[bytes | np.ndarray, int]]] = {
+    P.Copy: lambda r: (_PACK(_COPY, 0, r.stream, r.id, r.dst, r.src, r.nbytes, 0, 0, 0), 1),
+    P.CopyV: lambda r: (_chain(r), len(r.dst)),
+    P.Fill: lambda r: (_PACK(_FILL, 0, r.stream, r.id, r.dst, 0, r.nbytes, r.value, 0, 0), 1),
+    P.Checksum: lambda r: (_PACK(_CHECKSUM, 0, r.stream, r.id, 0, r.src, r.nbytes, 0, 0, 0), 1),
+    P.Fence: lambda r: (_PACK(_FENCE, 0, r.stream, r.id, 0, 0, 0, 0, 0, 0), 1),
+}
 
 
 def descriptors_of(req: P.Request) -> int:
@@ -141,7 +137,8 @@ class RingLink:
         """Publish `reqs` (all `takes`), waiting for credits when the window is full; a
         request's descriptors (a CopyV's chain) go out in one push, never split."""
         try:
-            groups = [(r.id, type(r) is P.Checksum, *_descriptors(r)) for r in reqs if type(r) is not P.Wait]
+            # (A Wait marker has no descriptor: the ring has no round-trip accounting to do.)
+            groups = [(r.id, t is P.Checksum, *_PACKERS[t](r)) for r in reqs if (t := type(r)) is not P.Wait]
         except (OverflowError, TypeError, ValueError, struct.error) as exc:  # a field out of range
             self._forget([(r.id, False, b"", 0) for r in reqs], pending)
             raise E.InvalidField(f"request field out of range: {exc}") from None
