@@ -127,12 +127,15 @@ class ClientCore:
         P.check_ints(P.Checksum, (0, 0, stream))  # the ranges are uint64 arrays already
         defs = self._definitions(P.Checksum, (), (), touched=lambda: _segment_vas(srcs))
         gather = _Gather(self, n)
-        reqs = list(defs)
-        for va, nb in zip(srcs.tolist(), sizes.tolist()):
-            req, part = self.new(P.Checksum, va, nb, stream)
+        first = self._next_id
+        self._next_id = first + n
+        rids = range(first, first + n)
+        cls, waiter = self._pending_cls, self._waiter
+        gather.parts = parts = [cls(rid, waiter) for rid in rids]
+        for part in parts:
             part._waker = gather
-            gather.parts.append(part)
-            reqs.append(req)
+        self.pending.update(zip(rids, parts))
+        reqs = [*defs, *map(P.Checksum, rids, srcs.tolist(), sizes.tolist(), [stream] * n)]
         # The whole carries the last part's id: completions come in order, so a client waits
         # on it as on that request (whose answer comes last), ring or socket.
         whole = gather.whole = self._pending_cls(reqs[-1].id, self._waiter)
