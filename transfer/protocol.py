@@ -25,7 +25,6 @@ slow path: its requests are decoded one by one, so a bad request becomes a
 from __future__ import annotations
 
 import dataclasses
-import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Union, cast
@@ -714,9 +713,6 @@ def decode_replies(data: bytes, limits: Limits = DEFAULT_LIMITS) -> list[Reply]:
 
 # --- submission-side checks -----------------------------------------------------
 _INT_BOUNDS: dict[type, tuple[tuple[str, int, int], ...]] = {}
-#: Per request class, a struct whose pack accepts exactly the in-range ints (or None).
-_INT_PACKS: dict[type, Callable[..., bytes] | None] = {}
-_FORMATS = {(0, U64_MAX): "Q", (0, 0xFFFF_FFFF): "I", (0, 0xFF): "B", (-(1 << 63), (1 << 63) - 1): "q"}
 
 
 def _int_bounds(cls: type) -> tuple[tuple[str, int, int], ...]:
@@ -732,9 +728,6 @@ def _int_bounds(cls: type) -> tuple[tuple[str, int, int], ...]:
             if isinstance(f.type, msgspec.inspect.IntType)
         )
         _INT_BOUNDS[cls] = bounds
-        fmts = [_FORMATS.get((lo, hi)) for _, lo, hi in bounds]
-        whole = len(bounds) == len(info.fields) - 1 and all(fmts)  # every field an int struct can bound
-        _INT_PACKS[cls] = struct.Struct("<" + "".join(cast("list[str]", fmts))).pack if whole else None
     return bounds
 
 
@@ -743,20 +736,8 @@ def check_ints(cls: type, args: tuple[Any, ...]) -> None:
     request fails the same way whichever path (socket or ring) it would have taken.
 
     `args` are the request's fields after the id, in order; only integer fields are checked.
-    One struct pack accepts the common case (every field an int in range) in C; only a
-    refused one is looked at field by field, for the message. (Like the ring's own packing,
-    it takes a bool for an int: the daemon refuses that one.)
     """
-    if cls not in _INT_PACKS:
-        _int_bounds(cls)
-    pack = _INT_PACKS[cls]
-    if pack is not None:
-        try:
-            pack(*args)
-            return
-        except struct.error:
-            pass
-    for (name, lo, hi), v in zip(_INT_BOUNDS[cls], args):
+    for (name, lo, hi), v in zip(_INT_BOUNDS.get(cls) or _int_bounds(cls), args):
         if type(v) is int and lo <= v <= hi:
             continue  # the common case, first
         if type(v) is not int:

@@ -144,7 +144,7 @@ class RingLink:
             raise E.InvalidField(f"request field out of range: {exc}") from None
         need = groups[0][3] if len(groups) == 1 else sum(g[3] for g in groups)
         while groups:
-            room = self.credits - self.in_flight
+            room = self.room
             if need <= room:  # (nearly always: everything at once)
                 take, groups, used = groups, [], need
             else:  # the longest prefix the credits allow
