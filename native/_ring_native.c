@@ -333,6 +333,41 @@ static PyObject *Queue_pop(QueueObject *self, PyObject *args, PyObject *kwds)
     return unpack(self, slot);
 }
 
+/* Everything available (at most `max`) as a list of tuples, released with one head store:
+ * a client reaping a few completions skips NumPy's fixed costs (pop_many + tolist). */
+static PyObject *Queue_pop_list(QueueObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"max", "wake", NULL};
+    unsigned long long max = UINT64_MAX;
+    int wake = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|Kp", kwlist, &max, &wake))
+        return NULL;
+    if (check_role(self, 0) < 0)
+        return NULL;
+    int64_t avail = trq_available(&self->q);
+    if (avail < 0)
+        return corrupt(self);
+    uint64_t n = (uint64_t)avail < max ? (uint64_t)avail : max;
+    uint8_t small[64 * 32];
+    uint8_t *buf = n * self->q.slot_size <= sizeof small ? small : PyMem_Malloc(n * self->q.slot_size);
+    if (!buf)
+        return PyErr_NoMemory();
+    int64_t got = n ? trq_pop_into(&self->q, buf, n, wake) : 0;
+    PyObject *list = got < 0 ? NULL : PyList_New(got);
+    for (int64_t i = 0; list && i < got; i++) {
+        PyObject *t = unpack(self, buf + i * self->q.slot_size);
+        if (!t)
+            Py_CLEAR(list);
+        else
+            PyList_SET_ITEM(list, i, t);
+    }
+    if (buf != small)
+        PyMem_Free(buf);
+    if (got < 0)
+        return corrupt(self);
+    return list;
+}
+
 static PyObject *Queue_pop_into(QueueObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"out", "max", "wake", NULL};
@@ -464,6 +499,8 @@ static PyMethodDef Queue_methods[] = {
      "push_buffer(data, count, wake=True) -> int: publish up to count slots with one release store."},
     {"pop", (PyCFunction)(void (*)(void))Queue_pop, METH_VARARGS | METH_KEYWORDS,
      "pop(wake=True) -> tuple | None"},
+    {"pop_list", (PyCFunction)(void (*)(void))Queue_pop_list, METH_VARARGS | METH_KEYWORDS,
+     "pop_list(max=all, wake=True) -> list of tuples, released with one store"},
     {"pop_into", (PyCFunction)(void (*)(void))Queue_pop_into, METH_VARARGS | METH_KEYWORDS,
      "pop_into(out, max, wake=True) -> int: copy up to max slots out, one release store."},
     {"available", (PyCFunction)Queue_available, METH_NOARGS, "published slots not yet popped"},
@@ -948,8 +985,108 @@ static PyObject *set_corrupt_error(PyObject *mod, PyObject *cls)
     Py_RETURN_NONE;
 }
 
+/* One operand of pack_vector: a scalar VA (the same for every range) or a 1-D uint64 array. */
+typedef struct {
+    uint64_t scalar;
+    Py_buffer b;
+    int is_buf;
+} vec_arg_t;
+
+static int vec_arg(PyObject *o, const char *name, Py_ssize_t *k, vec_arg_t *a)
+{
+    a->is_buf = 0;
+    if (PyLong_Check(o)) {
+        a->scalar = PyLong_AsUnsignedLongLong(o);
+        return a->scalar == (uint64_t)-1 && PyErr_Occurred() ? -1 : 0;
+    }
+    if (PyObject_GetBuffer(o, &a->b, PyBUF_STRIDES | PyBUF_FORMAT) < 0)
+        return -1;
+    a->is_buf = 1;
+    const char *f = a->b.format ? a->b.format : "B";
+    if (*f == '<' || *f == '=' || *f == '@')
+        f++;
+    if (a->b.ndim != 1 || a->b.itemsize != 8 || !(f[0] == 'Q' || f[0] == 'L') || f[1]) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a 1-D uint64 array", name);
+        goto bad;
+    }
+    if (*k >= 0 && a->b.shape[0] != *k) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd ranges, expected %zd", name, a->b.shape[0], *k);
+        goto bad;
+    }
+    *k = a->b.shape[0];
+    return 0;
+bad:
+    PyBuffer_Release(&a->b);
+    a->is_buf = 0;
+    return -1;
+}
+
+static inline uint64_t vec_at(const vec_arg_t *a, Py_ssize_t i)
+{
+    uint64_t v;
+    if (!a->is_buf)
+        return a->scalar;
+    memcpy(&v, (const char *)a->b.buf + i * a->b.strides[0], 8);
+    return v;
+}
+
+/* A vector request's descriptors (REQUEST_DTYPE layout), one per range, as bytes: the
+ * client packs a copy_many or checksum_many without a NumPy call per field. */
+static PyObject *pack_vector(PyObject *mod, PyObject *args)
+{
+    unsigned int op;
+    int chain;
+    PyObject *rido, *streamo, *dsto, *srco, *nbo;
+    if (!PyArg_ParseTuple(args, "IpOOOOO:pack_vector", &op, &chain, &rido, &streamo, &dsto, &srco, &nbo))
+        return NULL;
+    uint64_t rid = PyLong_AsUnsignedLongLong(rido);
+    if (rid == (uint64_t)-1 && PyErr_Occurred())
+        return NULL;
+    uint64_t stream = PyLong_AsUnsignedLongLong(streamo);
+    if (stream == (uint64_t)-1 && PyErr_Occurred())
+        return NULL;
+    if (stream > UINT32_MAX || op > UINT16_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "stream or op out of range");
+        return NULL;
+    }
+    Py_ssize_t k = -1;
+    vec_arg_t nb = {0}, d = {0}, s = {0};
+    PyObject *out = NULL;
+    if (vec_arg(nbo, "nbytes", &k, &nb) < 0)
+        return NULL;
+    if (!nb.is_buf) {
+        PyErr_SetString(PyExc_TypeError, "nbytes: expected a 1-D uint64 array");
+        return NULL;
+    }
+    if (vec_arg(dsto, "dst", &k, &d) < 0 || vec_arg(srco, "src", &k, &s) < 0)
+        goto done;
+    out = PyBytes_FromStringAndSize(NULL, k * 64);
+    if (!out)
+        goto done;
+    uint64_t *w = (uint64_t *)PyBytes_AS_STRING(out);
+    uint64_t head = (uint64_t)op | stream << 32;
+    for (Py_ssize_t i = 0; i < k; i++, w += 8) {
+        w[0] = head | (chain && i + 1 < k ? (uint64_t)TDP_FLAG_CHAIN << 16 : 0);
+        w[1] = rid;
+        w[2] = vec_at(&d, i);
+        w[3] = vec_at(&s, i);
+        w[4] = vec_at(&nb, i);
+        w[5] = w[6] = w[7] = 0;
+    }
+done:
+    if (nb.is_buf)
+        PyBuffer_Release(&nb.b);
+    if (d.is_buf)
+        PyBuffer_Release(&d.b);
+    if (s.is_buf)
+        PyBuffer_Release(&s.b);
+    return out;
+}
+
 static PyMethodDef module_methods[] = {
     {"_set_corrupt_error", set_corrupt_error, METH_O, "exception class for a corrupted ring"},
+    {"pack_vector", pack_vector, METH_VARARGS,
+     "pack_vector(op, chain, id, stream, dst, src, nbytes) -> bytes: one descriptor per range"},
     {NULL}};
 
 static struct PyModuleDef moduledef = {

@@ -94,11 +94,24 @@ def test_checksum_many(client: Any) -> None:
     assert p.result().tolist() == [transfer.checksum64(bytes([3]) * 4096)] * 2
     # One bad range fails the whole, once: a later fence does not raise it again.
     bad = client.checksum_many([seg.va, 0xFFFFF0 << 40, seg.va], [64, 64, 64])
+    good = client.checksum_many([seg.va, seg.va + 64], [64, 64])
     with pytest.raises(transfer.UnknownSegment):
         bad.result()
+    assert good.result().tolist() == [transfer.checksum64(seg.buffer[i : i + 64]) for i in (0, 64)]
     client.fence()
+    if client.ring:  # every range's completion came back, the failed one's too: no credit lost
+        link = client._ring
+        assert link.in_flight == 0 and not link.outstanding and not link.early
+    # More ranges than the ring has credits: the socket carries them, answered the same.
+    many = np.full(1500, seg.va, np.uint64) + (np.arange(1500, dtype=np.uint64) % n) * 4096
+    want = [transfer.checksum64(seg.buffer[(i % n) * 4096 : (i % n) * 4096 + 64]) for i in range(1500)]
+    assert client.checksum_many(many, np.full(1500, 64, np.uint64)).result().tolist() == want
     with pytest.raises(ValueError):
         client.checksum_many([seg.va], [1, 2])
+    with pytest.raises(ValueError):
+        client.checksum_many([], [])
+    with pytest.raises(transfer.InvalidField):
+        client.checksum_many([seg.va], [64], stream=1 << 32)
 
 
 def test_compute_tensors_and_plans(client: Any) -> None:

@@ -25,6 +25,13 @@ def copyv(draw: st.DrawFn) -> P.CopyV:
     return P.CopyV(draw(rid), draw(arr), draw(arr), draw(arr), draw(u32))
 
 
+@st.composite
+def checksumv(draw: st.DrawFn) -> P.ChecksumV:
+    n = draw(st.integers(0, 40))
+    arr = st.lists(u64, min_size=n, max_size=n).map(lambda xs: np.array(xs, dtype=np.uint64))
+    return P.ChecksumV(draw(rid), draw(arr), draw(arr), draw(u32))
+
+
 tensor = st.builds(
     TensorRef,
     u64,
@@ -48,6 +55,7 @@ requests = st.one_of(
     copyv(),
     st.builds(P.Fill, rid, u64, u64, st.integers(0, 255), u32),
     st.builds(P.Checksum, rid, u64, u64, u32),
+    checksumv(),
     st.builds(
         P.Compute,
         rid,
@@ -101,7 +109,7 @@ def same(a: P.Request, b: P.Request) -> bool:
 
 
 def test_every_message_type_is_covered() -> None:
-    assert set(P.REQUEST_TYPES) == {1, 2, 3, 4, 10, 11, 12, 13, 14, 16, 17, 18, 20, 21, 22, 23, 24, 25, 26, 30, 40, 50}
+    assert set(P.REQUEST_TYPES) == {1, 2, 3, 4, 10, 11, 12, 13, 14, 16, 17, 18, 20, 21, 22, 23, 24, 25, 26, 27, 30, 40, 50}
 
 
 @given(st.lists(requests, min_size=1, max_size=20))
@@ -227,8 +235,9 @@ def test_field_validation(item: list[object], err: type[Exception]) -> None:
 def test_vector_limit() -> None:
     n = P.DEFAULT_LIMITS.max_vector + 1
     v = np.zeros(n, np.uint64)
-    (out,) = P.decode_requests(P.encode_requests([P.CopyV(1, v, v, v)]), P.Limits(max_bin=1 << 30))
-    assert isinstance(out, P.BadRequest) and isinstance(out.error, E.BatchTooLarge)
+    for req in (P.CopyV(1, v, v, v), P.ChecksumV(2, v, v)):
+        (out,) = P.decode_requests(P.encode_requests([req]), P.Limits(max_bin=1 << 30))
+        assert isinstance(out, P.BadRequest) and isinstance(out.error, E.BatchTooLarge)
 
 
 # --- frame limits, fast and slow path ------------------------------------------------
@@ -290,7 +299,8 @@ def test_more_frame_level_errors(frame: bytes, err: type[Exception]) -> None:
         ([3, 1, 0], E.InvalidField, "Ping takes 0 fields, got 1"),
         ([21, 1, b"1234567", b"", b"", 0], E.InvalidField, "CopyV.dst: length 7 is not a multiple of 8"),
         ([21, 1, b"", "x", b"", 0], E.InvalidField, "CopyV.src: expected packed uint64 bytes, got str"),
-        ([21, 1, b"\0" * 8, b"", b"", 0], E.InvalidField, "CopyV: dst, src and nbytes must have the same length"),
+        ([21, 1, b"\0" * 8, b"", b"", 0], E.InvalidField, "CopyV: its vectors must have the same length"),
+        ([27, 1, b"\0" * 8, b"", 0], E.InvalidField, "ChecksumV: its vectors must have the same length"),
         ([1, 1, 1, "x" * 257, 0, b""], E.InvalidField, "Hello.client: expected `str` of length <= 256"),
         ([17, 1, b"\0" * 65], E.InvalidField, "Attach.token: expected `bytes` of length <= 64"),
         ([25, 1, [[1, 2, 3]], [], []], E.InvalidField, "ComputeRef.plan[0]: expected `array` of length 2, got 3"),
@@ -407,3 +417,27 @@ def test_tensors_beyond_the_largest_segment_are_refused() -> None:
                 [[0, "uint8", [1 << 40, 1 << 40, 1 << 40], [0, 0, 0]]], [[0, "uint8", [3], [1 << 40]]]):
         with pytest.raises(E.InvalidField):
             tensors(bad, "t")
+
+
+# --- the client's reading of replies (sans-I/O: ClientCore takes frames, no daemon) ------------
+@given(st.lists(u64, min_size=1, max_size=20), st.integers(-8, 8))
+def test_checksum_many_reply_is_checked(sums: list[int], skew: int) -> None:
+    """A ChecksumV sent on the socket is answered with one packed uint64 per range; a reply
+    of any other length (or type) fails that request, clearly, and nothing else."""
+    from transfer.client._core import ClientCore
+    from transfer.client._pending import Pending
+
+    core = ClientCore(Pending, lambda p, t: None)
+    v = np.zeros(len(sums), np.uint64)
+    req, p = core.new(P.ChecksumV, v, v, 0)
+    other, q = core.new(P.Checksum, 0, 8, 0)
+    core.encode([req, other])
+    body = np.array(sums, "<u8").tobytes()
+    body = body + b"\0" * skew if skew >= 0 else body[:skew]
+    core.on_frame(P.encode_replies([P.Reply(req.id, body), P.Reply(other.id, 5)]))
+    assert q.done() and q.result() == 5 and not core.sums
+    if skew == 0:
+        assert p.result().dtype == np.uint64 and p.result().tolist() == sums
+    else:
+        with pytest.raises(E.ProtocolError, match="checksums"):
+            p.result()

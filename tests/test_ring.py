@@ -18,9 +18,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from transfer import _ring
 from transfer._ring import COMPLETION_DTYPE, REQUEST_DTYPE, Op, Ring, RingCorrupted, RingError
+from transfer.client._ringlink import _py_pack_vector
 
 IMPLS = [
     pytest.param("native", marks=pytest.mark.skipif(_ring._native is None, reason="extension not built")),
@@ -135,6 +138,24 @@ def test_full_push_returns_false_and_times_out(pair) -> None:
     assert 0.35 <= time.monotonic() - t < 2.0
     check_descs(srv.pop_many(3), 0)
     assert cli.push_many(make_descs(8, 3), timeout=0.2) == 3
+
+
+def test_pop_list_takes_everything_across_the_wrap(pair) -> None:
+    """pop_list: every available descriptor as tuples (as pop gives them), in order, over
+    many laps of the ring, released at once (the producer sees the room)."""
+    srv, cli = pair
+    rng = np.random.default_rng(2)
+    sent = recv = 0
+    for _ in range(200):
+        k = int(rng.integers(0, 9))
+        n = cli.push_many(make_descs(sent, k))
+        sent += n
+        got = srv.inbox.pop_list()
+        want = make_descs(recv, sent - recv).tolist()
+        assert got == want and cli.free() == 8
+        recv = sent
+    assert srv.inbox.pop_list() == []
+    assert srv.push((7, -5, 2**64 - 1)) and cli.inbox.pop_list() == [(7, -5, 2**64 - 1, 0, 0)]
 
 
 def test_pop_many_is_a_private_copy(pair) -> None:
@@ -570,3 +591,32 @@ def test_push_many_rings_the_doorbell_before_waiting_for_space(pair) -> None:
     finally:
         os.close(r)
         os.close(w)
+
+
+# --- packing a vector request's descriptors (the client's copy_many / checksum_many) -----------
+_native_pack = getattr(_ring._native, "pack_vector", None)
+_u64s = st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=40)
+
+
+@pytest.mark.skipif(_ring._native is None, reason="extension not built")
+@given(_u64s, st.data(), st.booleans(), st.integers(0, 2**16 - 1), st.integers(0, 2**64 - 1), st.integers(0, 2**32 - 1))
+def test_pack_vector_native_matches_numpy(nbytes: list[int], data: st.DataObject, chain: bool, op: int, rid: int, stream: int) -> None:
+    """The native packer and the NumPy one write the same descriptors (REQUEST_DTYPE), for
+    scalar or array operands, strided arrays too; both refuse what a descriptor cannot hold."""
+    k = len(nbytes)
+    nb = np.array(nbytes, np.uint64)
+    ops = [data.draw(st.one_of(st.integers(0, 2**64 - 1), st.lists(st.integers(0, 2**64 - 1), min_size=2 * k, max_size=2 * k)
+                               .map(lambda xs: np.array(xs, np.uint64)[::2]))) for _ in range(2)]
+    got = _native_pack(op, chain, rid, stream, ops[0], ops[1], nb)
+    assert got == _py_pack_vector(op, chain, rid, stream, ops[0], ops[1], nb)
+    d = np.frombuffer(got, REQUEST_DTYPE)
+    assert d["op"].tolist() == [op] * k and d["id"].tolist() == [rid] * k and d["stream"].tolist() == [stream] * k
+    assert d["flags"].tolist() == ([1] * (k - 1) + [0] if chain else [0] * k) and d["nbytes"].tolist() == nbytes
+    for i, name in enumerate(("dst", "src")):
+        want = ops[i].tolist() if isinstance(ops[i], np.ndarray) else [ops[i]] * k
+        assert d[name].tolist() == want
+    for f in (_native_pack, _py_pack_vector):
+        for bad in ((op, chain, -1, stream, 0, 0, nb), (op, chain, rid, 2**32, 0, 0, nb), (op, chain, rid, stream, nb[:-1] if k > 1 else -1, 0, nb),
+                    (op, chain, rid, stream, 0, nb.astype(np.float64), nb), (op, chain, rid, stream, 0, 0, nb.astype(np.uint32))):
+            with pytest.raises((OverflowError, TypeError, ValueError)):
+                f(*bad)

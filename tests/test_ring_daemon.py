@@ -205,6 +205,29 @@ def test_copy_many_takes_the_ring_as_one_chained_request(impl: str, daemon_facto
         assert c._ring.in_flight == 0
 
 
+def test_checksum_many_takes_the_ring_as_one_request(impl: str, daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """A ChecksumV travels as one CHECKSUM descriptor per range under its id (also when the
+    daemon takes them over several passes: --max-pass 7), each completed on its own; the
+    client answers the one request with every range's sum, in order. A bad range fails the
+    whole with its full error, and every range's credit comes back."""
+    d = daemon_factory("--max-pass", "7")
+    with transfer.connect(d.endpoint, ring=True) as c:
+        seg = c.segment(1 << 16)
+        seg.buffer[:] = np.arange(1 << 16) % 253
+        k = 40
+        srcs, sizes = [seg.at(97 * i) for i in range(k)], [64 + i for i in range(k)]
+        frames = c.frames_sent
+        p = c.checksum_many(srcs, sizes)
+        assert c._ring is not None and p.id in c._ring.outstanding  # it went on the ring
+        want = [transfer.checksum64(seg.buffer[97 * i : 97 * i + 64 + i]) for i in range(k)]
+        assert p.result(10).tolist() == want and c.frames_sent == frames
+        bad = c.checksum_many([seg.at(0), 77 << 40, seg.at(64)], [64, 64, 64])
+        with pytest.raises((E.UnknownSegment, E.InvalidAddress)):
+            bad.result(10)
+        c.fence()
+        assert c._ring.in_flight == 0 and not c._ring.early and not c._ring.outstanding
+
+
 def test_hostile_descriptor_chains_fail_alone(ringd) -> None:
     """Chains that mix opcodes, ids or streams are refused as one request each; one left open
     when the session ends goes with it; the daemon keeps serving."""

@@ -367,6 +367,15 @@ class _PyQueue:
         self._advance_head(1, wake)
         return vals if self._identity else tuple(vals[j] for j in self._inverse)
 
+    def pop_list(self, max: int = 2**64 - 1, wake: bool = True) -> list[tuple[int, ...]]:  # noqa: A002
+        self._check(False)
+        n, start, _ = self._pop_raw(max, wake)
+        out = [self._struct.unpack_from(self._buf, self._slots_off + ((start + i) & self._mask) * self._ss) for i in range(n)]
+        out = out if self._identity else [tuple(vals[j] for j in self._inverse) for vals in out]
+        if n:
+            self._advance_head(n, wake)
+        return out
+
     def pop_into(self, out: Any, max: int, wake: bool = True) -> int:  # noqa: A002
         self._check(False)
         dst = np.frombuffer(out, dtype=np.uint8)

@@ -94,6 +94,7 @@ __all__ = [
     "CopyV",
     "Fill",
     "Checksum",
+    "ChecksumV",
     "Compute",
     "TensorRef",
     "Fence",
@@ -275,6 +276,18 @@ class Checksum(Request, tag=23):
     stream: U32 = 0
 
 
+class ChecksumV(Request, tag=27):
+    """checksum64 of many ranges in one request, answered as one packed little-endian
+    uint64 array (msgpack bin) in the ranges' order: `src` and `nbytes` as in CopyV.
+
+    On a ring it travels as one CHECKSUM descriptor per range, all with this id, each
+    completed on its own (docs/ring.md)."""
+
+    src: np.ndarray
+    nbytes: np.ndarray
+    stream: U32 = 0
+
+
 class Compute(Request, tag=24):
     """Run an operator on tensors named by VA. device -1 and placement "" = the daemon's policy.
 
@@ -366,6 +379,7 @@ REQUEST_TYPES: dict[int, type[Request]] = {
         CopyV,
         Fill,
         Checksum,
+        ChecksumV,
         Compute,
         ComputeRef,
         RunGraph,
@@ -402,7 +416,7 @@ Decoded = Union[Request, BadRequest]
 
 # --- codec instances ------------------------------------------------------------
 def _dec_hook(typ: type, obj: Any) -> Any:
-    """CopyV vectors travel as msgpack bin of packed little-endian uint64."""
+    """CopyV and ChecksumV vectors travel as msgpack bin of packed little-endian uint64."""
     if typ is np.ndarray:
         if type(obj) is not bytes:
             raise TypeError(f"expected packed uint64 bytes, got {type(obj).__name__}")
@@ -501,6 +515,10 @@ def _copyv_wire(r: CopyV) -> list[Any]:
     return [CopyV.OP, r.id, _vector(r.dst), _vector(r.src), _vector(r.nbytes), r.stream]
 
 
+def _checksumv_wire(r: ChecksumV) -> list[Any]:
+    return [ChecksumV.OP, r.id, _vector(r.src), _vector(r.nbytes), r.stream]
+
+
 def _compute_wire(r: Compute) -> list[Any]:
     return [
         Compute.OP,
@@ -516,8 +534,8 @@ def _compute_wire(r: Compute) -> list[Any]:
 
 
 #: Requests msgspec cannot encode as they are: TensorRef (a dataclass) would become a
-#: map, and CopyV's vectors may be any array-like (lists too), not just uint64 arrays.
-_AS_WIRE: dict[type, Callable[[Any], list[Any]]] = {Compute: _compute_wire, CopyV: _copyv_wire}
+#: map, and vector requests' arrays may be any array-like (lists too), not just uint64 arrays.
+_AS_WIRE: dict[type, Callable[[Any], list[Any]]] = {Compute: _compute_wire, CopyV: _copyv_wire, ChecksumV: _checksumv_wire}
 
 
 def encode_requests(requests: Iterable[Request]) -> bytes:
@@ -528,14 +546,24 @@ def encode_requests(requests: Iterable[Request]) -> bytes:
 
 
 # --- requests: checks after decoding --------------------------------------------
-def _check_copyv(r: CopyV, limits: Limits) -> CopyV:
-    n = len(r.dst)
-    if len(r.src) != n or len(r.nbytes) != n:
-        raise E.InvalidField("CopyV: dst, src and nbytes must have the same length")
+def _check_vector(name: str, vectors: tuple[np.ndarray, ...], limits: Limits) -> None:
+    """A vector request's arrays: one length, within the batch and bin limits."""
+    n = len(vectors[0])
+    if any(len(v) != n for v in vectors):
+        raise E.InvalidField(f"{name}: its vectors must have the same length")
     if n > limits.max_vector:
-        raise E.BatchTooLarge(f"CopyV of {n} copies exceeds the limit of {limits.max_vector}")
+        raise E.BatchTooLarge(f"{name} of {n} ranges exceeds the limit of {limits.max_vector}")
     if n * 8 > limits.max_bin:
-        raise E.InvalidField(f"CopyV: vectors of {n * 8} bytes exceed max_bin {limits.max_bin}")
+        raise E.InvalidField(f"{name}: vectors of {n * 8} bytes exceed max_bin {limits.max_bin}")
+
+
+def _check_copyv(r: CopyV, limits: Limits) -> CopyV:
+    _check_vector("CopyV", (r.dst, r.src, r.nbytes), limits)
+    return r
+
+
+def _check_checksumv(r: ChecksumV, limits: Limits) -> ChecksumV:
+    _check_vector("ChecksumV", (r.src, r.nbytes), limits)
     return r
 
 
@@ -560,6 +588,7 @@ def _check_define(r: Define, limits: Limits) -> Define:
 #: Requests with rules no msgspec type expresses; everything else is done when decoded.
 _AFTER: dict[type, Callable[[Any, Limits], Request]] = {
     CopyV: _check_copyv,
+    ChecksumV: _check_checksumv,
     _ComputeWire: _check_compute,
     Define: _check_define,
 }

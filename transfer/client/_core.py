@@ -66,6 +66,8 @@ class ClientCore:
         self.fd_socket: Path | None = None
         self.heartbeat_s = 0.5  # until the daemon says otherwise in hello
         self.max_inflight = 1 << 16
+        #: checksum_many requests sent on the socket: id -> ranges (their reply is one packed array).
+        self.sums: dict[int, int] = {}
 
     # --- the handshake ----------------------------------------------------------------------
     def on_hello(self, info: dict[str, Any], deferred: bool) -> None:
@@ -102,6 +104,8 @@ class ClientCore:
         self.check_usable()
         if cls in _CHECKED:
             P.check_ints(cls, args)
+        elif cls in _VECTORS:  # uint64 arrays already; the stream, last, is its one int field
+            P.check_ints(cls, args[-1:])
         defs = self._definitions(cls, args, objects)
         req, pending = self.new(cls, *args)
         reqs = [*defs, req]
@@ -113,49 +117,15 @@ class ClientCore:
             reqs.append(marker)
         return reqs, pending
 
-    def prepare_many(self, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> tuple[list[P.Request], Pending]:
-        """Checksums of many ranges as one call: their definitions first, then one Checksum
-        request per range (each its own descriptor or frame entry, as `checksum` sends), and
-        one Pending that finishes with all their values as an array (or the first failure).
-
-        Vectorised where `prepare` is per request: the fields are checked as arrays, and no
-        per-range Python beyond creating the request and its Pending."""
-        self.check_usable()
-        n = len(srcs)
-        if n == 0:
-            raise ValueError("checksum_many needs at least one range")
-        P.check_ints(P.Checksum, (0, 0, stream))  # the ranges are uint64 arrays already
-        defs = self._definitions(P.Checksum, (), (), touched=lambda: _segment_vas(srcs))
-        gather = _Gather(self, n)
-        first = self._next_id
-        self._next_id = first + n
-        rids = range(first, first + n)
-        cls, waiter = self._pending_cls, self._waiter
-        gather.parts = parts = [cls(rid, waiter) for rid in rids]
-        for part in parts:
-            part._waker = gather
-        self.pending.update(zip(rids, parts))
-        reqs = [*defs, *map(P.Checksum, rids, srcs.tolist(), sizes.tolist(), [stream] * n)]
-        # The whole carries the last part's id: completions come in order, so a client waits
-        # on it as on that request (whose answer comes last), ring or socket.
-        whole = gather.whole = self._pending_cls(reqs[-1].id, self._waiter)
-        if defs:
-            whole._deps = [self.pending[d.id] for d in defs if d.id in self.pending]
-        return reqs, whole
-
-    def _definitions(
-        self, cls: type[P.Request], args: tuple[Any, ...], objects: Sequence[Any], touched: Callable[[], list[int]] | None = None,
-    ) -> list[P.Request]:
-        """Deferred definitions a request needs first: allocations it touches, descriptors it names.
-        `touched` gives the VAs when they are not one request's fields (`prepare_many`)."""
+    def _definitions(self, cls: type[P.Request], args: tuple[Any, ...], objects: Sequence[Any]) -> list[P.Request]:
+        """Deferred definitions a request needs first: allocations it touches, descriptors it names."""
         state = self.deferred
         stale = [o for o in objects if o.sent_version != o.version] if objects else []
         if not stale and (state is None or not (state.buffers or state.frees)):
             return []  # (most calls: nothing deferred to send first)
         if state is None:
             state = DeferredState(())
-        vas = _touched(cls, args) if touched is None else touched()
-        return state.definitions_for(vas, stale, lambda c, *a: self.new(c, *a)[0])
+        return state.definitions_for(_touched(cls, args), stale, lambda c, *a: self.new(c, *a)[0])
 
     def new(self, cls: type[P.Request], *args: Any) -> tuple[P.Request, Pending]:
         rid = self._next_id
@@ -183,6 +153,9 @@ class ClientCore:
         """
         step = self.limits.max_batch
         frames = []
+        for r in reqs:
+            if type(r) is P.ChecksumV:
+                self.sums[r.id] = len(r.src)
         for i in range(0, len(reqs), step):
             chunk = reqs[i : i + step]
             try:
@@ -271,8 +244,11 @@ class ClientCore:
                 continue  # a ping's reply, or a request already failed locally
             if link is not None and r.id in link.outstanding:
                 link.answered_early(r.id)  # a ring request's error, ahead of its completion
-            p._finish(r.result, r.error)
-            if r.error is not None:
+            result, error = r.result, r.error
+            if self.sums and r.id in self.sums:
+                result, error = _sums(result, error, self.sums.pop(r.id))
+            p._finish(result, error)
+            if error is not None:
                 self.unobserved.append(p)
 
     def session_gone(self, cause: E.TransferError) -> E.TransferError:
@@ -287,6 +263,7 @@ class ClientCore:
 
     def fail_all(self, err: E.TransferError) -> None:
         self.broken = err
+        self.sums.clear()
         pending, self.pending = self.pending, {}
         for p in pending.values():
             p._finish(None, err)
@@ -328,32 +305,17 @@ class ClientCore:
 
 #: Requests that may take the ring: their integer fields are checked at submission.
 _CHECKED = frozenset((P.Copy, P.Fill, P.Checksum))
+_VECTORS = frozenset((P.CopyV, P.ChecksumV))
 
 
-class _Gather:
-    """The waker of a `prepare_many` call's parts: finishes the whole once every part has.
-    A failure is reported once, by the whole: its parts count as observed."""
-
-    __slots__ = ("core", "left", "parts", "whole")
-
-    def __init__(self, core: ClientCore, n: int) -> None:
-        self.core = core
-        self.left = n
-        self.parts: list[Pending] = []
-        self.whole: Pending | None = None
-
-    def set(self) -> None:
-        self.left -= 1
-        if self.left or self.whole is None:
-            return
-        err = next((p._error for p in self.parts if p._error is not None), None)
-        if err is None:
-            self.whole._finish(np.fromiter((p._value for p in self.parts), np.uint64, len(self.parts)), None)
-            return
-        for p in self.parts:
-            p._observed = True
-        self.whole._finish(None, err)
-        self.core.unobserved.append(self.whole)
+def _sums(result: Any, error: E.TransferError | None, n: int) -> tuple[Any, E.TransferError | None]:
+    """A checksum_many's socket reply as its uint64 array: packed bytes, one word per range
+    (checked: the daemon's bytes are no more trusted than a client's)."""
+    if error is not None:
+        return None, error
+    if type(result) is not bytes or len(result) != 8 * n:
+        return None, E.ProtocolError(f"the daemon answered {n} checksums with {type(result).__name__} of {len(result) if isinstance(result, bytes) else '?'} bytes")
+    return np.frombuffer(result, "<u8").astype(np.uint64), None
 
 
 def _segment_vas(vas: np.ndarray) -> list[int]:
@@ -369,6 +331,8 @@ def _touched(cls: type[P.Request], args: tuple[Any, ...]) -> list[int]:
         return [args[0]]
     if cls is P.CopyV:
         return _segment_vas(np.concatenate([args[0], args[1]]))
+    if cls is P.ChecksumV:
+        return _segment_vas(args[0])
     if cls is P.Compute:
         return [t.va for t in (*args[1], *args[2])]
     if cls is P.RunGraph:

@@ -332,18 +332,15 @@ class Session:
         return self._submit(P.Checksum, resolve_va(src), nbytes, stream)
 
     def checksum_many(self, srcs: Sequence[int] | np.ndarray, nbytes: Sequence[int] | np.ndarray, *, stream: int = 0) -> Any:
-        """checksum64 of many ranges in one call: a Pending whose result is a uint64 array, in
-        order (a batch's items verified for a fraction of a `checksum` call each)."""
+        """checksum64 of many ranges as one vector request: a Pending whose result is a uint64
+        array, in order (a batch's items verified for a fraction of a `checksum` call each).
+        The ranges live on one device, as a `copy_many`'s do."""
         s, n = (np.asarray(x, dtype=np.uint64) for x in (srcs, nbytes))
         if not (s.ndim == n.ndim == 1 and len(s) == len(n)):
             raise ValueError("checksum_many needs two 1-D sequences of equal length")
-        with self._io_lock():
-            reqs, pending = self._core.prepare_many(s, n, stream)
-            if self._batch is not None:
-                self._batch.extend(reqs)
-            else:
-                self._send(reqs)
-            return pending
+        if not len(s):
+            raise ValueError("checksum_many needs at least one range")
+        return self._submit(P.ChecksumV, s, n, stream)
 
     def compute(
         self,

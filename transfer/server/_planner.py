@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import errors as E
 from .. import protocol as P
-from ..addressing import MappingTable, Segment, SegmentKind
+from ..addressing import MappingTable, Segment, SegmentKind, make_va
 from ..backends import Span
 from ..kernels import OPERATORS, REGISTRY, TensorRef, signature, tensor_extent, tensor_nbytes
 from ._graphplan import GraphPlan, NodePlan
@@ -25,7 +25,7 @@ from ._remote import names_remote, plan_remote_copies, plan_remote_copy, pull_in
 
 __all__ = ["Planner", "CopyRun", "Refusal", "plan_batch", "VECTOR_RUN"]
 
-_KIND_NAMES = {P.Copy: "copy", P.CopyV: "copyv", P.Fill: "fill", P.Checksum: "checksum", P.Compute: "compute", P.RunGraph: "compute"}
+_KIND_NAMES = {P.Copy: "copy", P.CopyV: "copyv", P.Fill: "fill", P.Checksum: "checksum", P.ChecksumV: "checksum", P.Compute: "compute", P.RunGraph: "compute"}
 #: Plain copies in a row planned as one vector op (validated with NumPy at once).
 VECTOR_RUN = 8
 #: A request refused at planning: (id, route, error).
@@ -134,6 +134,8 @@ class Planner:
             return Op(req.id, [(seg.id, off, off + req.nbytes)], [], dev, req.nbytes, lambda: backend.checksum(span))
         if isinstance(req, P.CopyV):
             return self.plan_copies(owner, req.id, req.dst, req.src, req.nbytes)
+        if isinstance(req, P.ChecksumV):
+            return self.plan_checksums(owner, req.id, req.src, req.nbytes)
         if isinstance(req, P.Compute):
             return self._plan_compute(owner, req)
         if isinstance(req, P.RunGraph):
@@ -194,6 +196,22 @@ class Planner:
 
         return Op(rid, reads, writes, dev, total, run, host_only=all(seg.kind == SegmentKind.HOST for seg in segs.values()))
 
+
+    def plan_checksums(self, owner: Any, rid: int, src: np.ndarray, size: np.ndarray) -> Op:
+        """Many checksums validated with NumPy as one op, answered as one packed uint64 array."""
+        sid, off, segs = self.table.translate_many(src, size, owner)
+        for seg in segs.values():
+            if seg.kind == SegmentKind.REMOTE:
+                self._translate(owner, make_va(seg.id), 0)  # raises, in a checksum's words
+        total = int(size.sum(dtype=np.uint64))
+        dev = self._device_of(segs.values(), total)
+        backend = dev.backend
+        spans = [self._span(segs[s], o, n) for s, o, n in zip(sid.tolist(), off.tolist(), size.tolist())]
+
+        def run() -> bytes:
+            return np.fromiter((backend.checksum(span) for span in spans), "<u8", len(spans)).tobytes()
+
+        return Op(rid, hulls(sid, off, size), [], dev, total, run)
 
     def _plan_compute(self, owner: Any, req: P.Compute) -> Op | list[Op]:
         op = OPERATORS.get(req.op)
