@@ -205,12 +205,13 @@ def test_copy_many_takes_the_ring_as_one_chained_request(impl: str, daemon_facto
         assert c._ring.in_flight == 0
 
 
-def test_checksum_many_takes_the_ring_as_one_request(impl: str, daemon_factory) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("workers", [True, False], ids=["workers", "event-loop"])
+def test_checksum_many_takes_the_ring_as_one_request(impl: str, workers: bool, daemon_factory) -> None:  # type: ignore[no-untyped-def]
     """A ChecksumV travels as one CHECKSUM descriptor per range under its id (also when the
-    daemon takes them over several passes: --max-pass 7), each completed on its own; the
-    client answers the one request with every range's sum, in order. A bad range fails the
-    whole with its full error, and every range's credit comes back."""
-    d = daemon_factory("--max-pass", "7")
+    daemon's loop takes them over several passes: --max-pass 7), each completed on its own;
+    the client answers the one request with every range's sum, in order. A bad range fails
+    the whole with its full error, and every range's credit comes back."""
+    d = daemon_factory("--max-pass", "7", *(() if workers else ("--no-ring-workers",)))
     with transfer.connect(d.endpoint, ring=True) as c:
         seg = c.segment(1 << 16)
         seg.buffer[:] = np.arange(1 << 16) % 253
