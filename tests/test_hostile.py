@@ -231,6 +231,34 @@ def test_compute_extents_are_bounded_by_their_segment(daemon) -> None:
     s.close(0)
 
 
+def test_checksum_vectors_from_a_raw_client_are_checked(daemon) -> None:
+    """ChecksumV as a hostile client may send it: empty, a range past its segment's end, a
+    segment that does not exist; each gets its answer or a clear error, and the daemon keeps
+    serving."""
+    s = raw(daemon.endpoint)
+    hello(s)
+    (r,) = call(s, P.Alloc(2, 1 << 16, -1))
+    va = ok(r)["va"]  # type: ignore[index]
+    (r,) = call(s, P.Fill(3, va, 1 << 16, 7))
+    ok(r)
+    u = lambda *xs: np.array(xs, np.uint64)  # noqa: E731
+    empty, good, past, foreign = call(
+        s,
+        P.ChecksumV(4, u(), u()),
+        P.ChecksumV(5, u(va, va + 100), u(100, 1 << 15)),
+        P.ChecksumV(6, u(va, va + (1 << 16) - 8), u(8, 9)),  # the second range runs past the end
+        P.ChecksumV(7, u(va, 0xABC << 40), u(8, 8)),  # a segment that does not exist
+    )
+    assert ok(empty) == b""
+    want = [transfer.checksum64(np.full(100, 7, np.uint8)), transfer.checksum64(np.full(1 << 15, 7, np.uint8))]
+    assert np.frombuffer(ok(good), "<u8").tolist() == want  # type: ignore[arg-type]
+    assert past.error is not None and past.error.code == transfer.OutOfBounds.code, past
+    assert foreign.error is not None and foreign.error.code == transfer.UnknownSegment.code, foreign
+    (r,) = call(s, P.Checksum(8, va, 8))
+    assert ok(r) == transfer.checksum64(np.full(8, 7, np.uint8))
+    s.close(0)
+
+
 # --- 3: hello/close cycles return every id; a refused hello leaves nothing behind ----------------
 def test_hello_close_cycles_never_exhaust_segment_ids(daemon_factory) -> None:
     # Each hello reserves 4 Mi ids: the 16.7 Mi id space holds four sessions' arenas at once.

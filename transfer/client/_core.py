@@ -166,6 +166,7 @@ class ClientCore:
                     try:
                         P.encode_requests([r])
                     except (TypeError, ValueError, OverflowError) as exc:
+                        self.sums.pop(r.id, None)
                         p = self.pending.pop(r.id, None)
                         if p is not None:
                             p._finish(None, E.InvalidField(f"{type(r).__name__} cannot be encoded: {exc}"))
@@ -314,7 +315,8 @@ def _sums(result: Any, error: E.TransferError | None, n: int) -> tuple[Any, E.Tr
     if error is not None:
         return None, error
     if type(result) is not bytes or len(result) != 8 * n:
-        return None, E.ProtocolError(f"the daemon answered {n} checksums with {type(result).__name__} of {len(result) if isinstance(result, bytes) else '?'} bytes")
+        got = f"{len(result)} bytes" if type(result) is bytes else f"a {type(result).__name__}"
+        return None, E.ProtocolError(f"the daemon answered {n} checksums with {got}, not {8 * n} bytes")
     return np.frombuffer(result, "<u8").astype(np.uint64), None
 
 
