@@ -200,13 +200,19 @@ def test_socket_directory_the_daemon_creates_is_private(tmp_path: Path, shm_dir:
 
 
 # --- 6: compute work is bounded by the memory that backs it, and long work leaves the loop -------
-def test_compute_extents_are_bounded_by_their_segment(daemon) -> None:
-    s = raw(daemon.endpoint)
+def filled(endpoint: str, nbytes: int, value: int) -> tuple[zmq.Socket, int]:
+    """A raw session (ids 1-3 used) with a daemon buffer of `nbytes` bytes set to `value`."""
+    s = raw(endpoint)
     hello(s)
-    (r,) = call(s, P.Alloc(2, 1 << 20, -1))
+    (r,) = call(s, P.Alloc(2, nbytes, -1))
     va = ok(r)["va"]  # type: ignore[index]
-    (r,) = call(s, P.Fill(3, va, 1 << 20, 5))
+    (r,) = call(s, P.Fill(3, va, nbytes, value))
     ok(r)
+    return s, va
+
+
+def test_compute_extents_are_bounded_by_their_segment(daemon) -> None:
+    s, va = filled(daemon.endpoint, 1 << 20, 5)
 
     def checksum(rid: int, shape: list[int], strides: list[int] | None) -> P.Reply:
         (r,) = call(s, P.Compute(rid, "checksum", [transfer.TensorRef(va, "uint8", tuple(shape), None if strides is None else tuple(strides))], [], {}))
@@ -235,12 +241,7 @@ def test_checksum_vectors_from_a_raw_client_are_checked(daemon) -> None:
     """ChecksumV as a hostile client may send it: empty, a range past its segment's end, a
     segment that does not exist; each gets its answer or a clear error, and the daemon keeps
     serving."""
-    s = raw(daemon.endpoint)
-    hello(s)
-    (r,) = call(s, P.Alloc(2, 1 << 16, -1))
-    va = ok(r)["va"]  # type: ignore[index]
-    (r,) = call(s, P.Fill(3, va, 1 << 16, 7))
-    ok(r)
+    s, va = filled(daemon.endpoint, 1 << 16, 7)
     u = lambda *xs: np.array(xs, np.uint64)  # noqa: E731
     empty, good, past, foreign = call(
         s,
