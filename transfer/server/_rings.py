@@ -58,7 +58,6 @@ log = logging.getLogger("transfer.server")
 COMPLETION_DETAIL = 1
 # Plain ints: IntEnum attribute lookups cost ~1 µs each in a hot loop.
 _NOP, _COPY, _FILL, _CHECKSUM, _FENCE = (int(o) for o in (RingOp.NOP, RingOp.COPY, RingOp.FILL, RingOp.CHECKSUM, RingOp.FENCE))
-_SERVED = frozenset((_NOP, _COPY, _FILL, _CHECKSUM, _FENCE))
 
 
 def _request(row: tuple[int, ...]) -> Any:
