@@ -69,6 +69,8 @@ def test_copy_many_fill_and_batch(client: Any) -> None:
     offs = np.arange(n, dtype=np.uint64) * 4096
     client.copy_many(buf.va + offs, seg.va + offs, np.full(n, 4096, np.uint64)).result()
     assert client.checksum(buf).result() == transfer.checksum64(seg.buffer)
+    with pytest.raises(transfer.InvalidField, match="CopyV.stream"):  # refused at submission, ring or socket
+        client.copy_many(buf.va + offs, seg.va + offs, np.full(n, 4096, np.uint64), stream=1 << 32)
     with client.batch():
         for i in range(8):
             client.fill(buf.va + i * 4096, 4096, i)

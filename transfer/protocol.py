@@ -741,19 +741,20 @@ def decode_replies(data: bytes, limits: Limits = DEFAULT_LIMITS) -> list[Reply]:
 
 
 # --- submission-side checks -----------------------------------------------------
-_INT_BOUNDS: dict[type, tuple[tuple[str, int, int], ...]] = {}
+_INT_BOUNDS: dict[type, tuple[tuple[int, str, int, int], ...]] = {}
 
 
-def _int_bounds(cls: type) -> tuple[tuple[str, int, int], ...]:
-    """(field, lo, hi) for a request's integer fields after the id, from its own annotations."""
+def _int_bounds(cls: type) -> tuple[tuple[int, str, int, int], ...]:
+    """(position after the id, field, lo, hi) for a request's integer fields (a vector
+    request's arrays are not among them), from its own annotations."""
     bounds = _INT_BOUNDS.get(cls)
     if bounds is None:
         info = msgspec.inspect.type_info(cls)
         if not isinstance(info, msgspec.inspect.StructType):
             raise TypeError(f"{cls.__name__} is not a request")
         bounds = tuple(
-            (f.name, f.type.ge if f.type.ge is not None else -(1 << 63), f.type.le if f.type.le is not None else U64_MAX)
-            for f in info.fields[1:]
+            (i, f.name, f.type.ge if f.type.ge is not None else -(1 << 63), f.type.le if f.type.le is not None else U64_MAX)
+            for i, f in enumerate(info.fields[1:])
             if isinstance(f.type, msgspec.inspect.IntType)
         )
         _INT_BOUNDS[cls] = bounds
@@ -764,9 +765,14 @@ def check_ints(cls: type, args: tuple[Any, ...]) -> None:
     """Refuse what no transport can carry before it is sent, in the decoder's words, so a
     request fails the same way whichever path (socket or ring) it would have taken.
 
-    `args` are the request's fields after the id, in order; only integer fields are checked.
+    `args` are the request's fields after the id, in order (trailing defaults may be left
+    out); only integer fields are checked.
     """
-    for (name, lo, hi), v in zip(_INT_BOUNDS.get(cls) or _int_bounds(cls), args):
+    n = len(args)
+    for i, name, lo, hi in _INT_BOUNDS.get(cls) or _int_bounds(cls):
+        if i >= n:
+            break
+        v = args[i]
         if type(v) is int and lo <= v <= hi:
             continue  # the common case, first
         if type(v) is not int:

@@ -104,8 +104,6 @@ class ClientCore:
         self.check_usable()
         if cls in _CHECKED:
             P.check_ints(cls, args)
-        elif cls in _VECTORS:  # uint64 arrays already; the stream, last, is its one int field
-            P.check_ints(cls, args[-1:])
         defs = self._definitions(cls, args, objects)
         req, pending = self.new(cls, *args)
         reqs = [*defs, req]
@@ -304,9 +302,9 @@ class ClientCore:
             self.remote = None
 
 
-#: Requests that may take the ring: their integer fields are checked at submission.
-_CHECKED = frozenset((P.Copy, P.Fill, P.Checksum))
-_VECTORS = frozenset((P.CopyV, P.ChecksumV))
+#: Requests that may take the ring: their integer fields are checked at submission (a
+#: vector's arrays are uint64 already).
+_CHECKED = frozenset((P.Copy, P.Fill, P.Checksum, P.CopyV, P.ChecksumV))
 
 
 def _sums(result: Any, error: E.TransferError | None, n: int) -> tuple[Any, E.TransferError | None]:

@@ -205,15 +205,15 @@ class Planner:
                 self._translate(owner, make_va(seg.id), 0)  # raises, in a checksum's words
         total = int(size.sum(dtype=np.uint64))
         dev = self._device_of(segs.values(), total)
-        backend = dev.backend
-        spans = [self._span(segs[s], o, n) for s, o, n in zip(sid.tolist(), off.tolist(), size.tolist())]
+        backend, span = dev.backend, self._span
 
-        def run() -> bytes:
-            return np.fromiter((backend.checksum(span) for span in spans), "<u8", len(spans)).tobytes()
+        def run() -> bytes:  # (spans made here, not while planning: off the loop for long vectors)
+            ranges = zip(sid.tolist(), off.tolist(), size.tolist())
+            return np.fromiter((backend.checksum(span(segs[s], o, n)) for s, o, n in ranges), "<u8", len(size)).tobytes()
 
         # Each range costs a call whatever its size: many small ones count as a page each, so
         # a long vector of tiny ranges runs off the event loop like a large one.
-        return Op(rid, hulls(sid, off, size), [], dev, total, run, work=len(spans) << 12)
+        return Op(rid, hulls(sid, off, size), [], dev, total, run, work=len(size) << 12)
 
     def _plan_compute(self, owner: Any, req: P.Compute) -> Op | list[Op]:
         op = OPERATORS.get(req.op)
