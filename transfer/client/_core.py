@@ -28,7 +28,8 @@ from ._ringlink import RingLink
 #: Bumped in a forked child: a client made before the fork compares its own copy (cheaper
 #: than a getpid() per request, which check_usable did before).
 _forks = [0]
-if hasattr(os, "register_at_fork"):
+_AT_FORK = hasattr(os, "register_at_fork")
+if _AT_FORK:
     os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
 
 __all__ = ["ClientCore"]
@@ -100,15 +101,25 @@ class ClientCore:
     # --- requests ---------------------------------------------------------------------------
     def prepare(self, cls: type[P.Request], args: tuple[Any, ...], objects: Sequence[Any] = (), blocking: bool = False) -> tuple[list[P.Request], Pending]:
         """The frame's worth of requests for one call: deferred definitions it needs first,
-        the request, and a Wait marker when the caller will block on it."""
-        self.check_usable()
+        the request, and a Wait marker when the caller will block on it.
+
+        Every data request comes through here: the common case (a usable session, nothing
+        deferred to define) costs two attribute tests before the request is made."""
+        if self.broken is not None or _forks[0] != self._fork or not _AT_FORK:
+            self.check_usable()
         if cls in _CHECKED:
             P.check_ints(cls, args)
-        defs = self._definitions(cls, args, objects)
+        state = self.deferred
+        if objects or (state is not None and (state.buffers or state.frees)):
+            defs = self._definitions(cls, args, objects)
+        else:
+            defs = []
         req, pending = self.new(cls, *args)
-        reqs = [*defs, req]
         if defs:
+            reqs = [*defs, req]
             pending._deps = [self.pending[d.id] for d in defs if d.id in self.pending]
+        else:
+            reqs = [req]
         if blocking:
             marker, _ = self.new(P.Wait)
             self.pending.pop(marker.id, None)  # its reply only counts; nobody waits on it
@@ -127,10 +138,9 @@ class ClientCore:
 
     def new(self, cls: type[P.Request], *args: Any) -> tuple[P.Request, Pending]:
         rid = self._next_id
-        self._next_id += 1
-        req = cls(rid, *args)
-        pending = self._pending_cls(rid, self._waiter)
-        self.pending[rid] = pending
+        self._next_id = rid + 1
+        req = cls(rid, *args)  # first: a request that cannot be made leaves nothing pending
+        pending = self.pending[rid] = self._pending_cls(rid, self._waiter)
         return req, pending
 
     def ping(self) -> P.Request:
@@ -184,9 +194,7 @@ class ClientCore:
         (The daemon takes what is in the ring before each frame it reads, so the other
         direction, ring then socket, is ordered already.)"""
         link = self.ring
-        if link is None or not link.takes_all(reqs):
-            return False
-        return len(self.pending) - len(link.outstanding) - unsent == 0
+        return link is not None and len(self.pending) - len(link.outstanding) == unsent and link.takes_all(reqs)
 
     def socket_room(self, unsent: int) -> int:
         """How many more requests the socket may carry within the daemon's credits."""
@@ -270,7 +278,7 @@ class ClientCore:
     def check_usable(self) -> None:
         if self.broken is not None:
             raise self.broken
-        if _forks[0] != self._fork or (not hasattr(os, "register_at_fork") and os.getpid() != self.pid):
+        if _forks[0] != self._fork or (not _AT_FORK and os.getpid() != self.pid):
             raise E.SessionError("this client was created in another process (fork): connect again in this one")
 
     def take_unobserved(self) -> E.TransferError | None:

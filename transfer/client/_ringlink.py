@@ -136,6 +136,8 @@ class RingLink:
         self.ring.set_doorbell(self.bell_fd)
         #: Never more descriptors outstanding than completion slots: the daemon never waits on us.
         self.credits = min(self.ring.request_capacity, self.ring.completion_capacity)
+        #: The longest CopyV chain it carries (the daemon joins at most MAX_CHAIN).
+        self.max_chain = min(MAX_CHAIN, self.credits)
         #: Outstanding requests: id -> (pending, answers with a value (a checksum_many: its
         #: _Sums), descriptors it took).
         self.outstanding: dict[int, tuple[Pending, bool | _Sums, int]] = {}
@@ -159,9 +161,11 @@ class RingLink:
 
     def takes(self, req: P.Request) -> bool:
         """Whether `req` may take this ring (a chain longer than the credits takes the socket)."""
-        if isinstance(req, (P.CopyV, P.ChecksumV)):  # (the one vector a chain bounds: a CopyV)
-            return 0 < len(req.nbytes) <= (min(MAX_CHAIN, self.credits) if type(req) is P.CopyV else self.credits)
-        return type(req) in _RING_TYPES
+        t = type(req)
+        if t in _VECTORS:  # one descriptor per range (a CopyV's chain is also bounded)
+            n = len(req.nbytes)  # type: ignore[attr-defined]
+            return 0 < n <= (self.max_chain if t is P.CopyV else self.credits)
+        return t in _RING_TYPES
 
     def takes_all(self, reqs: Sequence[P.Request]) -> bool:
         """`takes` for every one of `reqs`, by kind: one set, not a call per request."""
@@ -175,15 +179,21 @@ class RingLink:
     def push(self, reqs: Sequence[P.Request], pending: dict[int, Pending], wait_credits: Callable[[int], None]) -> None:
         """Publish `reqs` (all `takes`), waiting for credits when the window is full; a
         request's descriptors (a CopyV's chain) go out in one push, never split."""
+        groups = []  # (id, kind, descriptors' bytes, how many)
+        need = 0
         try:
-            # (A Wait marker has no descriptor: the ring has no round-trip accounting to do.)
-            groups = [(r.id, _Sums() if t is P.ChecksumV else t is P.Checksum, *_PACKERS[t](r)) for r in reqs if (t := type(r)) is not P.Wait]
+            for r in reqs:
+                t = type(r)
+                if t is not P.Wait:  # (a Wait marker has no descriptor: the ring counts no round trips)
+                    data, k = _PACKERS[t](r)
+                    groups.append((r.id, t, data, k))
+                    need += k
         except (OverflowError, TypeError, ValueError, struct.error) as exc:  # a field out of range
             self._forget([(r.id, False, b"", 0) for r in reqs], pending)
             raise E.InvalidField(f"request field out of range: {exc}") from None
-        need = groups[0][3] if len(groups) == 1 else sum(g[3] for g in groups)
+        outstanding = self.outstanding
         while groups:
-            room = self.room
+            room = self.credits - self.in_flight
             if need <= room:  # (nearly always: everything at once)
                 take, groups, used = groups, [], need
             else:  # the longest prefix the credits allow
@@ -199,12 +209,13 @@ class RingLink:
                 take, groups = groups[:n], groups[n:]
                 need -= used
             # One buffer of whole descriptors, published with one release store (and one wake).
-            data = take[0][2] if len(take) == 1 else b"".join([g for _, _, g, _ in take])
+            data = take[0][2] if len(take) == 1 else b"".join([g[2] for g in take])
             if self._outbox.push_buffer(data, used) != used:  # cannot happen within credits unless the daemon broke the ring
                 raise E.ConnectionLost("the daemon stopped taking ring descriptors")
-            outstanding = self.outstanding
-            for rid, valued, _, k in take:
-                outstanding[rid] = (pending[rid], valued, k)
+            for rid, t, _, k in take:
+                # What the completions answer: a checksum's value, a checksum_many's values
+                # gathered per range (_Sums), or nothing.
+                outstanding[rid] = (pending[rid], _Sums() if t is P.ChecksumV else t is P.Checksum, k)
             self.in_flight += used
             self.pushed += used
 

@@ -19,8 +19,9 @@ import logging
 import os
 import socket
 import stat
+import threading
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Generator, Sequence, TypeVar
+from typing import Any, Callable, Generator, Sequence, TypeVar
 
 import numpy as np
 import zmq
@@ -71,6 +72,10 @@ class Session:
         self._batch: list[P.Request] | None = None
         #: Frames (zmq messages) this client has sent: what deferred creation saves.
         self.frames_sent = 0
+        #: Held while touching shared state: the blocking client is thread-safe. A loop
+        #: client runs in one thread and never contends; an uncontended RLock costs less to
+        #: take than a Python-level null context manager, and submission takes it every call.
+        self._lock = threading.RLock()
 
     # --- what each client supplies ----------------------------------------------------------
     def _run(self, op: Op[T], timeout: float | None = None) -> Any:
@@ -88,10 +93,6 @@ class Session:
     def _link(self, info: dict[str, Any]) -> RingLink:
         """Map the ring the daemon made, with what this client needs to wait on it."""
         raise NotImplementedError
-
-    def _io_lock(self) -> ContextManager[Any]:
-        """Held while touching shared state (the blocking client is thread-safe)."""
-        return contextlib.nullcontext()
 
     # --- session facts -------------------------------------------------------------------
     @property
@@ -184,7 +185,7 @@ class Session:
         """
         state = self._core.deferred
         if state is not None:
-            with self._io_lock():
+            with self._lock:
                 return state.alloc(nbytes, device, creation_site())
         info = yield from self._op_call(P.Alloc, nbytes, device)
         return DeviceBuffer(self, info["va"], info["nbytes"], info["device"])
@@ -202,11 +203,11 @@ class Session:
             yield from self._op_call(P.Free, resource.va)
         elif isinstance(resource, DeferredBuffer):
             assert core.deferred is not None
-            with self._io_lock():
+            with self._lock:
                 core.deferred.free(resource)  # travels with the next frame
         elif isinstance(resource, Graph):
             if resource.memory is not None and core.deferred is not None:
-                with self._io_lock():
+                with self._lock:
                     core.deferred.free(resource.memory)  # its intermediates go with the next frame
         elif isinstance(resource, RemoteSegment):
             if not resource.freed:
@@ -220,7 +221,7 @@ class Session:
     def _op_register_remote(self, array: np.ndarray) -> Op[RemoteSegment]:
         """Register `array` (this process's memory) with NIXL and map it in the daemon as a
         remote segment: copies from its VAs are one-sided READs, copies to it WRITEs."""
-        with self._io_lock():
+        with self._lock:
             if self._core.remote is None:
                 self._core.remote = RemoteAgent(self._core.session_id)
             agent = self._core.remote
@@ -393,7 +394,7 @@ class Session:
         state = self._core.deferred
         if state is None:
             raise E.SessionError("graphs need deferred creation (this client has deferred=False)")
-        with self._io_lock():
+        with self._lock:
             graph.prepare(state)
         return self._submit(P.RunGraph, graph.va, ins, outs, profile, stream, objects=[graph])
 
@@ -401,7 +402,7 @@ class Session:
     def _submit(self, cls: type[P.Request], *args: Any, objects: Sequence[Any] = (), blocking: bool = False) -> Any:
         """Prepare one call's requests and send them (or hold them in a batch); never waits
         unless the daemon's credits are used up (blocking client only)."""
-        with self._io_lock():
+        with self._lock:
             reqs, pending = self._core.prepare(cls, args, objects, blocking)
             if self._batch is not None:
                 self._batch.extend(reqs)
@@ -423,15 +424,14 @@ class _Batch:
     """`Session.batch()`'s block: a class rather than a generator context manager, as it is
     entered once per group on a producer's hot path. Nested blocks join the outermost."""
 
-    __slots__ = ("_session", "_lock", "_outer")
+    __slots__ = ("_session", "_outer")
 
     def __init__(self, session: Session) -> None:
         self._session = session
 
     def __enter__(self) -> None:
         s = self._session
-        self._lock = s._io_lock()
-        self._lock.__enter__()
+        s._lock.acquire()
         self._outer = s._batch
         if s._batch is None:
             s._batch = []
@@ -444,7 +444,7 @@ class _Batch:
                 if reqs:
                     s._send(reqs)
         finally:
-            self._lock.__exit__(None, None, None)
+            s._lock.release()
 
 
 def open_socket(endpoint: str, server_key: Any, client_keys: Any, connect_timeout: float) -> zmq.Socket[bytes]:

@@ -52,7 +52,6 @@ class Client(Session):
         instead of the socket (docs/ring.md). Default: on for a same-host (ipc) daemon, off
         for tcp; False opts out; an int is its capacity (default 1024)."""
         super().__init__(endpoint or os.environ.get("TRANSFER_ENDPOINT") or default_endpoint(), Pending, self._wait_for)
-        self._lock = threading.RLock()
         self._liveness_timeout = liveness_timeout
         self._core.max_inflight = max(1, max_inflight)
         self._closed = False
@@ -140,9 +139,6 @@ class Client(Session):
             except BaseException as exc:  # thrown in: the operation may clean up (and re-raises)
                 failed = exc
 
-    def _io_lock(self) -> threading.RLock:
-        return self._lock
-
     def _link(self, info: dict[str, Any]) -> RingLink:
         return RingLink(info, self._core.shm_dir, self._core.collect)
 
@@ -181,6 +177,10 @@ class Client(Session):
                 self._send(reqs)
             link = self._core.ring
             if link is not None and pending.id in link.outstanding:
+                # Most waits find the completion in already (it came while the caller
+                # worked): take it in before setting up a wait.
+                if link.reap(self._core.pending, self._core.unobserved) and pending._done:
+                    return
                 start = time.monotonic()
                 self._ring_wait(lambda: pending._done or pending.id not in link.outstanding, timeout)
                 if pending._done:
