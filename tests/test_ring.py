@@ -620,3 +620,25 @@ def test_pack_vector_native_matches_numpy(nbytes: list[int], data: st.DataObject
                     (op, chain, rid, stream, 0, nb.astype(np.float64), nb), (op, chain, rid, stream, 0, 0, nb.astype(np.uint32))):
             with pytest.raises((OverflowError, TypeError, ValueError)):
                 f(*bad)
+
+
+# --- checksum64: the extension's sum and NumPy's ---------------------------------------------
+@pytest.mark.skipif(_ring._native is None, reason="extension not built")
+@given(st.binary(max_size=4200), st.integers(0, 15), st.sampled_from(["bytes", "u8", "u4", "strided"]))
+def test_checksum64_native_matches_numpy(raw: bytes, skip: int, form: str) -> None:
+    """`checksum64` (native where built) gives NumPy's value for any length, any start
+    offset (unaligned words), any buffer kind, a strided array's bytes in C order too; and
+    a long buffer, summed without the GIL, the same."""
+    from transfer._checksum import _py_checksum64, checksum64
+
+    data: bytes | np.ndarray = raw[skip:]
+    if form == "u8":
+        data = np.frombuffer(raw, np.uint8)[skip:]
+    elif form == "u4":
+        data = np.frombuffer(raw[: len(raw) // 4 * 4], np.uint32)
+    elif form == "strided":
+        data = np.frombuffer(raw, np.uint8)[skip::3]
+    in_order = data if isinstance(data, bytes) else np.ascontiguousarray(data).tobytes()
+    assert checksum64(data) == _py_checksum64(data) == _py_checksum64(in_order)
+    big = np.frombuffer(raw * (70_000 // max(1, len(raw)) + 1), np.uint8)[skip:]
+    assert checksum64(big) == _py_checksum64(big)
