@@ -642,3 +642,84 @@ def test_checksum64_native_matches_numpy(raw: bytes, skip: int, form: str) -> No
     assert checksum64(data) == _py_checksum64(data) == _py_checksum64(in_order)
     big = np.frombuffer(raw * (70_000 // max(1, len(raw)) + 1), np.uint8)[skip:]
     assert checksum64(big) == _py_checksum64(big)
+
+
+# --- the client's reap: a checksum_many's completions gathered per id ---------------------------
+class _Inbox:
+    """Completions as `Queue.pop_list` hands them over, one reap's worth at a time."""
+
+    def __init__(self, reaps: list[list[tuple[int, int, int, int, int]]]) -> None:
+        self.reaps = reaps
+
+    def pop_list(self) -> list[tuple[int, int, int, int, int]]:
+        return self.reaps.pop(0) if self.reaps else []
+
+
+@given(st.data())
+def test_reap_matches_completion_by_completion(data: st.DataObject) -> None:
+    """`RingLink.reap` takes a checksum_many's run of completions at once; what it finishes,
+    with what, and the credits it gives back are what taking them one by one gives, however
+    the completions interleave (a hostile daemon), split across reaps, fail, or come in surplus."""
+    from transfer import errors as E
+    from transfer.client._pending import Pending
+    from transfer.client._ringlink import RingLink, _Sums
+
+    kinds = data.draw(st.lists(st.one_of(st.just(0), st.integers(1, 6)), min_size=1, max_size=5))  # 0: a checksum; k: k ranges
+    comps = []
+    for rid, k in enumerate(kinds, 1):
+        for j in range(max(k, 1) + data.draw(st.integers(0, 1))):  # sometimes one completion too many
+            status = data.draw(st.sampled_from([0, 0, 0, 404]))
+            comps.append((rid, status, rid * 100 + j, data.draw(st.sampled_from([0, 1])) if status else 0, 0))
+    comps = data.draw(st.permutations(comps)) if data.draw(st.booleans()) else comps
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(comps)), max_size=3)))
+    reaps = [comps[a:b] for a, b in zip([0, *cuts], [*cuts, len(comps)])]
+
+    def fresh() -> tuple[RingLink, dict[int, Pending]]:
+        link = object.__new__(RingLink)
+        link.outstanding, link.detail, link.early = {}, {}, {}
+        pending = {rid: Pending(rid, lambda *a: None) for rid in range(1, len(kinds) + 1)}
+        for rid, k in enumerate(kinds, 1):
+            link.outstanding[rid] = (pending[rid], _Sums() if k else True, max(k, 1))
+        link.in_flight = sum(max(k, 1) for k in kinds)
+        return link, pending
+
+    link, pending = fresh()
+    made = dict(pending)  # (reap takes the finished ones out of `pending`)
+    link._inbox = _Inbox([list(r) for r in reaps])
+    unobserved: list[Pending] = []
+    assert sum(link.reap(pending, unobserved) for _ in reaps) == len(comps)
+
+    # The model: one completion at a time, as the daemon's order gives them.
+    want_in_flight = sum(max(k, 1) for k in kinds)
+    got: dict[int, list[int]] = {}
+    done: dict[int, tuple[object, int, int]] = {}
+    for rid, status, result, flags, _ in comps:
+        k = kinds[rid - 1]
+        if rid in done:
+            continue  # late: nothing outstanding under that id
+        want_in_flight -= 1
+        if not k:
+            done[rid] = (result, status, flags)
+            continue
+        got.setdefault(rid, []).append((result, status, flags))
+        if len(got[rid]) == k:
+            first = next(((s, f) for _, s, f in got[rid] if s), (0, 0))
+            done[rid] = ([r for r, _, _ in got[rid]], *first)
+    assert link.in_flight == want_in_flight
+    for rid in range(1, len(kinds) + 1):
+        p = made[rid]
+        if rid not in done:
+            assert rid in link.outstanding and not p._done
+            continue
+        assert rid not in link.outstanding
+        value, status, flags = done[rid]
+        if status and flags:  # the full error follows on the socket
+            assert link.detail[rid] is p and not p._done and rid in pending
+        elif status:
+            assert p._done and isinstance(p._error, E.TransferError) and p in unobserved
+        else:
+            assert p._done and p._error is None
+            if kinds[rid - 1]:
+                assert p._value.dtype == np.uint64 and p._value.tolist() == value
+            else:
+                assert p._value == value

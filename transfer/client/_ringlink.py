@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import struct
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -34,6 +35,8 @@ _RING_TYPES = frozenset((P.Copy, P.CopyV, P.Fill, P.Checksum, P.ChecksumV, P.Fen
 #: Vector requests: one descriptor per range, so at most the ring's credits.
 _VECTORS = frozenset((P.CopyV, P.ChecksumV))
 _COPY, _FILL, _CHECKSUM, _FENCE = (int(o) for o in (RingOp.COPY, RingOp.FILL, RingOp.CHECKSUM, RingOp.FENCE))
+#: A completion's fields (COMPLETION_DTYPE: id, status, result, flags, aux), read at C speed.
+_STATUS, _RESULT = itemgetter(1), itemgetter(2)
 
 
 #: A descriptor's bytes, fields in layout order (REQUEST_DTYPE): op, flags, stream, id, dst,
@@ -168,9 +171,11 @@ class RingLink:
         return t in _RING_TYPES
 
     def takes_all(self, reqs: Sequence[P.Request]) -> bool:
-        """`takes` for every one of `reqs`, by kind: one set, not a call per request."""
-        if len(reqs) == 1:
-            return self.takes(reqs[0])
+        """`takes` for every one of `reqs`: a call each for a few (a producer's group), by
+        kind for many (one set, then a call per vector: a batch of 64 checksums at a third
+        of the cost of a call each)."""
+        if len(reqs) <= 4:
+            return all(map(self.takes, reqs))
         kinds = {type(r) for r in reqs}
         if not kinds.issubset(_RING_TYPES):
             return False
@@ -228,26 +233,39 @@ class RingLink:
     def reap(self, pending: dict[int, Pending], unobserved: list[Pending]) -> int:
         """Finish the requests whose completions are in; return how many completions there were."""
         comps = self._inbox.pop_list()
-        if not comps:
+        n = len(comps)
+        if not n:
             return 0
         out = self.outstanding
-        for rid, status, result, flags, _ in comps:
-            entry = out.pop(rid, None)
+        i = 0
+        while i < n:
+            rid, status, result, flags, _ = comps[i]
+            i += 1
+            entry = out.get(rid)
             if entry is None:
                 self._late(rid)  # else not ours (a confused daemon): ignore
                 continue
             p, valued, took = entry
-            if type(valued) is _Sums:  # a checksum_many: each range completes on its own
-                self.in_flight -= 1
-                valued.values.append(result)
-                if status and not valued.status:
-                    valued.status, valued.flags = status, flags
-                if len(valued.values) < took:
-                    out[rid] = entry
+            if type(valued) is _Sums:
+                # A checksum_many: one completion per range, in order, under its id. The ranges
+                # come one after another, so take this id's run at once (never more than the
+                # ranges it still owes: a surplus completion is a late one).
+                values = valued.values
+                j, end = i, min(n, i - 1 + took - len(values))
+                while j < end and comps[j][0] == rid:
+                    j += 1
+                run, i = comps[i - 1 : j], j
+                self.in_flight -= len(run)
+                values.extend(map(_RESULT, run))
+                if not valued.status and any(map(_STATUS, run)):  # the first failure is kept
+                    first = next(c for c in run if c[1])
+                    valued.status, valued.flags = first[1], first[3]
+                if len(values) < took:
                     continue
-                status, flags, result = valued.status, valued.flags, np.array(valued.values, np.uint64)
+                status, flags, result = valued.status, valued.flags, np.fromiter(values, np.uint64, took)
             else:
                 self.in_flight -= took
+            del out[rid]
             if status == 0:
                 pending.pop(rid, None)
                 p._finish(result if valued else None, None)
@@ -257,7 +275,7 @@ class RingLink:
                 unobserved.append(p)
             else:
                 self.detail[rid] = p  # the reply with the full error is on the socket; it finishes p
-        return len(comps)
+        return n
 
     def _late(self, rid: int) -> None:
         """A completion of a request already answered on the socket: give back its credits."""
