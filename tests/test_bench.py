@@ -362,3 +362,18 @@ def test_graphs_bench_tiny(tmp_path: Path) -> None:
         assert r["baseline_per_s"] > 0 and r["daemon_vs_baseline"] > 0  # here the same code: the path works
     img = doc["images"][0]
     assert img["daemon_per_s"] > 0 and img["kernels_per_s"] > 0 and img["max_abs_error"] <= 1e-5
+
+
+def test_submit_bench_tiny(tmp_path: Path) -> None:
+    """bench/submit.py runs end to end (with --baseline pointing at this same checkout) and
+    records each tree's runs."""
+    out = tmp_path / "submit.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "submit.py"), "--n", "50", "--rounds", "1", "--runs", "1",
+                           "--baseline", str(ROOT), "--json", str(out)],
+                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["command"].startswith("python bench/submit.py ")
+    for tree in ("this", "baseline"):
+        (run,) = doc["runs"][tree]
+        assert 0 < run["submit_us"] < run["rt_p50_us"] <= run["rt_p99_us"] and run["wait_us"] > 0 and run["result_when_complete_us"] > 0
