@@ -69,8 +69,11 @@ class Op:
 
     @property
     def cost(self) -> int:
-        """What decides inline or a worker: the larger of the bytes touched and the element work."""
-        return self.nbytes if self.nbytes >= self.work else self.work
+        """What decides inline or a worker, in bytes copied: the larger of the bytes touched
+        and the element work. A checksum's bytes count half: it only reads them, where a copy
+        reads and writes each (cold, 256 KiB summed in 20 us against 35 us copied)."""
+        n = self.nbytes >> 1 if self.kind == "checksum" else self.nbytes
+        return n if n >= self.work else self.work
 
     def answered(self) -> Any:
         """The ids this op answers (an int, or a sequence for a vector of copies)."""
