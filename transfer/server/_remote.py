@@ -253,7 +253,8 @@ class RemotePlane:
         self.counters["nixl_descs"] += int(local.shape[0])
         try:
             with self._lock:
-                return ep.read(peer, local, remote) if op == "READ" else ep.write(peer, local, remote)
+                # Rows the planner built from translated ranges (plan_remote_rows, pull_input): checked.
+                return ep.read(peer, local, remote, checked=True) if op == "READ" else ep.write(peer, local, remote, checked=True)
         except E.NixlError as exc:
             self._failed(p, exc)
             raise
@@ -413,6 +414,8 @@ def pull_input(planner: Any, owner: Any, rseg: Segment[Any], roff: int, nbytes: 
     """An internal op (no reply of its own) reading a remote range into a staging buffer."""
     plane = _plane(planner)
     _check_owner(rseg, owner)
+    if nbytes <= 0:  # (a NIXL descriptor cannot be empty; the post is not checked again)
+        raise E.InvalidField("an empty compute input in a remote segment: there is nothing to read")
     handle = rseg.handle
     raddr = handle.addr + roff
     plane.check_declared(handle)

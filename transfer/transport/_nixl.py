@@ -681,20 +681,23 @@ class NixlEndpoint:
         rows[:, :2] = ranges
         return self._xfer_dlist(self._dram, rows)
 
-    def _post(self, op: str, peer: str, local: RangeList, remote: RangeList, notif: bytes) -> Transfer:
+    def _post(self, op: str, peer: str, local: RangeList, remote: RangeList, notif: bytes, checked: bool) -> Transfer:
         self._check_open()
         if peer not in self._peers:
             raise NixlError(f"unknown peer {peer!r}: add_peer() its metadata first")
-        loc = _as_ranges(local, "local ranges")
-        rem = _as_ranges(remote, "remote ranges")
-        if loc.shape[0] != rem.shape[0]:
-            raise InvalidField(f"{loc.shape[0]} local ranges but {rem.shape[0]} remote ranges")
-        if loc.shape[0] == 0:
-            raise InvalidField("empty transfer")
-        unequal = loc[:, 1] != rem[:, 1]
-        if unequal.any():
-            i = int(unequal.argmax())
-            raise InvalidField(f"range {i}: local length {int(loc[i, 1])} != remote length {int(rem[i, 1])}")
+        if checked:  # the caller's own (N, 2) uint64 rows: non-empty, lengths equal and > 0
+            loc, rem = np.asarray(local), np.asarray(remote)
+        else:
+            loc = _as_ranges(local, "local ranges")
+            rem = _as_ranges(remote, "remote ranges")
+            if loc.shape[0] != rem.shape[0]:
+                raise InvalidField(f"{loc.shape[0]} local ranges but {rem.shape[0]} remote ranges")
+            if loc.shape[0] == 0:
+                raise InvalidField("empty transfer")
+            unequal = loc[:, 1] != rem[:, 1]
+            if unequal.any():
+                i = int(unequal.argmax())
+                raise InvalidField(f"range {i}: local length {int(loc[i, 1])} != remote length {int(rem[i, 1])}")
         try:
             handle = self._agent.initialize_xfer(op, self._dlist(loc), self._dlist(rem), peer, bytes(notif))
         except Exception as exc:
@@ -725,7 +728,7 @@ class NixlEndpoint:
         except NixlError:
             log.warning("could not release failed %r", xfer)
 
-    def read(self, peer: str, local: RangeList, remote: RangeList, *, notif: bytes = b"") -> Transfer:
+    def read(self, peer: str, local: RangeList, remote: RangeList, *, notif: bytes = b"", checked: bool = False) -> Transfer:
         """One-sided READ: copy each ``remote[i]`` of ``peer`` into ``local[i]``.
 
         ``local`` must lie in our registrations, ``remote`` in the peer's (as
@@ -733,13 +736,16 @@ class NixlEndpoint:
         is posted for the whole list; ``notif`` is delivered to the peer when
         it completes. Check untrusted ``remote`` ranges with
         :func:`check_ranges_within` first: NIXL accepts any range inside any
-        of the peer's registrations.
+        of the peer's registrations. ``checked``: the caller has validated both
+        lists already, as (N, 2) uint64 arrays of equal, non-zero lengths that
+        do not wrap (the daemon's planner, which checked them against its
+        mapping table), so they are not validated again.
         """
-        return self._post("READ", peer, local, remote, notif)
+        return self._post("READ", peer, local, remote, notif, checked)
 
-    def write(self, peer: str, local: RangeList, remote: RangeList, *, notif: bytes = b"") -> Transfer:
-        """One-sided WRITE: copy each ``local[i]`` into ``remote[i]`` of ``peer``."""
-        return self._post("WRITE", peer, local, remote, notif)
+    def write(self, peer: str, local: RangeList, remote: RangeList, *, notif: bytes = b"", checked: bool = False) -> Transfer:
+        """One-sided WRITE: copy each ``local[i]`` into ``remote[i]`` of ``peer`` (``checked``: as for read)."""
+        return self._post("WRITE", peer, local, remote, notif, checked)
 
     # -- notifications --------------------------------------------------------------
     def get_notifs(self) -> dict[str, list[bytes]]:
