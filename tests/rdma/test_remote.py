@@ -111,6 +111,8 @@ def test_compute_pulls_remote_inputs_first(client: transfer.Client) -> None:
     assert client.stats()["daemon"]["nixl_posts"] >= posts + 2
     with pytest.raises(transfer.InvalidField, match="cannot write a remote segment"):
         client.compute("fill", [], [seg.tensor(16, np.float32)], {"value": 0}).result()
+    with pytest.raises(transfer.InvalidField, match="nothing to read"):  # no empty NIXL descriptor is posted
+        client.compute("sum", [seg.tensor(0, np.float32)], [acc.tensor((), np.float64)]).result()
     client.free(seg)
 
 
