@@ -368,6 +368,87 @@ static PyObject *Queue_pop_list(QueueObject *self, PyObject *args, PyObject *kwd
     return list;
 }
 
+/* A field's bits as stored (zero-extended): a key to compare, a word to pass on, a flag to test. */
+static inline uint64_t field_bits(const QueueObject *self, const uint8_t *slot, int i)
+{
+    uint64_t v = 0;
+    memcpy(&v, slot + self->fields[i].offset, self->fields[i].size);
+    return v;
+}
+
+/* pop_list, with each run of consecutive slots that share field `key` and have field `clean`
+ * zero handed over as ONE tuple: the run's first slot's fields, then its length, then field
+ * `value` (8 bytes) of every slot of the run as packed little-endian words (None for a run of
+ * one). A slot whose `clean` field is not zero is always a run of one. A checksum_many's
+ * completions (one per range, under one id) come to the client as one tuple this way. */
+static PyObject *Queue_pop_runs(QueueObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"key", "value", "clean", "wake", NULL};
+    int key, value, clean, wake = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iii|p", kwlist, &key, &value, &clean, &wake))
+        return NULL;
+    if (check_role(self, 0) < 0)
+        return NULL;
+    if (key < 0 || key >= self->nfields || clean < 0 || clean >= self->nfields || value < 0 ||
+        value >= self->nfields || self->fields[value].size != 8) {
+        PyErr_SetString(PyExc_ValueError, "key, value and clean must be fields (value an 8-byte one)");
+        return NULL;
+    }
+    int64_t avail = trq_available(&self->q);
+    if (avail < 0)
+        return corrupt(self);
+    uint64_t n = (uint64_t)avail, ss = self->q.slot_size;
+    uint8_t small[64 * 32];
+    uint8_t *buf = n * ss <= sizeof small ? small : PyMem_Malloc(n * ss);
+    if (!buf)
+        return PyErr_NoMemory();
+    int64_t got = n ? trq_pop_into(&self->q, buf, n, wake) : 0;
+    PyObject *list = got < 0 ? NULL : PyList_New(0);
+    for (int64_t i = 0; list && i < got;) {
+        const uint8_t *first = buf + i * ss;
+        int64_t j = i + 1;
+        if (field_bits(self, first, clean) == 0) {
+            uint64_t k = field_bits(self, first, key);
+            while (j < got && field_bits(self, buf + j * ss, key) == k && field_bits(self, buf + j * ss, clean) == 0)
+                j++;
+        }
+        PyObject *t = unpack(self, first), *item = t ? PyTuple_New(self->nfields + 2) : NULL;
+        PyObject *count = item ? PyLong_FromLongLong(j - i) : NULL, *words = NULL;
+        if (count) {
+            if (j - i == 1) {
+                words = Py_NewRef(Py_None);
+            } else if ((words = PyBytes_FromStringAndSize(NULL, 8 * (j - i)))) {
+                char *w = PyBytes_AS_STRING(words);
+                for (int64_t r = i; r < j; r++) {
+                    uint64_t v = field_bits(self, buf + r * ss, value);
+                    memcpy(w + 8 * (r - i), &v, 8); /* little-endian, as the ring's words are */
+                }
+            }
+        }
+        if (!words) {
+            Py_XDECREF(t);
+            Py_XDECREF(item);
+            Py_XDECREF(count);
+            Py_CLEAR(list);
+            break;
+        }
+        for (int f = 0; f < self->nfields; f++)
+            PyTuple_SET_ITEM(item, f, Py_NewRef(PyTuple_GET_ITEM(t, f)));
+        PyTuple_SET_ITEM(item, self->nfields, count);
+        PyTuple_SET_ITEM(item, self->nfields + 1, words);
+        Py_DECREF(t);
+        if (PyList_Append(list, item) < 0)
+            Py_CLEAR(list);
+        Py_DECREF(item);
+        i = j;
+    }
+    if (buf != small)
+        PyMem_Free(buf);
+    if (got < 0)
+        return corrupt(self);
+    return list;
+}
+
 static PyObject *Queue_pop_into(QueueObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"out", "max", "wake", NULL};
@@ -501,6 +582,8 @@ static PyMethodDef Queue_methods[] = {
      "pop(wake=True) -> tuple | None"},
     {"pop_list", (PyCFunction)(void (*)(void))Queue_pop_list, METH_VARARGS | METH_KEYWORDS,
      "pop_list(max=all, wake=True) -> list of tuples, released with one store"},
+    {"pop_runs", (PyCFunction)(void (*)(void))Queue_pop_runs, METH_VARARGS | METH_KEYWORDS,
+     "pop_runs(key, value, clean, wake=True) -> pop_list with each run of one key as one tuple (+ length, packed values)"},
     {"pop_into", (PyCFunction)(void (*)(void))Queue_pop_into, METH_VARARGS | METH_KEYWORDS,
      "pop_into(out, max, wake=True) -> int: copy up to max slots out, one release store."},
     {"available", (PyCFunction)Queue_available, METH_NOARGS, "published slots not yet popped"},

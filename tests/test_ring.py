@@ -140,6 +140,41 @@ def test_full_push_returns_false_and_times_out(pair) -> None:
     assert cli.push_many(make_descs(8, 3), timeout=0.2) == 3
 
 
+@given(st.lists(st.tuples(st.integers(1, 3), st.sampled_from([0, 0, 0, -5, 7]), st.integers(0, 2**64 - 1)), max_size=40),
+       st.integers(0, 7))
+def test_pop_runs_native_matches_python(rows: list[tuple[int, int, int]], skew: int) -> None:
+    """`pop_runs` groups a run of one id (every status zero) into one tuple, its results packed;
+    the native queue and the pure-Python one hand over the same, across the wrap too, and
+    `group_runs` of `pop_list`'s tuples is what both mean."""
+    import tempfile
+
+    from transfer._ringqueue import group_runs
+
+    got = {}
+    for impl in ("native", "python"):
+        if impl == "native" and _ring._native is None:
+            continue
+        with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+            srv = Ring.create(Path(d) / "r.ring", 8, 64, impl=impl)
+            cli = Ring.attach(Path(d) / "r.ring", impl=impl)
+            for k in range(skew):  # move the indices so the batch wraps
+                assert srv.push((9, 0, k))
+            cli.inbox.pop_list()
+            comps = [(rid, status, result, 1 if status else 0, 0) for rid, status, result in rows]
+            for c in comps:
+                assert srv.push(c)
+            got[impl] = cli.inbox.pop_runs(0, 2, 1)
+            assert cli.inbox.pop_runs(0, 2, 1) == []
+            with pytest.raises(ValueError):
+                cli.inbox.pop_runs(0, 1, 1)  # status is not an 8-byte field
+            cli.close()
+            srv.close()
+        assert got[impl] == group_runs(comps, 0, 2, 1)
+        assert sum(r[5] for r in got[impl]) == len(comps)
+        for r in got[impl]:
+            assert (r[6] is None) == (r[5] == 1) and (r[5] == 1 or not r[1])
+
+
 def test_pop_list_takes_everything_across_the_wrap(pair) -> None:
     """pop_list: every available descriptor as tuples (as pop gives them), in order, over
     many laps of the ring, released at once (the producer sees the room)."""
@@ -646,18 +681,20 @@ def test_checksum64_native_matches_numpy(raw: bytes, skip: int, form: str) -> No
 
 # --- the client's reap: a checksum_many's completions gathered per id ---------------------------
 class _Inbox:
-    """Completions as `Queue.pop_list` hands them over, one reap's worth at a time."""
+    """Completions as `Queue.pop_runs` hands them over, one reap's worth at a time."""
 
     def __init__(self, reaps: list[list[tuple[int, int, int, int, int]]]) -> None:
         self.reaps = reaps
 
-    def pop_list(self) -> list[tuple[int, int, int, int, int]]:
-        return self.reaps.pop(0) if self.reaps else []
+    def pop_runs(self, key: int, value: int, clean: int) -> list[tuple[object, ...]]:
+        from transfer._ringqueue import group_runs
+
+        return group_runs(self.reaps.pop(0) if self.reaps else [], key, value, clean)
 
 
 @given(st.data())
 def test_reap_matches_completion_by_completion(data: st.DataObject) -> None:
-    """`RingLink.reap` takes a checksum_many's run of completions at once; what it finishes,
+    """`RingLink.reap` takes a run of one id's completions at once (`pop_runs`); what it finishes,
     with what, and the credits it gives back are what taking them one by one gives, however
     the completions interleave (a hostile daemon), split across reaps, fail, or come in surplus."""
     from transfer import errors as E

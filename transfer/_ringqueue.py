@@ -86,6 +86,27 @@ def _futex_wake(addr: int) -> None:
         )
 
 
+_U64 = (1 << 64) - 1
+
+
+def group_runs(rows: list[tuple[int, ...]], key: int, value: int, clean: int) -> list[tuple[Any, ...]]:
+    """`pop_runs`'s grouping of popped rows (`pop_list`'s tuples): each run of consecutive rows
+    sharing `key`, with `clean` zero, as its first row + (its length, the `value` words packed
+    little-endian, or None for a run of one). The native `Queue.pop_runs` does the same in C."""
+    out: list[tuple[Any, ...]] = []
+    i, n = 0, len(rows)
+    while i < n:
+        first, j = rows[i], i + 1
+        if not first[clean]:
+            k = first[key]
+            while j < n and rows[j][key] == k and not rows[j][clean]:
+                j += 1
+        words = None if j - i == 1 else struct.pack(f"<{j - i}Q", *(r[value] & _U64 for r in rows[i:j]))  # (the stored bits)
+        out.append((*first, j - i, words))
+        i = j
+    return out
+
+
 class _PyQueue:
     """Pure-Python twin of ``_ring_native.Queue`` (same constructor and methods)."""
 
@@ -129,6 +150,7 @@ class _PyQueue:
         self._order = order
         self._inverse = [order.index(i) for i in range(len(fields))]
         self._nfields = len(fields)
+        self._sizes = [f[1] for f in fields]
         self._identity = order == list(range(len(fields)))
         self._interrupt = False
         self._waiting = 0
@@ -219,6 +241,11 @@ class _PyQueue:
         if n:
             self._advance_head(n, wake)
         return out
+
+    def pop_runs(self, key: int, value: int, clean: int, wake: bool = True) -> list[tuple[Any, ...]]:
+        if not all(0 <= f < self._nfields for f in (key, value, clean)) or self._sizes[value] != 8:
+            raise ValueError("key, value and clean must be fields (value an 8-byte one)")
+        return group_runs(self.pop_list(wake=wake), key, value, clean)
 
     def pop_into(self, out: Any, max: int, wake: bool = True) -> int:  # noqa: A002
         self._check(False)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import struct
-from operator import itemgetter
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -35,8 +34,6 @@ _RING_TYPES = frozenset((P.Copy, P.CopyV, P.Fill, P.Checksum, P.ChecksumV, P.Fen
 #: Vector requests: one descriptor per range, so at most the ring's credits.
 _VECTORS = frozenset((P.CopyV, P.ChecksumV))
 _COPY, _FILL, _CHECKSUM, _FENCE = (int(o) for o in (RingOp.COPY, RingOp.FILL, RingOp.CHECKSUM, RingOp.FENCE))
-#: A completion's fields (COMPLETION_DTYPE: id, status, result, flags, aux), read at C speed.
-_STATUS, _RESULT = itemgetter(1), itemgetter(2)
 
 
 #: A descriptor's bytes, fields in layout order (REQUEST_DTYPE): op, flags, stream, id, dst,
@@ -154,7 +151,7 @@ class RingLink:
         self.early: dict[int, list[int]] = {}
         self.pushed = 0
         #: The queues themselves: the native push takes our packed bytes as they are, and
-        #: pop_list hands over every completion in as tuples (no NumPy for a few).
+        #: pop_runs hands over every completion in as tuples, a run of one id as one (no NumPy for a few).
         self._outbox, self._inbox = self.ring.outbox, self.ring.inbox
 
     @property
@@ -232,38 +229,38 @@ class RingLink:
 
     def reap(self, pending: dict[int, Pending], unobserved: list[Pending]) -> int:
         """Finish the requests whose completions are in; return how many completions there were."""
-        comps = self._inbox.pop_list()
-        n = len(comps)
-        if not n:
+        # id, status, result, flags, aux, then how many completions in a row share that id
+        # (all successes, or a single one) and their results as packed words.
+        runs = self._inbox.pop_runs(0, 2, 1)
+        if not runs:
             return 0
         out = self.outstanding
-        i = 0
-        while i < n:
-            rid, status, result, flags, _ = comps[i]
-            i += 1
+        total = 0
+        for rid, status, result, flags, _, count, words in runs:
+            total += count
             entry = out.get(rid)
             if entry is None:
-                self._late(rid)  # else not ours (a confused daemon): ignore
+                for _ in range(count):
+                    self._late(rid)  # else not ours (a confused daemon): ignore
                 continue
             p, valued, took = entry
             if type(valued) is _Sums:
-                # A checksum_many: one completion per range, in order, under its id. The ranges
-                # come one after another, so take this id's run at once (never more than the
-                # ranges it still owes: a surplus completion is a late one).
+                # A checksum_many: one completion per range, in order, under its id (a run of
+                # them comes as one), never more than the ranges it still owes.
                 values = valued.values
-                j, end = i, min(n, i - 1 + took - len(values))
-                while j < end and comps[j][0] == rid:
-                    j += 1
-                run, i = comps[i - 1 : j], j
-                self.in_flight -= len(run)
-                values.extend(map(_RESULT, run))
-                if not valued.status and any(map(_STATUS, run)):  # the first failure is kept
-                    first = next(c for c in run if c[1])
-                    valued.status, valued.flags = first[1], first[3]
+                used = min(count, took - len(values))
+                self.in_flight -= used
+                if words is None:
+                    values.append(result)
+                else:
+                    values.extend(struct.unpack_from(f"<{used}Q", words))
+                if status and not valued.status:  # the first failure is kept (a run has none)
+                    valued.status, valued.flags = status, flags
                 if len(values) < took:
                     continue
                 status, flags, result = valued.status, valued.flags, np.fromiter(values, np.uint64, took)
             else:
+                used = 1
                 self.in_flight -= took
             del out[rid]
             if status == 0:
@@ -275,7 +272,9 @@ class RingLink:
                 unobserved.append(p)
             else:
                 self.detail[rid] = p  # the reply with the full error is on the socket; it finishes p
-        return n
+            for _ in range(count - used):
+                self._late(rid)  # completions past what the request owed: late ones
+        return total
 
     def _late(self, rid: int) -> None:
         """A completion of a request already answered on the socket: give back its credits."""
