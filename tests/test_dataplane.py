@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 import transfer
 from transfer import errors as E
-from transfer._ring import native_module
+from transfer._native import native_module
 from transfer.testing import DaemonProcess, start_daemon
 
 from conftest import FAST

@@ -22,6 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from transfer import _ring
+from transfer import checksum64 as transfer_checksum64
 from transfer._ring import COMPLETION_DTYPE, REQUEST_DTYPE, Op, Ring, RingCorrupted, RingError
 from transfer.client._ringlink import _py_pack_vector
 
@@ -369,6 +370,10 @@ def test_env_forces_python_and_missing_extension() -> None:
     out = subprocess.run([sys.executable, "-c", hide + "import transfer\n" + code], env=env,
                          capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["python", "python"]
+    # ... and checksum64 falls back to NumPy, with the same value
+    sums = "import transfer, numpy as np; print(transfer.checksum64(np.arange(1001, dtype=np.uint8)), transfer._native.native_module())"
+    fell = subprocess.run([sys.executable, "-c", hide + sums], env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert fell == [str(transfer_checksum64(np.arange(1001, dtype=np.uint8))), "None"]
     env["TRANSFER_RING"] = "native"
     bad = subprocess.run([sys.executable, "-c", hide + code], env=env, capture_output=True, text=True)
     assert bad.returncode != 0 and "ImportError" in bad.stderr

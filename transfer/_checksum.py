@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ._ring import native_module
+from ._native import native_module
 
 __all__ = ["checksum64", "checksum64_xp"]
 

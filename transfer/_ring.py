@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from ._native import NATIVE_ERROR, native_module
 from ._ringqueue import RingCorrupted, RingError, _fence, _PyQueue
 
 __all__ = [
@@ -144,19 +145,10 @@ def _check_capacity(n: int, what: str) -> int:
 
 
 # --- implementation selection ----------------------------------------------------
-try:
-    from . import _ring_native as _native  # type: ignore[attr-defined]
-
+_native = native_module()
+_NATIVE_ERROR = NATIVE_ERROR
+if _native is not None:
     _native._set_corrupt_error(RingCorrupted)
-    _NATIVE_ERROR: BaseException | None = None
-except ImportError as exc:  # no compiler at install time, or the .so was removed
-    _native = None
-    _NATIVE_ERROR = exc
-
-
-def native_module() -> Any:
-    """The native extension (its Queue, and the data plane's Table and Worker), or None."""
-    return _native
 
 
 def available_implementations() -> list[str]:

@@ -22,7 +22,8 @@ import numpy as np
 
 from .. import errors as E
 from .. import protocol as P
-from .._ring import FLAG_CHAIN, MAX_CHAIN, REQUEST_DTYPE, Op as RingOp, Ring, native_module
+from .._native import native_module
+from .._ring import FLAG_CHAIN, MAX_CHAIN, REQUEST_DTYPE, Op as RingOp, Ring
 from ..memory._shm import check_sealed
 from ._pending import Pending
 

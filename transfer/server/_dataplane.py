@@ -22,7 +22,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .._ring import Ring, native_module
+from .._native import native_module
+from .._ring import Ring
 from ..addressing import Segment, SegmentKind
 from ..backends import Backend
 from ._accounting import Accounting
