@@ -146,7 +146,6 @@ def _check_capacity(n: int, what: str) -> int:
 
 # --- implementation selection ----------------------------------------------------
 _native = native_module()
-_NATIVE_ERROR = NATIVE_ERROR
 if _native is not None:
     _native._set_corrupt_error(RingCorrupted)
 
@@ -160,7 +159,7 @@ def _choose(impl: str | None) -> str:
     if want not in ("auto", "native", "python"):
         raise ValueError(f"ring implementation must be auto, native or python, not {want!r}")
     if want == "native" and _native is None:
-        raise ImportError(f"the native ring extension is not available: {_NATIVE_ERROR}")
+        raise ImportError(f"the native ring extension is not available: {NATIVE_ERROR}")
     if want == "auto":
         want = "native" if _native is not None else "python"
     return want

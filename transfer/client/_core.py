@@ -110,10 +110,9 @@ class ClientCore:
         if cls in _CHECKED:
             P.check_ints(cls, args)
         state = self.deferred
-        if objects or (state is not None and (state.buffers or state.frees)):
-            defs = self._definitions(cls, args, objects)
-        else:
-            defs = []
+        stale = [o for o in objects if o.sent_version != o.version] if objects else ()
+        # (Most calls: nothing deferred to send first, decided by these two tests alone.)
+        defs = self._definitions(cls, args, stale) if stale or (state is not None and (state.buffers or state.frees)) else ()
         req, pending = self.new(cls, *args)
         if defs:
             reqs = [*defs, req]
@@ -126,14 +125,10 @@ class ClientCore:
             reqs.append(marker)
         return reqs, pending
 
-    def _definitions(self, cls: type[P.Request], args: tuple[Any, ...], objects: Sequence[Any]) -> list[P.Request]:
-        """Deferred definitions a request needs first: allocations it touches, descriptors it names."""
-        state = self.deferred
-        stale = [o for o in objects if o.sent_version != o.version] if objects else []
-        if not stale and (state is None or not (state.buffers or state.frees)):
-            return []  # (most calls: nothing deferred to send first)
-        if state is None:
-            state = DeferredState(())
+    def _definitions(self, cls: type[P.Request], args: tuple[Any, ...], stale: Sequence[Any]) -> list[P.Request]:
+        """Deferred definitions a request needs first: allocations it touches, and the
+        `stale` descriptors it names (changed since they were last sent)."""
+        state = self.deferred if self.deferred is not None else DeferredState(())
         return state.definitions_for(_touched(cls, args), stale, lambda c, *a: self.new(c, *a)[0])
 
     def new(self, cls: type[P.Request], *args: Any) -> tuple[P.Request, Pending]:

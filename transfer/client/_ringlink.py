@@ -100,8 +100,8 @@ class _Sums:
 
 def descriptors_of(req: P.Request) -> int:
     """How many descriptors (credits) a ring-able request takes."""
-    if isinstance(req, (P.CopyV, P.ChecksumV)):
-        return len(req.nbytes)
+    if type(req) in _VECTORS:
+        return len(req.nbytes)  # type: ignore[attr-defined]
     return 0 if type(req) is P.Wait else 1
 
 
