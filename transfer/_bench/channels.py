@@ -306,58 +306,60 @@ class TransferProducer:
         self._vas: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def submit(self, g: int, slot: int, verify: bool, expected: Sequence[int] | None) -> None:
-        c, cell = self.client, self.cell
-        S, K = cell.size, cell.batch
-        base = slot * cell.slot_bytes
-        src0 = self.seg.va + base
-        ck0 = src0  # what the daemon checksums: the source in place ...
-        pend: list[Pending] = []
-        cks: list[Pending] = []
+        c = self.client
+        vas = self._vas.get(slot) or self._slot_vas(slot)
+        check = verify or self.dev is None
         with c.batch():
-            if self.dev is not None:
-                dst0 = self.dev.va + base
-                if self.remote:
-                    ck0 = dst0  # ... or, remote, what the READ delivered (a remote VA is copy-only)
             if self._use_many:
-                vas = self._vas.get(slot)
-                if vas is None:
-                    d0 = dst0 if self.dev is not None else 0
-                    vas = self._vas[slot] = (np.uint64(d0) + self._offsets, np.uint64(src0) + self._offsets, np.uint64(ck0) + self._offsets)
-                if self.dev is not None:
-                    pend.append(c.copy_many(vas[0], vas[1], self._sizes))
-                if verify or self.dev is None:
-                    cks.append(c.checksum_many(vas[2], self._sizes))
+                pend = [c.copy_many(vas[0], vas[1], self._sizes)] if self.dev is not None else []
+                cks = [c.checksum_many(vas[2], self._sizes)] if check else []
             else:
-                if self.dev is not None:
-                    pend.extend(c.copy(dst0 + i * S, src0 + i * S, S) for i in range(K))
-                if verify or self.dev is None:
-                    cks.extend(c.checksum(ck0 + i * S, S) for i in range(K))
+                S = self.cell.size
+                d0, s0, k0 = int(vas[0][0]), int(vas[1][0]), int(vas[2][0])
+                pend = [c.copy(d0 + i * S, s0 + i * S, S) for i in range(len(vas[0]))] if self.dev is not None else []
+                cks = [c.checksum(k0 + i * S, S) for i in range(len(vas[0]))] if check else []
         self.inflight.append((g, pend, cks, expected))
 
+    def _slot_vas(self, slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A slot's items' (copy destinations, sources, checksummed ranges): a producer with
+        fixed slots computes them once."""
+        src0 = self.seg.va + slot * self.cell.slot_bytes
+        dst0 = self.dev.va + slot * self.cell.slot_bytes if self.dev is not None else 0
+        ck0 = dst0 if self.remote else src0  # the source in place, or (remote) what the READ delivered
+        vas = self._vas[slot] = (np.uint64(dst0) + self._offsets, np.uint64(src0) + self._offsets, np.uint64(ck0) + self._offsets)
+        return vas
+
     def poll(self, block: bool) -> list[tuple[int, bool]]:
-        out = []
-        if not block and self.inflight and not self._all_done(self.inflight[0]):
+        out: list[tuple[int, bool]] = []
+        inflight = self.inflight
+        if not block and inflight and not self._all_done(inflight[0]):
             self.client.poll()  # take in whatever replies have arrived, without waiting
-        while self.inflight:
-            head = self.inflight[0]
-            if not block and not self._all_done(head):
+        while inflight:
+            g, pend, cks, expected = inflight[0]
+            if not block and not self._all_done(inflight[0]):
                 break
-            g, pend, cks, expected = head
             for p in pend:
                 p.result()
-            got: list[int] = []
-            for p in cks:  # a checksum_many answers an array
-                r = p.result()
-                got.extend(r.tolist() if isinstance(r, np.ndarray) else (r,))
-            ok = expected is None or list(got) == list(expected)
-            self.inflight.pop(0)
+            if len(cks) == 1:  # a checksum_many answers an array; a lone checksum an int
+                r = cks[0].result()
+                got = r.tolist() if isinstance(r, np.ndarray) else [r]
+            else:
+                got = [p.result() for p in cks]
+            ok = expected is None or got == list(expected)
+            del inflight[0]
             out.append((g, ok))
             block = False
         return out
 
     @staticmethod
     def _all_done(entry: tuple[int, list[Pending], list[Pending], Sequence[int] | None]) -> bool:
-        return all(p.done() for p in entry[1]) and all(p.done() for p in entry[2])
+        for p in entry[1]:
+            if not p.done():
+                return False
+        for p in entry[2]:
+            if not p.done():
+                return False
+        return True
 
     def bye(self) -> None:
         self.client.fence()

@@ -86,6 +86,10 @@ _PACKERS: dict[type, Callable[[Any], tuple[bytes, int]]] = {
 }
 
 
+#: A run's results as pop_runs packs them: little-endian words.
+_WORDS = np.dtype("<u8")
+
+
 class _Sums:
     """A checksum_many's answers as they come off the ring: one completion per range, in
     order, all under its id; the first failure is kept."""
@@ -251,15 +255,18 @@ class RingLink:
                 values = valued.values
                 used = min(count, took - len(values))
                 self.in_flight -= used
-                if words is None:
-                    values.append(result)
+                if words is not None and used == took:  # the whole answer in one run (all successes)
+                    result = np.frombuffer(words, _WORDS, took).astype(np.uint64)
                 else:
-                    values.extend(struct.unpack_from(f"<{used}Q", words))
-                if status and not valued.status:  # the first failure is kept (a run has none)
-                    valued.status, valued.flags = status, flags
-                if len(values) < took:
-                    continue
-                status, flags, result = valued.status, valued.flags, np.fromiter(values, np.uint64, took)
+                    if words is None:
+                        values.append(result)
+                    else:
+                        values.extend(struct.unpack_from(f"<{used}Q", words))
+                    if status and not valued.status:  # the first failure is kept (a run has none)
+                        valued.status, valued.flags = status, flags
+                    if len(values) < took:
+                        continue
+                    status, flags, result = valued.status, valued.flags, np.fromiter(values, np.uint64, took)
             else:
                 used = 1
                 self.in_flight -= took
