@@ -85,12 +85,14 @@ def test_vector_translation_agrees_with_scalar(tw: tuple, data: st.DataObject) -
     t, segs = tw
     owner = segs[0].owner
     mine = [s for s in segs if s.owner == owner]
-    n = data.draw(st.integers(1, 20))
+    n = data.draw(st.integers(1, 40))
     vas, lens, expect_err = [], [], None
     for _ in range(n):
         s = data.draw(st.sampled_from(mine))
         off = data.draw(st.integers(0, s.nbytes + 10))
-        ln = data.draw(st.integers(0, s.nbytes + 10))
+        # Now and then a size whose end wraps 64 bits (the vector check must not be fooled).
+        # (2**64 - k with k <= off + 10: the end, taken mod 2**64, lands at or just past the start.)
+        ln = data.draw(st.one_of(st.integers(0, s.nbytes + 10), st.integers(1, off + 10).map(lambda k: (1 << 64) - k)))
         vas.append(s.va + off)
         lens.append(ln)
     for va, ln in zip(vas, lens):
@@ -99,8 +101,15 @@ def test_vector_translation_agrees_with_scalar(tw: tuple, data: st.DataObject) -
         except E.AddressError as exc:
             expect_err = expect_err or type(exc)
     if expect_err is None:
-        sids, offs, table = t.translate_many(np.array(vas, np.uint64), np.array(lens, np.uint64), owner)
+        sids, offs, table, hulls = t.translate_many(np.array(vas, np.uint64), np.array(lens, np.uint64), owner)
         assert [table[int(i)].va + int(o) for i, o in zip(sids, offs)] == vas
+        # Per segment, the hull spans exactly its ranges: from the lowest start to the highest end.
+        want: dict[int, tuple[int, int]] = {}
+        for va, ln in zip(vas, lens):
+            sid, off = va >> OFFSET_BITS, va & ((1 << OFFSET_BITS) - 1)
+            lo, hi = want.get(sid, (off, off + ln))
+            want[sid] = (min(lo, off), max(hi, off + ln))
+        assert hulls == [(sid, *want[sid]) for sid in sorted(want)]
     else:
         with pytest.raises(expect_err):
             t.translate_many(np.array(vas, np.uint64), np.array(lens, np.uint64), owner)

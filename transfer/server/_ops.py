@@ -18,7 +18,7 @@ from ..addressing import SegmentKind
 from ..backends import Span
 from ._placement import VirtualDevice
 
-__all__ = ["Op", "Range", "Staged", "hulls", "lane_of", "SOCKET", "RING", "LANES_PER_SESSION"]
+__all__ = ["Op", "Range", "Staged", "lane_of", "SOCKET", "RING", "LANES_PER_SESSION"]
 
 Range = tuple[int, int, int]  # (segment id, start offset, end offset)
 
@@ -96,16 +96,3 @@ class Staged:
 
 
 _staging_ids = itertools.count(1)
-
-
-def hulls(sids: np.ndarray, offs: np.ndarray, sizes: np.ndarray) -> list[Range]:
-    """Per segment, the hull of the ranges touched (conservative hazard ranges)."""
-    ends = offs + sizes
-    uniq = sorted(set(sids.tolist()))
-    if len(uniq) == 1:  # the common case: one segment
-        return [(uniq[0], int(offs.min()), int(ends.max()))]
-    out: list[Range] = []
-    for sid in uniq:
-        m = sids == sid
-        out.append((sid, int(offs[m].min()), int(ends[m].max())))
-    return out

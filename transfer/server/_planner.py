@@ -19,7 +19,7 @@ from ..addressing import MappingTable, Segment, SegmentKind, make_va
 from ..backends import Span
 from ..kernels import OPERATORS, REGISTRY, TensorRef, signature, tensor_extent, tensor_nbytes
 from ._graphplan import GraphPlan, NodePlan
-from ._ops import SOCKET, Op, Range, hulls, lane_of
+from ._ops import SOCKET, Op, Range, lane_of
 from ._placement import Placement, VirtualDevice
 from ._remote import names_remote, plan_remote_copies, plan_remote_copy, pull_input
 
@@ -155,12 +155,10 @@ class Planner:
         if n == 0:
             return Op(rid, [], [], self.devices[0], 0, lambda: None)
         table = self.table
-        dsid, doff, dsegs = table.translate_many(dst, size, owner)
-        ssid, soff, ssegs = table.translate_many(src, size, owner)
+        # Hazard ranges: per segment, the hull of what is written / read (conservative).
+        dsid, doff, dsegs, writes = table.translate_many(dst, size, owner)
+        ssid, soff, ssegs, reads = table.translate_many(src, size, owner)
         segs = {**dsegs, **ssegs}
-        # Hazard ranges: per segment, the hull of what is read / written (conservative).
-        reads = hulls(ssid, soff, size)
-        writes = hulls(dsid, doff, size)
         if any(seg.kind == SegmentKind.REMOTE for seg in segs.values()):
             return plan_remote_copies(self, owner, rid, dsid, doff, ssid, soff, size, segs, reads, writes)
         total = int(size.sum(dtype=np.uint64))
@@ -199,7 +197,7 @@ class Planner:
 
     def plan_checksums(self, owner: Any, rid: int, src: np.ndarray, size: np.ndarray) -> Op:
         """Many checksums validated with NumPy as one op, answered as one packed uint64 array."""
-        sid, off, segs = self.table.translate_many(src, size, owner)
+        sid, off, segs, hull = self.table.translate_many(src, size, owner)
         for seg in segs.values():
             if seg.kind == SegmentKind.REMOTE:
                 self._translate(owner, make_va(seg.id), 0)  # raises, in a checksum's words
@@ -213,7 +211,7 @@ class Planner:
 
         # Each range costs a call whatever its size: many small ones count as a page each, so
         # a long vector of tiny ranges runs off the event loop like a large one.
-        return Op(rid, hulls(sid, off, size), [], dev, total, run, work=len(size) << 12)
+        return Op(rid, hull, [], dev, total, run, work=len(size) << 12)
 
     def _plan_compute(self, owner: Any, req: P.Compute) -> Op | list[Op]:
         op = OPERATORS.get(req.op)
