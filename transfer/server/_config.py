@@ -45,7 +45,7 @@ class DaemonConfig:
     #: Whole-daemon device memory budget (NumPy backend: host RAM standing in).
     max_device_bytes: int = 16 << 30
     #: Data requests whose bytes total less than this run on the event loop; more go to a thread.
-    inline_bytes: int = 256 << 10
+    inline_bytes: int = 512 << 10
     #: Worker threads for large copies and reads (NumPy releases the GIL).
     threads: int = 2
     #: Placement of work whose operands are all host memory: size, least-loaded, round-robin.

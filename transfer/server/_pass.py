@@ -10,7 +10,7 @@ the ring). A pass then:
 2. **plans** it (`_planner`: every VA translated and checked, runs of copies
    as one vector op);
 3. **schedules** the ops into hazard-free waves (`_waves`);
-4. **executes** them: on the event loop when the pass is small (under
+4. **executes** them: on the event loop when the pass is small (at most
    `inline_bytes`, no RDMA), else on the devices' worker threads. Inline is
    a decision here, not a second implementation;
 5. makes the device work **visible** (each device synchronized as its share
@@ -374,7 +374,7 @@ class Pass:
                 nbytes += op.cost
                 if op.remote is not None or (op.kind == "compute" and op.device.kind == "gpu"):
                     b.inline = False  # remote posts wait; GPU kernels may compile (never on the loop)
-            if nbytes >= self.config.inline_bytes:
+            if nbytes > self.config.inline_bytes:
                 b.inline = False
             b.pipe = _one_lane(b.ops)
         return b

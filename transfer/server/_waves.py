@@ -250,7 +250,7 @@ def _fail_ops(ops: Sequence[Op], exc: BaseException) -> None:
 
 
 async def _post_remote_on_loop(ops: Sequence[Op]) -> None:
-    """Small groups: post from the loop (a same-host post of < inline_bytes takes tens of
+    """Small groups: post from the loop (a same-host post of <= inline_bytes takes tens of
     microseconds, less than a thread hop), then poll with short sleeps until done."""
     w = ops[0].remote
     local, remote = _group_ranges(ops)
@@ -354,10 +354,10 @@ async def run_waves(
     Consecutive waves that all run on one device (a graph's nodes, a chain of computes)
     are a *stretch*: one worker call runs them one after another, each made visible as
     it ends, instead of a round trip between the loop and the worker per wave (on 2 cores
-    each cost ~150 us, more than a small layer's math). A stretch whose work is under
+    each cost ~150 us, more than a small layer's math). A stretch whose work is at most
     `inline_bytes` runs on the loop. A wave's remote copies are posted as NIXL transfers
     per (peer, direction), concurrently with the wave's local work: from the loop in posts
-    of at most max(4 * inline_bytes, 1 MiB) (`_loop_posts`), an op larger than that on a
+    of at most max(2 * inline_bytes, 1 MiB) (`_loop_posts`), an op larger than that on a
     worker thread (a same-host READ copies inside the post). Before each wave `stop()` may
     give an error: the waves not yet started fail with it instead (a wave already
     running finishes).
@@ -375,7 +375,7 @@ async def run_waves(
                 j += 1
             stretch, k = waves[k:j], j
             nbytes = sum(op.cost for wave in stretch for op in wave)
-            if nbytes < inline_bytes:
+            if nbytes <= inline_bytes:
                 for wave in stretch:
                     _run_units(coalesce(wave), device)
             else:
@@ -390,7 +390,7 @@ async def run_waves(
         jobs: list[Any] = []
         small: list[list[Op]] = []
         big: list[list[Op]] = []
-        limit = max(4 * inline_bytes, 1 << 20)
+        limit = max(2 * inline_bytes, 1 << 20)
         for group in remote_groups:
             for part in _loop_posts(group, limit):
                 (small if sum(o.nbytes for o in part) <= limit else big).append(part)
@@ -401,7 +401,7 @@ async def run_waves(
         for ops in by_device.values():
             device = ops[0].device
             nbytes = sum(o.cost for o in ops)
-            if nbytes < inline_bytes:
+            if nbytes <= inline_bytes:
                 _run_units(coalesce(ops), device)
             else:
                 jobs.append(([ops], device, nbytes))
