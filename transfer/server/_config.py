@@ -44,7 +44,7 @@ class DaemonConfig:
     max_pinned_bytes: int = 0
     #: Whole-daemon device memory budget (NumPy backend: host RAM standing in).
     max_device_bytes: int = 16 << 30
-    #: Data requests whose bytes total less than this run on the event loop; more go to a thread.
+    #: Data work of at most this many bytes (a checksum's count half) runs on the event loop; more goes to a thread.
     inline_bytes: int = 512 << 10
     #: Worker threads for large copies and reads (NumPy releases the GIL).
     threads: int = 2
