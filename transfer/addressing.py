@@ -276,9 +276,9 @@ class MappingTable(Generic[H]):
     def translate_many(
         self, vas: np.ndarray, sizes: np.ndarray, owner: Hashable
     ) -> tuple[np.ndarray, np.ndarray, dict[int, Segment[H]], list[tuple[int, int, int]]]:
-        """Vectorised `translate` for non-empty uint64 arrays: (segment ids, offsets,
-        {id: segment}, hulls), the hulls being per segment the (id, start, end) spanning
-        every range in it (the planner's conservative hazard ranges).
+        """Vectorised `translate` for uint64 arrays: (segment ids, offsets, {id: segment},
+        hulls), the hulls being per segment the (id, start, end) spanning every range in it
+        (the planner's conservative hazard ranges; none for empty arrays).
 
         One Python-level lookup per *distinct* segment, a few NumPy reductions for the rest,
         so a vector of 10,000 copies validates in microseconds per segment, and a producer's
