@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 
 import transfer
 
@@ -150,3 +152,58 @@ def test_embedded_daemon_leaves_nothing_behind(tmp_path) -> None:
     assert not os.path.exists(sock_dir)
     assert set(os.listdir("/tmp")) - before == set()
     assert [n for n in os.listdir(tmp_path) if not n.endswith(".lock")] == []
+
+
+class _Completions:
+    """A stand-in for a client, only for the pool's bookkeeping: its copies return Pendings
+    the test finishes, in any order (a daemon finishes a slow request after a fast one
+    behind it); nothing here ever waits."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        from transfer.client._pending import Pending
+
+        self._pending_cls = Pending
+        self.sent: list = []
+        self._core = SimpleNamespace(signal=lambda: Pending(0, self._wait))
+
+    def _wait(self, p, timeout) -> None:
+        raise AssertionError("the pool waited although a slot was free")
+
+    def copy(self, dst: int, src: int, n: int, *, stream: int = 0):
+        p = self._pending_cls(len(self.sent) + 1, self._wait)
+        self.sent.append(p)
+        return p
+
+    def _run(self, op, timeout=None):
+        try:
+            while True:
+                self._wait(op.send(None), timeout)
+        except StopIteration as stop:
+            return stop.value
+
+
+@given(st.lists(st.tuples(st.sampled_from(["submit", "finish"]), st.integers(0, 7)), max_size=60))
+def test_slots_come_back_exactly_when_their_request_completes(script) -> None:
+    """Completions in any order: a slot returns to the pool as soon as its own request has
+    completed (not only when the ones ahead of it have), and never before."""
+    from types import SimpleNamespace
+
+    from transfer.client._pool import SlotPool
+
+    client = _Completions()
+    segment = SimpleNamespace(va=1 << 40, ndarray=lambda shape, dt, offset=0: np.zeros(shape, dt))
+    pool = SlotPool(client, segment, 64, 4, 64)
+    reading: dict[int, object] = {}  # slot index -> the pending still reading it
+    for action, k in script:
+        unfinished = [p for p in client.sent if not p.done()]
+        if action == "finish" and unfinished:
+            unfinished[k % len(unfinished)]._finish(None, None)
+            continue
+        if len(unfinished) == len(pool.slots):
+            continue  # every slot in flight: acquire would (rightly) wait
+        slot = pool.acquire()
+        assert slot.index not in reading or reading[slot.index].done()  # type: ignore[attr-defined]
+        reading[slot.index] = slot.submit(0)
+        assert pool.in_flight == sum(not p.done() for p in client.sent)

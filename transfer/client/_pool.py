@@ -21,7 +21,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections import deque
-from typing import Any, Callable, Generator, Sequence
+from typing import Any, Generator, Sequence
 
 import numpy as np
 
@@ -94,21 +94,28 @@ class Slot:
         if not 0 < n <= self.nbytes:
             raise E.OutOfBounds(f"submit of {n} bytes from a {self.nbytes}-byte slot")
         dst = to if isinstance(to, int) else to.va
-        return self._hand_over(lambda: self.pool.client.copy(dst + offset, self.va, n, stream=stream))
+        self._freeze()
+        return self._sent(self.pool.client.copy(dst + offset, self.va, n, stream=stream))
 
     def compute(self, op: str, inputs: Sequence[TensorRef], outputs: Sequence[TensorRef] = (), params: dict[str, Any] | None = None, **kw: Any) -> Any:
         """Run an operator whose inputs include this slot's tensors; the slot returns when it is done."""
         self._check_writable("submit a compute request")
-        return self._hand_over(lambda: self.pool.client.compute(op, inputs, outputs, params, **kw))
+        self._freeze()
+        return self._sent(self.pool.client.compute(op, inputs, outputs, params, **kw))
 
-    def _hand_over(self, send: Callable[[], Any]) -> Any:
+    def _freeze(self) -> None:
+        """Before the request leaves: the views handed out turn read-only (the daemon reads these
+        bytes now). If sending then fails, the slot stays the caller's to release."""
         for v in self._views:
-            v.flags.writeable = False  # the daemon reads these bytes now
+            v.setflags(write=False)
         self._views.clear()
-        self.pending = send()
+
+    def _sent(self, pending: Any) -> Any:
+        """The request is on its way: the slot is in flight until it completes."""
+        self.pending = pending
         self._state = _IN_FLIGHT
         self.pool._in_flight.append(self)
-        return self.pending
+        return pending
 
     def release(self) -> None:
         """Give an unsubmitted slot back to the pool (e.g. the batch was dropped)."""
@@ -166,16 +173,27 @@ class SlotPool:
             signal._finish(None, None)
 
     def _reap(self) -> None:
-        """Return every slot whose request has completed (failed ones too: the daemon is done with it)."""
-        done = [s for s in self._in_flight if s.pending is not None and s.pending._done]
-        if not done:
-            return
-        self._in_flight = deque(s for s in self._in_flight if s.pending is None or not s.pending._done)
-        for slot in done:
-            p = slot.pending
-            if p is not None and not p._observed and (p._error is not None or any(d._error is not None for d in p._deps or ())):
-                self._failed.append(p)
-            self._give_back(slot)
+        """Return every slot whose request has completed (failed ones too: the daemon is done
+        with it). A slot in flight always has its pending (`_sent` sets it)."""
+        in_flight = self._in_flight
+        while in_flight:  # in submission order: the common case
+            p = in_flight[0].pending
+            if p is None or not p._done:
+                break
+            self._returned(in_flight.popleft(), p)
+        for slot in in_flight:  # and any that finished out of order (a slow compute ahead of copies)
+            if slot.pending is not None and slot.pending._done:
+                done = [(s, s.pending) for s in in_flight if s.pending is not None and s.pending._done]
+                self._in_flight = deque(s for s in in_flight if s.pending is None or not s.pending._done)
+                for s, p in done:
+                    self._returned(s, p)
+                return
+
+    def _returned(self, slot: Slot, p: Pending) -> None:
+        """A slot whose request `p` completed: its failure kept for drain() if nobody looked, the slot freed."""
+        if not p._observed and (p._error is not None or any(d._error is not None for d in p._deps or ())):
+            self._failed.append(p)
+        self._give_back(slot)
 
     def _take(self) -> Slot:
         slot = self._free.popleft()
@@ -191,7 +209,7 @@ class SlotPool:
         while not self._free:
             if self._in_flight:
                 wait_on = self._in_flight[0].pending
-                assert wait_on is not None  # set before a slot goes in flight (_hand_over)
+                assert wait_on is not None  # set before a slot goes in flight (_sent)
             else:  # every slot is held by the caller's code: only a release helps
                 if self._released is None:
                     self._released = self.client._core.signal()
