@@ -131,14 +131,17 @@ class SocketPump:
         while True:
             self._flush()
             received = 0
-            # Ask EVENTS rather than catching zmq.Again: raising it costs more than a recv.
-            while received < _RECV_BURST and events_of(_EVENTS) & _POLLIN:
+            # Ask EVENTS rather than catching zmq.Again: raising it costs more than a recv. (Each
+            # read costs microseconds, pyzmq converting the option per call: the last one of
+            # the burst also decides what comes next.)
+            events = events_of(_EVENTS)
+            while events & _POLLIN and received < _RECV_BURST:
                 on_message(sock.recv_multipart(_NOBLOCK))
                 received += 1
+                events = events_of(_EVENTS)
             if received == _RECV_BURST:
                 await trio.sleep(0)
                 continue
-            events = events_of(_EVENTS)
             if events & _POLLIN or (self._out and events & _POLLOUT):
                 continue
             self._wait_scope = trio.CancelScope()
