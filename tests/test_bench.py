@@ -377,3 +377,15 @@ def test_submit_bench_tiny(tmp_path: Path) -> None:
     for tree in ("this", "baseline"):
         (run,) = doc["runs"][tree]
         assert 0 < run["submit_us"] < run["rt_p50_us"] <= run["rt_p99_us"] and run["wait_us"] > 0 and run["result_when_complete_us"] > 0
+
+
+def test_compute_process_bench_tiny(tmp_path: Path) -> None:
+    """bench/compute_process.py runs end to end: the MLP in a process of its own agrees with
+    the same kernels here, and both sides record a rate."""
+    out = tmp_path / "cp.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "compute_process.py"), "--batch", "4", "--seconds", "0.2",
+                           "--reps", "1", "--json", str(out)],
+                          cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())["result"]
+    assert r["max_abs_error"] == 0.0 and r["separate_per_s"] > 0 and r["in_process_per_s"] > 0
