@@ -335,9 +335,10 @@ class TransferProducer:
         if not block and inflight and not self._all_done(inflight[0]):
             self.client.poll()  # take in whatever replies have arrived, without waiting
         while inflight:
-            g, pend, cks, expected = inflight[0]
-            if not block and not self._all_done(inflight[0]):
+            head = inflight[0]
+            if not block and not self._all_done(head):
                 break
+            g, pend, cks, expected = head
             for p in pend:
                 p.result()
             if len(cks) == 1:  # a checksum_many answers an array; a lone checksum an int

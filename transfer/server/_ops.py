@@ -18,7 +18,7 @@ from ..addressing import SegmentKind
 from ..backends import Span
 from ._placement import VirtualDevice
 
-__all__ = ["Op", "Range", "Staged", "lane_of", "SOCKET", "RING", "LANES_PER_SESSION"]
+__all__ = ["Op", "Range", "Staged", "lane_of", "runs_inline", "SOCKET", "RING", "LANES_PER_SESSION"]
 
 Range = tuple[int, int, int]  # (segment id, start offset, end offset)
 
@@ -81,6 +81,12 @@ class Op:
 
     def count(self) -> int:
         return 0 if self.rid == 0 else (1 if self.ids is None else len(self.ids))
+
+
+def runs_inline(cost: int, inline_bytes: int) -> bool:
+    """The one inline rule (`--inline-bytes`): work whose `Op.cost`, summed over what runs
+    together, is at most `inline_bytes` runs on the event loop; more goes to a worker."""
+    return cost <= inline_bytes
 
 
 class Staged:

@@ -35,7 +35,7 @@ from ._accounting import Accounting
 from ._config import DaemonConfig
 from ._control import AFTER_PASS, BARRIERS, Control
 from ._deferred import resolve
-from ._ops import RING, Op
+from ._ops import RING, Op, runs_inline
 from ._planner import CopyRun, Planner, answers, plan_batch
 from ._rings import COMPLETION_DETAIL, Rings
 from ._session import Session
@@ -374,7 +374,7 @@ class Pass:
                 nbytes += op.cost
                 if op.remote is not None or (op.kind == "compute" and op.device.kind == "gpu"):
                     b.inline = False  # remote posts wait; GPU kernels may compile (never on the loop)
-            if nbytes > self.config.inline_bytes:
+            if not runs_inline(nbytes, self.config.inline_bytes):
                 b.inline = False
             b.pipe = _one_lane(b.ops)
         return b

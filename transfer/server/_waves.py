@@ -24,7 +24,7 @@ import trio
 
 from .. import errors as E
 from ..backends import Span
-from ._ops import Op
+from ._ops import Op, runs_inline
 from ._placement import VirtualDevice
 
 __all__ = ["assign_waves", "coalesce", "run_inline", "run_waves", "run_stretch", "one_device", "issue", "issue_off_loop", "wait_visible", "device_failed"]
@@ -375,7 +375,7 @@ async def run_waves(
                 j += 1
             stretch, k = waves[k:j], j
             nbytes = sum(op.cost for wave in stretch for op in wave)
-            if nbytes <= inline_bytes:
+            if runs_inline(nbytes, inline_bytes):
                 for wave in stretch:
                     _run_units(coalesce(wave), device)
             else:
@@ -401,7 +401,7 @@ async def run_waves(
         for ops in by_device.values():
             device = ops[0].device
             nbytes = sum(o.cost for o in ops)
-            if nbytes <= inline_bytes:
+            if runs_inline(nbytes, inline_bytes):
                 _run_units(coalesce(ops), device)
             else:
                 jobs.append(([ops], device, nbytes))
