@@ -339,27 +339,30 @@ def _mlp_line(r: dict[str, Any]) -> str:
 
 
 # --- image preprocessing ----------------------------------------------------------------------
-def bench_images(c: transfer.Client, side: InProcess, batches: Sequence[int], size: int, slots: int, seconds: float, reps: int) -> list[dict[str, Any]]:
-    return [images_point(c, side, n, size, slots, seconds, reps) for n in batches]
+def bench_images(clients: dict[str, transfer.Client], side: InProcess, batches: Sequence[int], size: int, slots: int,
+                 seconds: float, reps: int) -> list[dict[str, Any]]:
+    """`clients`: "daemon", and "baseline" where another daemon is compared (`--baseline`)."""
+    return [images_point(clients, side, n, size, slots, seconds, reps) for n in batches]
 
 
-def images_point(c: transfer.Client, side: InProcess, n: int, size: int, slots: int, seconds: float, reps: int) -> dict[str, Any]:
+def images_point(clients: dict[str, transfer.Client], side: InProcess, n: int, size: int, slots: int, seconds: float,
+                 reps: int) -> dict[str, Any]:
     """n images per batch (examples/image_preprocess.py's graph): checked, then timed; its table row."""
     hwc, chw = (n, size, size, 3), (n, 3, size, size)
-    g = _IMAGES.build(c, hwc, chw)
     rng = np.random.default_rng(n)
     xs = [rng.integers(0, 256, hwc, dtype=np.uint8) for _ in range(DISTINCT)]
     want = [preprocess(x, np) for x in xs]
-    prod = Producer(c, g, int(np.prod(hwc)), int(np.prod(chw)) * 4, slots)
-    for k, x in enumerate(xs[:slots]):
-        prod.run(k, x)
-    prod.finish()
-    err = prod.error(want, chw)
+    prods = {name: Producer(c, _IMAGES.build(c, hwc, chw), int(np.prod(hwc)), int(np.prod(chw)) * 4, slots)
+             for name, c in clients.items()}
+    err = 0.0
+    for prod in prods.values():
+        for k, x in enumerate(xs[:slots]):
+            prod.run(k, x)
+        prod.finish()
+        err = max(err, prod.error(want, chw))
     here = np.empty(chw, np.float32)
-    sides: dict[str, Side] = {
-        "daemon": (prod.step(xs), prod.finish),
-        "in_process": (side.step(lambda x: preprocess(x, side.xp), xs, here), _nothing),
-    }
+    sides: dict[str, Side] = {name: (prod.step(xs), prod.finish) for name, prod in prods.items()}
+    sides["in_process"] = (side.step(lambda x: preprocess(x, side.xp), xs, here), _nothing)
     if not side.gpu:
         kern = kernels_images(hwc)
         kern(xs[0], here)
@@ -368,18 +371,21 @@ def images_point(c: transfer.Client, side: InProcess, n: int, size: int, slots: 
         sides["kernels"] = (_each(lambda x: kern(x, here), xs), _nothing)
     load = os.getloadavg()[0]
     rates = compare(sides, seconds, reps)
-    err = max(err, prod.error(want, chw))
-    prod.close()
-    c.free(g)
+    for name, prod in prods.items():
+        err = max(err, prod.error(want, chw))
+        prod.close()
+        clients[name].free(prod.g)
     if err > 1e-4:
         raise SystemExit(f"images x{n}: the graph's outputs disagree with NumPy (max abs error {err:.2e})")
     row: dict[str, Any] = {"images": n, "size": size, "max_abs_error": err, "load_before": load, "load_after": os.getloadavg()[0]}
     row.update(summarize(rates, "in_process", per=n))
-    if "kernels" in rates:
-        row["daemon_vs_kernels"] = statistics.median(a / b for a, b in zip(rates["daemon"], rates["kernels"]))
+    for other in ("kernels", "baseline"):
+        if other in rates:
+            row[f"daemon_vs_{other}"] = statistics.median(a / b for a, b in zip(rates["daemon"], rates[other]))
     kcols = f"{row['kernels_per_s']:12,.0f} {row['daemon_vs_kernels']:8.2f}x" if "kernels" in rates else f"{'-':>12s} {'-':>9s}"
+    bcols = f" {row['baseline_per_s']:12,.0f} {row['daemon_vs_baseline']:8.2f}x" if "baseline" in rates else ""
     print(f"{n:6d} {size:4d} {row['daemon_per_s']:12,.0f} {row['in_process_per_s']:14,.0f} {row['daemon_vs_in_process']:8.2f}x "
-          f"{kcols} {err:10.1e} {load:5.1f}", flush=True)
+          f"{kcols} {err:10.1e} {load:5.1f}{bcols}", flush=True)
     return row
 
 
@@ -461,8 +467,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'batch':>6s} {'daemon/s':>10s} {'in-proc/s':>10s} {'ratio':>9s} {'kernels/s':>10s} {'d/kern':>9s} {'max err':>10s} {'load':>5s}"
               + (f" {'base/s':>10s} {'b ratio':>9s}" if args.baseline is not None else ""))
         mlp_rows = bench_mlp(clients, side, parse(args.batches), args.slots, args.seconds, args.reps)
-        print(f"{'images':>6s} {'size':>4s} {'daemon img/s':>12s} {'in-proc img/s':>14s} {'ratio':>9s} {'kernels img/s':>12s} {'d/kern':>9s} {'max err':>10s} {'load':>5s}")
-        img_rows = bench_images(c, side, parse(args.image_batches), args.image_size, min(args.slots, 2),
+        print(f"{'images':>6s} {'size':>4s} {'daemon img/s':>12s} {'in-proc img/s':>14s} {'ratio':>9s} {'kernels img/s':>12s} {'d/kern':>9s} {'max err':>10s} {'load':>5s}"
+              + (f" {'base img/s':>12s} {'d/base':>9s}" if args.baseline is not None else ""))
+        img_rows = bench_images(clients, side, parse(args.image_batches), args.image_size, min(args.slots, 2),
                                 args.seconds, args.reps)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
@@ -29,24 +29,53 @@ SIZES = [4096, 8192, 3000]  # two host segments and one device buffer per test
 BACKENDS = ["numpy", "streamsim"]
 
 
+#: The CPU backends the worlds share (each starts device processes at its first kernel) and
+#: the memory the last world allocated from them, freed when the next world is made.
+_CPU: dict[int, NumpyBackend] = {}
+_LIVE: list[tuple[NumpyBackend, Any]] = []
+
+
+def cpu_backend(n: int) -> NumpyBackend:
+    if n not in _CPU:
+        _CPU[n] = NumpyBackend(n)
+    return _CPU[n]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_cpu_backends() -> Iterator[None]:
+    yield
+    for b in _CPU.values():
+        b.close()
+    _CPU.clear()
+    _LIVE.clear()
+
+
 def make_world(n_devices: int = 2, backend_name: str = "numpy"):
     """Two host segments and one device buffer; with streamsim, a simulated GPU and a CPU device
-    (as the daemon builds them), so host-only work is placed on either."""
+    (as the daemon builds them), so host-only work is placed on either. Host memory is the CPU
+    backend's (memfds its device processes map), seen as a host segment."""
+    while _LIVE:
+        owner, m = _LIVE.pop()
+        owner.free(m)
     if backend_name == "streamsim":
         sim = StreamSimBackend(1)
-        devices = [VirtualDevice(0, "gpu", sim, 0), *(VirtualDevice(i, "cpu", NumpyBackend(1), 0) for i in range(1, n_devices))]
+        cpu = cpu_backend(1)
+        devices = [VirtualDevice(0, "gpu", sim, 0), *(VirtualDevice(i, "cpu", cpu, 0) for i in range(1, n_devices))]
         backend: Any = sim
     else:
-        backend = NumpyBackend(n_devices)
+        backend = cpu = cpu_backend(n_devices)
         devices = [VirtualDevice(i, "cpu", backend, i) for i in range(n_devices)]
     table: MappingTable = MappingTable()
     mem = []
     for k, n in enumerate(SIZES):
         if k < 2:
-            arr = np.zeros(n, np.uint8)
+            arr = cpu.alloc(n, 0)
+            _LIVE.append((cpu, arr))
             table.add(SegmentKind.HOST, n, "s", SimpleNamespace(array=arr))
         else:
             arr = backend.alloc(n, 0)
+            if backend is cpu:
+                _LIVE.append((cpu, arr))
             table.add(SegmentKind.DEVICE, n, "s", arr, device=0)
         mem.append(arr)
     planner = Planner(table, devices, make_policy("round-robin"), {})

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import Any, ContextManager, Hashable, NamedTuple
+from typing import Any, Callable, ContextManager, Hashable, NamedTuple, Sequence
 
 from ..addressing import SegmentKind
+from ..kernels import run_steps
 
 __all__ = ["Backend", "Span"]
 
@@ -94,6 +95,23 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def compute(self, kernel: Any, inputs: list[tuple[Any, Span]], outputs: list[tuple[Any, Span]], params: Any, device: int) -> Any:
         """Run a registry kernel on (TensorRef, Span) operands; return its result (or None)."""
+
+    def begin_compute(self, kernel: Any, inputs: list[tuple[Any, Span]], outputs: list[tuple[Any, Span]], params: Any,
+                      device: int) -> Callable[[], Any]:
+        """Start `compute`; returns what waits for its result (here: it ran already)."""
+        result = self.compute(kernel, inputs, outputs, params, device)
+        return lambda: result
+
+    def begin_steps(self, steps: Sequence[Any], failed: set[int], device: int) -> Callable[[], list[tuple[int, Any, float]]]:
+        """Start a stretch of a graph's nodes on one device, in order; returns what waits for
+        their outcomes (`kernels.run_steps`: per node; `failed`, the nodes that failed before,
+        gains this stretch's failures). Here they run at once, one `compute` after another; a
+        backend whose kernels run elsewhere (the CPU devices' processes) only queues them."""
+        out = run_steps(steps, failed, lambda kernel, ins, outs, params: self.compute(kernel, ins, outs, params, device))
+        return lambda: out
+
+    def close(self) -> None:
+        """Release what the backend holds beyond its memory (the CPU devices' processes)."""
 
     def describe(self) -> dict[str, Any]:
         return {"backend": self.name, "devices": self.device_count}

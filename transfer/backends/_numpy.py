@@ -3,17 +3,27 @@
 Used where there is no GPU, and as the reference the CuPy backend is tested
 against. Its copies are real memcpys (NumPy releases the GIL for them), so
 the benchmark's figures for it are honest CPU figures.
+
+Its kernels run in a process per device (`_devproc`), not on a thread of the daemon: a
+kernel's Python between NumPy calls would otherwise wait on the event loop's GIL. So all of
+its memory is shareable: device buffers are memfds like host segments, and both are in the
+`SharedIndex` the device processes map from.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import mmap
+import os
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from .._checksum import checksum64
 from ..addressing import SegmentKind
+from ..kernels import FAILED
+from ..memory._shm import new_memfd
 from ._base import Backend, Span
+from ._devproc import DeviceProcess, SharedIndex
 
 __all__ = ["NumpyBackend"]
 
@@ -23,20 +33,38 @@ class NumpyBackend(Backend):
 
     def __init__(self, devices: int = 1) -> None:
         self._devices = devices
+        self.shared = SharedIndex()
+        self.procs = [DeviceProcess(self.shared, i) for i in range(devices)]
 
     @property
     def device_count(self) -> int:
         return self._devices
 
     def alloc(self, nbytes: int, device: int) -> np.ndarray:
-        # calloc'ed: zero pages appear lazily, so a large alloc is cheap until touched.
-        return np.zeros(nbytes, dtype=np.uint8)
+        """A memfd's pages, mapped: zero pages appear as they are touched, so a large alloc is
+        cheap until used (as calloc was), and the device's process can map the same memory."""
+        fd = new_memfd(f"transfer.device{device}")
+        try:
+            os.ftruncate(fd, nbytes)
+            mm = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            os.close(fd)
+            raise MemoryError(str(exc)) from None
+        arr = np.frombuffer(mm, np.uint8, count=nbytes)
+        self.shared.add(arr, fd, nbytes)
+        return arr
 
     def free(self, mem: Any) -> None:
-        pass  # dropped with its last reference
+        self.shared.remove(mem)  # the mapping goes with its last view
 
     def host_buffer(self, mem: Any) -> Any:
         return mem  # "device" memory is a host array
+
+    def register_host(self, shm: Any) -> None:
+        self.shared.add(shm.array, os.dup(shm.fd), shm.nbytes)
+
+    def unregister_host(self, shm: Any) -> None:
+        self.shared.remove(shm.array)
 
     @staticmethod
     def view(span: Span) -> np.ndarray:
@@ -53,14 +81,26 @@ class NumpyBackend(Backend):
     def checksum(self, src: Span) -> int:
         return checksum64(self.view(src))
 
-    @staticmethod
-    def tensor(t: Any, span: Span) -> np.ndarray:
-        """A NumPy view of a tensor reference over checked memory (NumPy re-checks the extent)."""
-        base = span.mem.array if span.kind == SegmentKind.HOST else span.mem
-        # Positional: NumPy parses keyword arguments here at a cost of about 0.5 us a view.
-        return np.ndarray(t.shape, t.np_dtype, base, span.offset, t.strides)
-
     def compute(self, kernel: Any, inputs: list[tuple[Any, Span]], outputs: list[tuple[Any, Span]], params: Any, device: int) -> Any:
-        ins = [self.tensor(t, s) for t, s in inputs]
-        outs = [self.tensor(t, s) for t, s in outputs]
-        return kernel.run(ins, outs, params, np)
+        return self.begin_compute(kernel, inputs, outputs, params, device)()
+
+    def begin_compute(self, kernel: Any, inputs: list[tuple[Any, Span]], outputs: list[tuple[Any, Span]], params: Any,
+                      device: int) -> Callable[[], Any]:
+        """`compute` sent to the device's process; returns what waits for its result."""
+        wait = self.procs[device].begin([(0, kernel, inputs, outputs, params, (), None)], set())
+
+        def result() -> Any:
+            ((state, value, _),) = wait()
+            if state == FAILED:
+                raise value
+            return value
+
+        return result
+
+    def begin_steps(self, steps: Sequence[Any], failed: set[int], device: int) -> Callable[[], list[tuple[int, Any, float]]]:
+        return self.procs[device].begin(steps, failed)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.close()
+        self.shared.close()

@@ -66,6 +66,10 @@ class Op:
     lane: Any = None
     #: Every byte it touches is host memory: on a stream backend it runs on the CPU, at once.
     host_only: bool = False
+    #: `run` in two halves, where the work runs outside the daemon (a CPU device's process):
+    #: begin() queues it there and returns what waits for its result. A worker may then queue
+    #: the next pass before this one ends (`_waves.begin_stretch`). None: run() only.
+    begin: Callable[[], Callable[[], Any]] | None = None
 
     @property
     def cost(self) -> int:

@@ -22,6 +22,7 @@ the ring). A pass then:
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import Any, Callable
 
@@ -39,7 +40,7 @@ from ._ops import RING, Op, runs_inline
 from ._planner import CopyRun, Planner, answers, plan_batch
 from ._rings import COMPLETION_DETAIL, Rings
 from ._session import Session
-from ._waves import assign_waves, device_failed, issue, issue_off_loop, one_device, run_inline, run_stretch, run_waves, wait_visible
+from ._waves import assign_waves, begin_stretch, device_failed, issue, issue_off_loop, one_device, run_inline, run_stretch, run_waves, wait_visible
 
 __all__ = ["Pass", "Batch"]
 
@@ -53,6 +54,8 @@ _POLL_S = 500e-6
 _INLINE_PASSES = 4
 #: How long a worker runs a session's queued CPU passes before it lets other sessions have it.
 _CPU_SLICE_S = 0.02
+#: Passes a worker keeps queued in a CPU device's process: one running, one waiting behind it.
+_AHEAD = 2
 
 
 def _one_lane(ops: list[Op]) -> tuple[Any, Any] | None:
@@ -263,21 +266,38 @@ class Pass:
     def _run_queued(self, session: Session, device: Any, token: trio.lowlevel.TrioToken) -> None:
         """A worker thread: the session's queued CPU passes, in order, until none is left (or
         its slice of the device's worker is used up); each is answered on the loop as it ends,
-        while this thread goes on to the next one the loop has planned meanwhile."""
+        while this thread goes on to the next one the loop has planned meanwhile. Passes whose
+        work runs in the device's process are queued there up to `_AHEAD` deep, so that it goes
+        from one to the next without waiting for this thread (`begin_stretch`)."""
         give_up = time.perf_counter() + _CPU_SLICE_S
+        ahead: collections.deque[tuple[Batch, Callable[[], None]]] = collections.deque()
+        stop = lambda: self._stopped(session)  # noqa: E731
         while True:
             # A snapshot (the loop appends and answers meanwhile; tuple() copies under the GIL).
-            batch = next((b for b in tuple(session.pipeline) if not b.ran), None)
-            if batch is None or batch.fence is not None or batch.pipe is None or batch.pipe[0] is not device:
-                return
-            try:
-                run_stretch(batch.waves, device, lambda: self._stopped(session))
-            except Exception as exc:  # a bug below the ops' own handling: fail this pass, serve on
-                device_failed(batch.ops, f"running on {device}", exc)
-            batch.ran = True
-            token.run_sync_soon(self._answer_ran, session, batch)
-            if time.perf_counter() > give_up:
-                return  # the completer queues for the worker again: other sessions get their turn
+            waiting = [b for b in tuple(session.pipeline) if not b.ran]
+            batch = waiting[len(ahead)] if len(waiting) > len(ahead) else None
+            if batch is not None and (batch.fence is not None or batch.pipe is None or batch.pipe[0] is not device):
+                batch = None
+            if batch is not None and len(ahead) < _AHEAD and time.perf_counter() <= give_up:
+                end = begin_stretch(batch.waves, device, stop)
+                if end is not None:
+                    ahead.append((batch, end))
+                    continue
+            if ahead:  # the oldest pass queued: wait for it, answer it
+                done, end = ahead.popleft()
+                self._ran(session, done, device, token, end)
+                continue
+            if batch is None or time.perf_counter() > give_up:
+                return  # (out of time: the completer queues for the worker again, others get a turn)
+            self._ran(session, batch, device, token, lambda: run_stretch(batch.waves, device, stop))  # noqa: B023
+
+    def _ran(self, session: Session, batch: Batch, device: Any, token: trio.lowlevel.TrioToken, run: Callable[[], None]) -> None:
+        try:
+            run()
+        except Exception as exc:  # a bug below the ops' own handling: fail this pass, serve on
+            device_failed(batch.ops, f"running on {device}", exc)
+        batch.ran = True
+        token.run_sync_soon(self._answer_ran, session, batch)
 
     def _answer_ran(self, session: Session, batch: Batch) -> None:
         """On the loop: a pipelined CPU pass has run; answer it. It is the pipeline's head: one

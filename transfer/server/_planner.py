@@ -8,8 +8,7 @@ decides where work runs; for host-only work the policy does.
 
 from __future__ import annotations
 
-import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -17,7 +16,7 @@ from .. import errors as E
 from .. import protocol as P
 from ..addressing import MappingTable, Segment, SegmentKind, make_va
 from ..backends import Span
-from ..kernels import OPERATORS, REGISTRY, TensorRef, signature, tensor_extent, tensor_nbytes
+from ..kernels import FAILED, OPERATORS, REGISTRY, SKIPPED, TensorRef, signature, tensor_extent, tensor_nbytes
 from ._graphplan import GraphPlan, NodePlan
 from ._ops import SOCKET, Op, Range, lane_of
 from ._placement import Placement, VirtualDevice
@@ -58,6 +57,8 @@ class Planner:
         self.devices = list(devices)
         self.placement = placement
         self.policies = policies
+        #: The CPU devices' backend: its memory is what their processes can map (staging).
+        self.host_backend = next(d.backend for d in self.devices if d.kind == "cpu")
         #: The RDMA data plane (server._remote.RemotePlane), set by the server.
         self.remote: Any = None
 
@@ -252,7 +253,11 @@ class Planner:
         reads, writes = ranges[:op.n_inputs], ranges[op.n_inputs:]
         backend, params = dev.backend, req.params
         if not pulls:
-            return Op(req.id, reads, writes, dev, nbytes, lambda: backend.compute(kernel, ins, outs, params, dev.local_id), work=work)
+            def begin() -> Callable[[], Any]:
+                wait: Callable[[], Any] = backend.begin_compute(kernel, ins, outs, params, dev.local_id)
+                return wait
+
+            return Op(req.id, reads, writes, dev, nbytes, lambda: begin()(), work=work, begin=begin)
 
         def run() -> Any:
             try:
@@ -394,6 +399,8 @@ class Planner:
             current.add(i, kernel, ins, outs, node, nranges)
         for op in ops[:-1]:  # the last, which answers, waits for every other
             ops[-1].reads.extend(op.writes)
+        if len(ops) == 1 and not pulls:  # (a later stretch's start depends on what failed before it)
+            ops[0].begin = current.begin  # type: ignore[union-attr]
         ops[-1].rid = req.id
         run.ops = ops
         return [*pulls, *ops]
@@ -463,35 +470,34 @@ class _Stretch:
 
     def execute(self) -> Any:
         """A worker's (or the loop's) share: each node, skipped with its producer's error if
-        one failed, timed, and its own error named by node. The last stretch answers."""
+        one failed, timed, and its own error named by node (`kernels.run_steps`, in the
+        device's process on a CPU). The last stretch answers."""
         run = self.run
-        errors, times = run.errors, run.times
-        backend, local = self.device.backend, self.device.local_id
-        last = self.op is run.ops[-1]
         try:
             for pull in run.pulls:
                 if pull.error is not None:
                     raise pull.error  # an input never arrived: the run fails with the reason
-            for i, kernel, ins, outs, params, deps, name in self.steps:
-                err = None
-                for j in deps:
-                    if errors[j] is not None:
-                        err = errors[j]
-                        break
-                if err is None:
-                    t0 = time.perf_counter()
-                    try:
-                        backend.compute(kernel, ins, outs, params, local)
-                    except E.TransferError as exc:
-                        err = type(exc)(f"graph node {i} ({name}): {exc.message}")
-                    except Exception as exc:  # a backend failure fails this node (and what reads it)
-                        err = E.BackendError(f"{type(exc).__name__}: {exc}")
-                    times[i] = time.perf_counter() - t0
-                errors[i] = err
-            return run.answer() if last else None
+            return self.begin()()
         finally:
-            if last and run.planner is not None:
+            if self.op is run.ops[-1] and run.planner is not None:
                 run.planner._release(run.pulls)
+
+    def begin(self) -> Callable[[], Any]:
+        """Start the nodes on the device; returns what waits for them and then answers."""
+        run = self.run
+        errors = run.errors
+        failed = {j for j, err in enumerate(errors) if err is not None}
+        wait = self.device.backend.begin_steps(self.steps, failed, self.device.local_id)
+
+        def end() -> Any:
+            times = run.times
+            for step, (state, value, seconds) in zip(self.steps, wait()):
+                i = step[0]
+                times[i] = seconds
+                errors[i] = value if state == FAILED else errors[value] if state == SKIPPED else None
+            return run.answer() if self.op is run.ops[-1] else None
+
+        return end
 
 
 def plan_batch(planner: Planner, owner: Any, items: Sequence[tuple[Any, int]]) -> tuple[list[Op], list[Refusal]]:

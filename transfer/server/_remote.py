@@ -206,22 +206,32 @@ class RemotePlane:
         seg.info["nixl_reg"] = reg
         return reg.addr
 
-    def staging(self, nbytes: int) -> tuple[np.ndarray, Any]:
-        """A private buffer registered with our agent: where a compute's remote inputs land."""
+    def staging(self, nbytes: int, backend: Any) -> tuple[np.ndarray, Any]:
+        """A private buffer registered with our agent: where a compute's remote inputs land.
+        Its memory is the CPU backend's (`backend`), which its device processes can map.
+        Returns (array, what `release_staging` takes)."""
         if self.ep is None:
             raise E.InvalidField("no remote segment registered yet")
-        arr = np.empty(max(nbytes, 1), np.uint8)
-        with self._lock:
-            reg = self.ep.register(arr)
-        return arr, reg
-
-    def release_staging(self, reg: Any) -> None:
-        if self.ep is not None:
+        arr = backend.alloc(max(nbytes, 1), 0)
+        try:
             with self._lock:
-                try:
-                    self.ep.deregister(reg)
-                except E.NixlError as exc:
-                    log.warning("deregistering a staging buffer: %s", exc)
+                reg = self.ep.register(arr)
+        except BaseException:
+            backend.free(arr)
+            raise
+        return arr, (reg, arr, backend)
+
+    def release_staging(self, staging: Any) -> None:
+        reg, arr, backend = staging
+        try:
+            if self.ep is not None:
+                with self._lock:
+                    try:
+                        self.ep.deregister(reg)
+                    except E.NixlError as exc:
+                        log.warning("deregistering a staging buffer: %s", exc)
+        finally:
+            backend.free(arr)
 
     def forget_local(self, seg: Any) -> None:
         reg = seg.info.pop("nixl_reg", None)
@@ -419,12 +429,13 @@ def pull_input(planner: Any, owner: Any, rseg: Segment[Any], roff: int, nbytes: 
     handle = rseg.handle
     raddr = handle.addr + roff
     plane.check_declared(handle)
-    arr, reg = plane.staging(nbytes)
+    arr, staging = plane.staging(nbytes, planner.host_backend)
+    reg = staging[0]
     staged = Staged(arr)
     work = RemoteWork(plane, handle.peer, "READ", np.array([[reg.addr, nbytes]], np.uint64), np.array([[raddr, nbytes]], np.uint64))
     pull = Op(
         0, [(rseg.id, roff, roff + nbytes)], [(staged.id, 0, nbytes)], planner.devices[0], nbytes,
         lambda: plane.post(work.peer, work.op, work.local, work.remote), remote=work,
     )
-    pull.info = reg
+    pull.info = staging
     return pull, staged, 0

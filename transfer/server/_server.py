@@ -137,6 +137,8 @@ class Server:
         self.remote.close()
         self.rings.shutdown()
         self.fds.close()
+        for backend in self.backends:
+            backend.close()  # the CPU devices' processes
         if self._lock is not None:
             self._lock.release()
             self._lock = None

@@ -437,6 +437,42 @@ def run_stretch(waves: Sequence[Sequence[Op]], device: VirtualDevice,
             _run_units(coalesce(wave), device)
 
 
+def begin_stretch(waves: Sequence[Sequence[Op]], device: VirtualDevice,
+                  stop: Callable[[], E.TransferError | None] | None) -> Callable[[], None] | None:
+    """`run_stretch`, for a pass whose every op runs outside the daemon (`Op.begin`: a CPU
+    device's process, which runs what it is sent in order, so the waves' order holds): queue
+    it all there and return what waits for it, so that a worker can queue the next pass
+    meanwhile. None (nothing started) if some op runs only here: run the pass whole."""
+    ops = [op for wave in waves for op in wave]
+    if not all(op.begin is not None for op in ops):
+        return None
+    why = stop() if stop is not None else None
+    if why is not None:
+        _fail_rest(waves, why)
+        return lambda: None
+    started: list[tuple[Op, Callable[[], Any]]] = []
+    with device.backend.off_loop():
+        for op in ops:
+            try:
+                started.append((op, op.begin()))  # type: ignore[misc]
+            except Exception as exc:
+                _failed(op, exc)
+
+    def end() -> None:
+        for op, wait in started:
+            try:
+                op.result = wait()
+            except Exception as exc:
+                _failed(op, exc)
+
+    return end
+
+
+def _failed(op: Op, exc: Exception) -> None:
+    """An op's own error, or a backend failure as `BackendError` (the daemon serves on)."""
+    op.error = exc if isinstance(exc, E.TransferError) else E.BackendError(f"{type(exc).__name__}: {exc}")
+
+
 async def _on_device(waves: Any, device: VirtualDevice | None, nbytes: int, limiter: trio.CapacityLimiter | None,
                      stop: Callable[[], E.TransferError | None] | None = None) -> None:
     if device is None:  # the wave's remote groups (waves): one NIXL post each

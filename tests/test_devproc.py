@@ -1,0 +1,119 @@
+"""CPU kernels run in a process per device (`backends/_devproc.py`): a real daemon, its real
+device process, killed with SIGKILL; memory freed and allocated again under it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import transfer
+from transfer import errors as E
+from transfer.testing import DaemonProcess
+
+
+def children(pid: int) -> set[int]:
+    """The processes `pid` started (every thread's children)."""
+    out: set[int] = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out.update(int(c) for c in Path(f"/proc/{pid}/task/{tid}/children").read_text().split())
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def device_processes(d: DaemonProcess) -> set[int]:
+    found = set()
+    for c in children(d.pid):
+        try:
+            if "transfer.kernels._process" in Path(f"/proc/{c}/cmdline").read_text():
+                found.add(c)
+        except FileNotFoundError:
+            pass
+    return found
+
+
+def scale_add(c: transfer.Client, seg: transfer.HostSegment, out: transfer.HostSegment, n: int, a: float) -> transfer.Pending:
+    return c.compute("scale_add", [seg.tensor(n, np.float32)], [out.tensor(n, np.float32)], {"a": a, "b": 1.0})
+
+
+def test_a_killed_device_process_fails_its_request_and_the_next_one_starts_again(daemon: DaemonProcess) -> None:
+    n = 1 << 16
+    x = np.arange(n, dtype=np.float32)
+    with transfer.connect(daemon.endpoint) as c, transfer.connect(daemon.endpoint) as bystander:
+        assert device_processes(daemon) == set(), "started before any kernel ran"
+        seg, out = c.segment(x.nbytes), c.segment(x.nbytes)
+        seg.ndarray(n, np.float32)[:] = x
+        scale_add(c, seg, out, n, 2.0).result()
+        np.testing.assert_array_equal(out.ndarray(n, np.float32), 2 * x + 1)
+        (first,) = device_processes(daemon)
+
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while first in children(daemon.pid) and Path(f"/proc/{first}/stat").read_text().split()[2] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(E.BackendError, match="killed by signal 9"):
+            scale_add(c, seg, out, n, 3.0).result()
+
+        # A new process, which maps the memory that existed before it (segments made before
+        # the crash) and after it: the answers are right, for this session and another.
+        late = c.segment(x.nbytes)
+        scale_add(c, seg, late, n, 4.0).result()
+        np.testing.assert_array_equal(late.ndarray(n, np.float32), 4 * x + 1)
+        scale_add(c, seg, out, n, 3.0).result()
+        np.testing.assert_array_equal(out.ndarray(n, np.float32), 3 * x + 1)
+        (second,) = device_processes(daemon)
+        assert second != first
+        bs, bo = bystander.segment(16), bystander.segment(16)
+        bs.ndarray(4, np.float32)[:] = 1
+        scale_add(bystander, bs, bo, 4, 5.0).result()
+        np.testing.assert_array_equal(bo.ndarray(4, np.float32), 6)
+    code = daemon.stop()
+    assert code == 0
+    deadline = time.monotonic() + 5
+    while any(Path(f"/proc/{p}").exists() and Path(f"/proc/{p}/stat").read_text().split()[2] != "Z" for p in (second,)):
+        assert time.monotonic() < deadline, "the device process outlived its daemon"
+        time.sleep(0.02)
+
+
+def test_freed_memory_never_reaches_newer_memory(daemon: DaemonProcess) -> None:
+    """Device buffers freed and allocated again, over and over: each compute sees exactly its
+    own buffer's bytes (a device process maps by a key that is never reused)."""
+    n = 4096
+    with transfer.connect(daemon.endpoint) as c:
+        seg, out = c.segment(n * 4), c.segment(n * 4)
+        for k in range(20):
+            seg.ndarray(n, np.float32)[:] = k
+            buf = c.alloc(n * 4)
+            c.copy(buf, seg).result()
+            c.compute("scale_add", [buf.tensor(n, np.float32)], [out.tensor(n, np.float32)], {"a": 1.0, "b": 0.5}).result()
+            np.testing.assert_array_equal(out.ndarray(n, np.float32), k + 0.5)
+            c.free(buf)
+
+
+def test_queued_passes_keep_their_order_around_work_the_daemon_does_itself(daemon: DaemonProcess) -> None:
+    """Many in-place computes in flight from one session (each over --inline-bytes, so they
+    queue on the session's CPU pipeline and its worker sends them ahead to the process), with
+    a copy (which the daemon runs itself) in the middle: every result is the sequential one."""
+    n = 1 << 18  # 1 MiB of float32: more than the loop runs inline
+    x0 = np.arange(n, dtype=np.float32)
+    with transfer.connect(daemon.endpoint) as c:
+        seg, snap = c.segment(x0.nbytes), c.segment(x0.nbytes)
+        seg.ndarray(n, np.float32)[:] = x0
+        t = seg.tensor(n, np.float32)
+        for _ in range(3):
+            pend = [c.compute("scale_add", [t], [t], {"a": 1.0, "b": 1.0}) for _ in range(12)]
+            pend.append(c.copy(snap, seg))
+            pend += [c.compute("scale_add", [t], [t], {"a": 1.0, "b": 1.0}) for _ in range(12)]
+            for p in pend:
+                p.result()
+            x0 = x0 + 12
+            np.testing.assert_array_equal(snap.ndarray(n, np.float32), x0)
+            x0 = x0 + 12
+            np.testing.assert_array_equal(seg.ndarray(n, np.float32), x0)
