@@ -117,3 +117,28 @@ def test_queued_passes_keep_their_order_around_work_the_daemon_does_itself(daemo
             np.testing.assert_array_equal(snap.ndarray(n, np.float32), x0)
             x0 = x0 + 12
             np.testing.assert_array_equal(seg.ndarray(n, np.float32), x0)
+
+
+def test_the_loop_never_waits_behind_a_busy_device_process(daemon: DaemonProcess) -> None:
+    """Session A keeps the CPU device's process busy with a long matmul; session B sends a
+    compute small enough for the loop to have run it in place. B's compute waits behind A's in
+    the process, but on a worker: session C's copy is answered while A's matmul still runs."""
+    n = 3072
+    with (transfer.connect(daemon.endpoint) as a, transfer.connect(daemon.endpoint) as b,
+          transfer.connect(daemon.endpoint) as c):
+        m = a.segment(3 * n * n * 4)
+        m.ndarray((2, n, n), np.float32)[:] = 1
+        big = a.compute("matmul", [m.tensor((n, n), np.float32), m.tensor((n, n), np.float32, offset=n * n * 4)],
+                        [m.tensor((n, n), np.float32, offset=2 * n * n * 4)])
+        time.sleep(0.2)  # A's matmul is in the process by now (it takes seconds on one core)
+        bs, bo = b.segment(256), b.segment(256)
+        small = scale_add(b, bs, bo, 64, 2.0)
+        cs, co = c.segment(64), c.segment(64)
+        c.copy(co, cs).result()
+        # Answered while the matmul runs: had the loop waited for B's compute, it would have
+        # answered the copy only once the matmul (ahead of B's in the process) had ended.
+        with pytest.raises(E.RequestTimeout):
+            big.result(timeout=0.05)
+        big.result()
+        small.result()
+        np.testing.assert_array_equal(m.ndarray((n, n), np.float32, offset=2 * n * n * 4)[:2, :2], n)

@@ -235,7 +235,7 @@ def _defaults() -> tuple[Setting, ...]:
         ("max_sessions", _int, "sessions served at once (a hello beyond gets QuotaExceeded); 0 = sized from the fd limit (RLIMIT_NOFILE, raised to its hard limit at startup)", "--max-sessions", {"minimum": 0, "maximum": 1 << 20}),
         ("max_pass", _int, "requests one scheduler pass takes from a session", "--max-pass", {"minimum": 1}),
         ("max_reply_backlog", parse_size, "unread reply bytes the daemon parks for one client before it ends that session", "--max-reply-backlog", {"minimum": 1 << 16, "metavar": "BYTES"}),
-        ("inline_bytes", parse_size, "data work touching at most this many bytes runs on the event loop, more on a worker thread (a checksum's bytes count half: it only reads them)", "--inline-bytes", {"minimum": 0, "metavar": "BYTES"}),
+        ("inline_bytes", parse_size, "data work touching at most this many bytes runs on the event loop, more on a worker thread (a checksum's bytes count half: it only reads them; a CPU device's kernels run in its process, never waited for on the loop)", "--inline-bytes", {"minimum": 0, "metavar": "BYTES"}),
         ("threads", _int, "worker threads for large copies", "--threads", {"minimum": 1, "maximum": 256}),
         ("placement", _str, "placement of host-only work: size, least-loaded, round-robin or cost", "--placement", {"choices": tuple(POLICIES)}),
         ("size_threshold", parse_size, "size placement: inputs below this many bytes go to a CPU device", "--size-threshold", {"minimum": 0, "metavar": "BYTES"}),

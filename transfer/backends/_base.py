@@ -30,6 +30,9 @@ class Backend(abc.ABC):
     """A physical device family (CPU via NumPy, GPU via CuPy)."""
 
     name: str
+    #: Kernels run in another process (`begin_compute` only sends them): the daemon's loop
+    #: never waits for them, a worker does (`server._ops.runs_inline`).
+    out_of_process = False
 
     @property
     @abc.abstractmethod

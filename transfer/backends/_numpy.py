@@ -30,6 +30,7 @@ __all__ = ["NumpyBackend"]
 
 class NumpyBackend(Backend):
     name = "numpy"
+    out_of_process = True
 
     def __init__(self, devices: int = 1) -> None:
         self._devices = devices

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -66,9 +66,10 @@ class Op:
     lane: Any = None
     #: Every byte it touches is host memory: on a stream backend it runs on the CPU, at once.
     host_only: bool = False
-    #: `run` in two halves, where the work runs outside the daemon (a CPU device's process):
-    #: begin() queues it there and returns what waits for its result. A worker may then queue
-    #: the next pass before this one ends (`_waves.begin_stretch`). None: run() only.
+    #: `run` in two halves, set where the work runs outside the daemon (a CPU device's process,
+    #: `Backend.out_of_process`): begin() queues it there and returns what waits for its result.
+    #: A worker may then queue the next pass before this one ends (`_waves.begin_stretch`);
+    #: the loop never runs it (`runs_inline`). None: run() only, in the daemon.
     begin: Callable[[], Callable[[], Any]] | None = None
 
     @property
@@ -87,9 +88,16 @@ class Op:
         return 0 if self.rid == 0 else (1 if self.ids is None else len(self.ids))
 
 
-def runs_inline(cost: int, inline_bytes: int) -> bool:
+def runs_inline(ops: Iterable[Op], inline_bytes: int) -> bool:
     """The one inline rule (`--inline-bytes`): work whose `Op.cost`, summed over what runs
-    together, is at most `inline_bytes` runs on the event loop; more goes to a worker."""
+    together, is at most `inline_bytes` runs on the event loop; more goes to a worker. Never
+    work that runs in another process (`Op.begin`: a CPU device's kernels): the loop would
+    only wait for it, behind whatever that process runs for other sessions."""
+    cost = 0
+    for op in ops:
+        if op.begin is not None:
+            return False
+        cost += op.cost
     return cost <= inline_bytes
 
 

@@ -389,12 +389,10 @@ class Pass:
             if refused:
                 b.refused.extend(refused)
             b.waves = assign_waves(b.ops)
-            nbytes = 0
             for op in b.ops:
-                nbytes += op.cost
                 if op.remote is not None or (op.kind == "compute" and op.device.kind == "gpu"):
                     b.inline = False  # remote posts wait; GPU kernels may compile (never on the loop)
-            if not runs_inline(nbytes, self.config.inline_bytes):
+            if not runs_inline(b.ops, self.config.inline_bytes):
                 b.inline = False
             b.pipe = _one_lane(b.ops)
         return b

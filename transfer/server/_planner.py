@@ -257,7 +257,8 @@ class Planner:
                 wait: Callable[[], Any] = backend.begin_compute(kernel, ins, outs, params, dev.local_id)
                 return wait
 
-            return Op(req.id, reads, writes, dev, nbytes, lambda: begin()(), work=work, begin=begin)
+            return Op(req.id, reads, writes, dev, nbytes, lambda: begin()(), work=work,
+                      begin=begin if backend.out_of_process else None)
 
         def run() -> Any:
             try:
@@ -399,7 +400,8 @@ class Planner:
             current.add(i, kernel, ins, outs, node, nranges)
         for op in ops[:-1]:  # the last, which answers, waits for every other
             ops[-1].reads.extend(op.writes)
-        if len(ops) == 1 and not pulls:  # (a later stretch's start depends on what failed before it)
+        if len(ops) == 1 and not pulls and ops[0].device.backend.out_of_process:
+            # (one stretch: a later one's start would depend on what failed before it)
             ops[0].begin = current.begin  # type: ignore[union-attr]
         ops[-1].rid = req.id
         run.ops = ops

@@ -375,7 +375,7 @@ async def run_waves(
                 j += 1
             stretch, k = waves[k:j], j
             nbytes = sum(op.cost for wave in stretch for op in wave)
-            if runs_inline(nbytes, inline_bytes):
+            if runs_inline((op for wave in stretch for op in wave), inline_bytes):
                 for wave in stretch:
                     _run_units(coalesce(wave), device)
             else:
@@ -401,7 +401,7 @@ async def run_waves(
         for ops in by_device.values():
             device = ops[0].device
             nbytes = sum(o.cost for o in ops)
-            if runs_inline(nbytes, inline_bytes):
+            if runs_inline(ops, inline_bytes):
                 _run_units(coalesce(ops), device)
             else:
                 jobs.append(([ops], device, nbytes))
