@@ -95,7 +95,9 @@ def test_full_preset_tiny_all_methods(tmp_path: Path) -> None:
     with_transfer = _transfer_ok()
     out = tmp_path / "r.json"
     png = tmp_path / "r.png"
-    args = ["full", "--sizes", "4K,64K", "--producers", "2", "--modes", "local,compute,remote,gpu",
+    # One size: each size runs every method in every mode (the suite's slowest test); the
+    # sweep over sizes is the same loop, exercised by the iceoryx2 and remote tests below.
+    args = ["full", "--sizes", "64K", "--producers", "2", "--modes", "local,compute,remote,gpu",
             "--methods", _methods(with_transfer), "--verify-every", "1",
             "--json", str(out), "--plot", str(png), *TINY]
     # NIXL made unimportable: the remote mode must be skipped with a note, not fail.
@@ -111,7 +113,7 @@ def test_full_preset_tiny_all_methods(tmp_path: Path) -> None:
     expected_methods = set(_methods(with_transfer).split(","))
     assert {r["method"] for r in res} == expected_methods
     assert {r["mode"] for r in res} == {"local", "compute"}
-    assert {r["size"] for r in res} == {4096, 65536}
+    assert {r["size"] for r in res} == {65536}
     for r in res:
         for key in ("method", "mode", "size", "producers", "gbps", "rps", "p50_us", "p99_us",
                     "reps", "min_gbps", "max_gbps"):
