@@ -35,7 +35,10 @@ class NumpyBackend(Backend):
     def __init__(self, devices: int = 1) -> None:
         self._devices = devices
         self.shared = SharedIndex()
-        self.procs = [DeviceProcess(self.shared, i) for i in range(devices)]
+        # A process per device, up to one per core: more would only take turns on the cores
+        # (and --devices allows 1024, each a process of ~50 MB). Device i uses process i % n.
+        n = max(1, min(devices, os.cpu_count() or 1))
+        self.procs = [DeviceProcess(self.shared, i) for i in range(n)]
 
     @property
     def device_count(self) -> int:
@@ -88,7 +91,7 @@ class NumpyBackend(Backend):
     def begin_compute(self, kernel: Any, inputs: list[tuple[Any, Span]], outputs: list[tuple[Any, Span]], params: Any,
                       device: int) -> Callable[[], Any]:
         """`compute` sent to the device's process; returns what waits for its result."""
-        wait = self.procs[device].begin([(0, kernel, inputs, outputs, params, (), None)], set())
+        wait = self.procs[device % len(self.procs)].begin([(0, kernel, inputs, outputs, params, (), None)], set())
 
         def result() -> Any:
             ((state, value, _),) = wait()
@@ -99,7 +102,7 @@ class NumpyBackend(Backend):
         return result
 
     def begin_steps(self, steps: Sequence[Any], failed: set[int], device: int) -> Callable[[], list[tuple[int, Any, float]]]:
-        return self.procs[device].begin(steps, failed)
+        return self.procs[device % len(self.procs)].begin(steps, failed)
 
     def close(self) -> None:
         for proc in self.procs:
