@@ -142,3 +142,26 @@ def test_the_loop_never_waits_behind_a_busy_device_process(daemon: DaemonProcess
         big.result()
         small.result()
         np.testing.assert_array_equal(m.ndarray((n, n), np.float32, offset=2 * n * n * 4)[:2, :2], n)
+
+
+def test_many_virtual_cpu_devices_share_one_process_per_core() -> None:
+    """--devices allows 1024: they share at most one process per core, and each computes."""
+    from transfer.addressing import SegmentKind
+    from transfer.backends import NumpyBackend, Span
+    from transfer.kernels import REGISTRY, TensorRef
+
+    backend = NumpyBackend(64)
+    try:
+        assert len(backend.procs) <= (os.cpu_count() or 1)
+        mem = backend.alloc(64 * 4 * 2, 0)
+        x = np.frombuffer(mem, np.float32)
+        x[:] = np.arange(128)
+        kernel = REGISTRY.get("scale_add", ("float32", "float32"), "cpu")
+        t = TensorRef(1, "float32", (64,))
+        for device in (0, 17, 63):
+            backend.compute(kernel, [(t, Span(SegmentKind.DEVICE, mem, 0, 256))], [(t, Span(SegmentKind.DEVICE, mem, 256, 256))],
+                            {"a": float(device), "b": 1.0}, device)
+            np.testing.assert_array_equal(x[64:], np.arange(64, dtype=np.float32) * device + 1)
+        assert sum(p.starts for p in backend.procs) <= len(backend.procs)
+    finally:
+        backend.close()
