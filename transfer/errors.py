@@ -311,6 +311,12 @@ for _cls in _all_subclasses(TransferError):
     _BY_CODE[_cls.code] = _cls
 
 
+def as_transfer_error(exc: BaseException) -> TransferError:
+    """`exc` if it is one of ours, else `BackendError` naming it: a failure under a request
+    (a device, a kernel, NIXL) fails that request, and the daemon serves on."""
+    return exc if isinstance(exc, TransferError) else BackendError(f"{type(exc).__name__}: {exc}")
+
+
 def error_for_code(code: int, message: str) -> TransferError:
     """Rebuild the exception a peer reported; unknown codes keep their number."""
     cls = _BY_CODE.get(code)

@@ -77,7 +77,7 @@ class SharedIndex:
             key, fd, _, _ = entry
             os.close(fd)
             for proc in self.procs:
-                proc.pending.append(("unmap", key, -1, 0))
+                proc.queue_unmap(key)
 
     def key(self, base: Any) -> int:
         entry = self.by_id.get(id(base))
@@ -122,16 +122,22 @@ class DeviceProcess:
         if self._sock is not None:
             self.pending.append(("map", key, os.dup(fd), nbytes))
 
+    def queue_unmap(self, key: int) -> None:
+        """(Under the index's lock.) Unmap this memory before the next run, if running (a
+        process started later never maps it)."""
+        if self._sock is not None:
+            self.pending.append(("unmap", key, -1, 0))
+
     def begin(self, steps: Sequence[Any], failed: set[int]) -> Callable[[], list[tuple[int, Any, float]]]:
         """Send `steps` (kernels over (TensorRef, Span) operands) to the process; returns what
         waits for their outcomes."""
         key = self.shared.key
-        wire = []
-        for i, kernel, ins, outs, params, deps, name in steps:
-            wire.append((i, (kernel.op, kernel.sig, kernel.device_kind),
-                         [(key(s.mem.array if s.kind is HOST else s.mem), s.offset, t.shape, t.dtype, t.strides) for t, s in ins],
-                         [(key(s.mem.array if s.kind is HOST else s.mem), s.offset, t.shape, t.dtype, t.strides) for t, s in outs],
-                         params, deps, name))
+
+        def operands(pairs: Any) -> list[tuple[Any, ...]]:
+            return [(key(s.mem.array if s.kind is HOST else s.mem), s.offset, t.shape, t.dtype, t.strides) for t, s in pairs]
+
+        wire = [(i, (kernel.op, kernel.sig, kernel.device_kind), operands(ins), operands(outs), params, deps, name)
+                for i, kernel, ins, outs, params, deps, name in steps]
         msg = pickle.dumps(("run", wire, failed), 5)
         if len(msg) > MAX_MESSAGE:
             raise E.InvalidField(f"a run of {len(steps)} kernels is too large for the CPU device ({len(msg)} bytes)")
@@ -212,11 +218,7 @@ class DeviceProcess:
                 self._drop_pending()
             how = "is gone"
             if child is not None:
-                try:
-                    code = child.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    child.kill()
-                    code = child.wait()
+                code = _reap(child)
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
             if sock is not None:
                 sock.close()
@@ -237,9 +239,15 @@ class DeviceProcess:
             if sock is not None:
                 sock.close()  # the process reads EOF and exits
             if child is not None:
-                try:
-                    child.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    child.kill()
-                    child.wait()
+                _reap(child)
             self._drop_pending()
+
+
+def _reap(child: subprocess.Popen[bytes]) -> int:
+    """Wait for a device process that is ending (its socket closed, or it died); kill it
+    after 5 s (a kernel still running). Its exit status."""
+    try:
+        return child.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        return child.wait()

@@ -42,7 +42,7 @@ def run_steps(steps: Sequence[Step], failed: set[int], compute: Callable[[Any, A
             except E.TransferError as exc:
                 err: E.TransferError = exc if name is None else type(exc)(f"graph node {i} ({name}): {exc.message}")
             except Exception as exc:  # a backend failure fails this node (and what reads it)
-                err = E.BackendError(f"{type(exc).__name__}: {exc}")
+                err = E.as_transfer_error(exc)
             else:
                 out.append((DONE, result, clock() - t0))
                 continue

@@ -162,14 +162,8 @@ def _run_units(units: Sequence[tuple[list[Op], Callable[[], Any] | None]], devic
         try:
             with backend.lane(lane):
                 result = work()
-        except E.TransferError as exc:
-            for op in ops:
-                op.error = exc
-            continue
         except Exception as exc:  # a backend failure fails these requests, not the daemon
-            err = E.BackendError(f"{type(exc).__name__}: {exc}")
-            for op in ops:
-                op.error = err
+            _fail_ops(ops, exc)
             continue
         for op in ops:
             op.result = result
@@ -244,7 +238,8 @@ def _group_ranges(ops: Sequence[Op]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _fail_ops(ops: Sequence[Op], exc: BaseException) -> None:
-    err = exc if isinstance(exc, E.TransferError) else E.BackendError(f"{type(exc).__name__}: {exc}")
+    """The ops fail with `exc`: their own error, or a backend's failure as `BackendError`."""
+    err = E.as_transfer_error(exc)
     for op in ops:
         op.error = err
 
@@ -275,13 +270,8 @@ def _post_remote(ops: Sequence[Op]) -> None:
     local, remote = _group_ranges(ops)
     try:
         w.plane.post(w.peer, w.op, local, remote)
-    except E.TransferError as exc:
-        for op in ops:
-            op.error = exc
     except Exception as exc:  # a NIXL failure fails these requests, not the daemon
-        err = E.BackendError(f"{type(exc).__name__}: {exc}")
-        for op in ops:
-            op.error = err
+        _fail_ops(ops, exc)
 
 
 def _loop_posts(group: list[Op], limit: int) -> list[list[Op]]:
@@ -374,11 +364,11 @@ async def run_waves(
             while j < len(waves) and one_device(waves[j]) is device:
                 j += 1
             stretch, k = waves[k:j], j
-            nbytes = sum(op.cost for wave in stretch for op in wave)
             if runs_inline((op for wave in stretch for op in wave), inline_bytes):
                 for wave in stretch:
                     _run_units(coalesce(wave), device)
             else:
+                nbytes = sum(op.cost for wave in stretch for op in wave)
                 await _on_device(stretch, device, nbytes, limiters[device.index], stop)
             continue
         wave = waves[k]
@@ -400,11 +390,10 @@ async def run_waves(
             jobs.append((big, None, 0))
         for ops in by_device.values():
             device = ops[0].device
-            nbytes = sum(o.cost for o in ops)
             if runs_inline(ops, inline_bytes):
                 _run_units(coalesce(ops), device)
             else:
-                jobs.append(([ops], device, nbytes))
+                jobs.append(([ops], device, sum(o.cost for o in ops)))
         if not jobs:
             continue
         if len(jobs) == 1:
@@ -456,21 +445,16 @@ def begin_stretch(waves: Sequence[Sequence[Op]], device: VirtualDevice,
             try:
                 started.append((op, op.begin()))  # type: ignore[misc]
             except Exception as exc:
-                _failed(op, exc)
+                _fail_ops([op], exc)
 
     def end() -> None:
         for op, wait in started:
             try:
                 op.result = wait()
             except Exception as exc:
-                _failed(op, exc)
+                _fail_ops([op], exc)
 
     return end
-
-
-def _failed(op: Op, exc: Exception) -> None:
-    """An op's own error, or a backend failure as `BackendError` (the daemon serves on)."""
-    op.error = exc if isinstance(exc, E.TransferError) else E.BackendError(f"{type(exc).__name__}: {exc}")
 
 
 async def _on_device(waves: Any, device: VirtualDevice | None, nbytes: int, limiter: trio.CapacityLimiter | None,
