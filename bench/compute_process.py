@@ -1,13 +1,12 @@
-"""How fast could the daemon's MLP graph go if a CPU device computed in a process of its own?
-(issue 18: a feasibility measure for the next design step, not a measure of `transfer`.)
+"""The CPU device process without the daemon: the ceiling of `transfer`'s device process.
 
-`bench/graphs.py` puts the MLP through the daemon at about 0.7x of in-process NumPy at batch
-64: the daemon's compute worker shares one GIL with its event loop, and on 2 cores the two
-hand it back and forth many times a run. This script measures the ceiling of the other
-design: the same kernels (`transfer.kernels`, as `bench/graphs.py`'s "kernels" column) in a
-separate process, fed batches through shared memory and told which slot to run over a pipe,
-`--slots` runs in flight, against the same kernels in this process. No daemon, planning or
-reply is in it: what a device process would cost beyond them is one pipe message each way.
+`bench/graphs.py` puts the MLP through the daemon: receiving, planning, answering, and a
+CPU device's kernels in the device's own process (`backends/_devproc.py`). This script
+drives that same process directly, through the NumPy backend's `begin_steps` (the call the
+daemon's worker makes), `--slots` runs in flight, against the same kernels in this process.
+No daemon, planning or reply is in it: the gap between this ratio and graphs.py's is what
+the daemon's loop costs, and the gap between this ratio and 1.0 is what the process costs
+(one message each way per run, and pickling).
 
     python bench/compute_process.py [--batch 64] [--seconds 4] [--reps 3] [--slots 4] [--json PATH]
 """
@@ -22,45 +21,88 @@ if __name__ == "__main__":
         os.environ[_v] = "1"  # one BLAS thread on each side, as bench/graphs.py's default
 
 import argparse
+import collections
 import json
-import multiprocessing as mp
 import statistics
 import time
-from multiprocessing import shared_memory
-from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
+
+from transfer.addressing import SegmentKind
+from transfer.backends import NumpyBackend, Span
+from transfer.kernels import FAILED, REGISTRY, TensorRef
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import graphs as G  # noqa: E402  (bench/graphs.py: the MLP, its weights and its kernels)
 
 
-def _device(conn: Connection, shm_name: str, batch: int, slots: int) -> None:
-    """The compute process: run the MLP over the slot each message names, answer the slot."""
-    shm = shared_memory.SharedMemory(name=shm_name)
-    nin, nout = batch * G.SIZES[0], batch * G.SIZES[-1]
-    buf = np.ndarray((slots, nin + nout), np.float32, shm.buf)
-    run = G.kernels_mlp(batch, G.make_weights())
-    try:
-        while (s := conn.recv()) >= 0:
-            run(buf[s, :nin].reshape(batch, -1), buf[s, nin:].reshape(batch, -1))
-            conn.send(s)
-    finally:
-        del buf
-        shm.close()
+class Device:
+    """The MLP's weights, intermediates and `slots` input/output pairs in one buffer of the
+    NumPy backend (a memfd its device process maps), and each slot's run as the steps a
+    planned graph's stretch sends (`kernels.run_steps`' form)."""
+
+    def __init__(self, batch: int, slots: int) -> None:
+        self.backend = NumpyBackend(1)
+        ws = G.make_weights()
+        sizes = G.SIZES
+        mids = [(batch, n) for n in sizes[1:-1] for _ in range(2)]
+        shapes = [w.shape for w in ws] + mids + [(batch, sizes[0]), (batch, sizes[-1])] * slots
+        offs = np.cumsum([0] + [int(np.prod(sh)) * 4 for sh in shapes])
+        self.mem = self.backend.alloc(int(offs[-1]), 0)
+        self.views = [np.ndarray(sh, np.float32, self.mem, int(o)) for sh, o in zip(shapes, offs)]
+        refs = [(TensorRef(0, "float32", tuple(sh)), Span(SegmentKind.DEVICE, self.mem, int(o), int(np.prod(sh)) * 4))
+                for sh, o in zip(shapes, offs)]
+        for v, w in zip(self.views, ws):
+            v[...] = w
+        nw, nm = len(ws), len(mids)
+        lin = REGISTRY.lookup("linear", ("float32",) * 4, "cpu")
+        relu = REGISTRY.lookup("relu", ("float32",) * 2, "cpu")
+        self.inputs = [self.views[nw + nm + 2 * s] for s in range(slots)]
+        self.outputs = [self.views[nw + nm + 2 * s + 1] for s in range(slots)]
+        self.steps: list[list[Any]] = []
+        for s in range(slots):
+            x, y = refs[nw + nm + 2 * s], refs[nw + nm + 2 * s + 1]
+            steps, h = [], x
+            for k in range(0, nw, 2):
+                if k + 2 == nw:
+                    steps.append((len(steps), lin, [h, refs[k], refs[k + 1]], [y], {}, (), None))
+                    break
+                pre, act = refs[nw + k], refs[nw + k + 1]
+                steps.append((len(steps), lin, [h, refs[k], refs[k + 1]], [pre], {}, (), None))
+                steps.append((len(steps), relu, [pre], [act], {}, (len(steps) - 1,), None))
+                h = act
+            self.steps.append(steps)
+
+    def begin(self, s: int) -> Callable[[], None]:
+        wait = self.backend.begin_steps(self.steps[s], set(), 0)
+
+        def end() -> None:
+            for state, value, _ in wait():
+                if state == FAILED:
+                    raise value
+        return end
+
+    def close(self) -> None:
+        self.backend.close()
 
 
-def _separate(conn: Connection, buf: np.ndarray, xs: list[np.ndarray], nin: int, secs: float) -> float:
-    """Runs/s with the compute process busy: each answer's slot refilled and sent again."""
+def _separate(dev: Device, xs: list[np.ndarray], secs: float) -> float:
+    """Runs/s with the device process kept busy: each finished slot refilled and sent again."""
+    slots = len(dev.steps)
+    inflight = collections.deque((s, dev.begin(s)) for s in range(slots))
     n, t = 0, time.perf_counter()
     while time.perf_counter() - t < secs:
-        s = conn.recv()
-        buf[s, :nin] = xs[n % len(xs)].ravel()
-        conn.send(s)
+        s, end = inflight.popleft()
+        end()
+        dev.inputs[s][...] = xs[n % len(xs)]
+        inflight.append((s, dev.begin(s)))
         n += 1
-    return n / (time.perf_counter() - t)
+    rate = n / (time.perf_counter() - t)
+    for _, end in inflight:
+        end()
+    return rate
 
 
 def _in_process(run: Any, xs: list[np.ndarray], batch: int, secs: float) -> float:
@@ -72,49 +114,30 @@ def _in_process(run: Any, xs: list[np.ndarray], batch: int, secs: float) -> floa
     return n / (time.perf_counter() - t)
 
 
-def _drive(conn: Connection, buf: np.ndarray, batch: int, seconds: float, reps: int, slots: int) -> tuple[float, list[float], list[float]]:
-    """Check the separate process's outputs against this one's (untimed), then time both in turn."""
-    nin = batch * G.SIZES[0]
+def measure(batch: int, seconds: float, reps: int, slots: int) -> dict[str, Any]:
+    """Check the device process's outputs against this process's (untimed), then runs/s on
+    each side, `reps` times in turn."""
     xs = [G._MLP.batch_of(i, batch) for i in range(slots)]
     run = G.kernels_mlp(batch, G.make_weights())
-    for s in range(slots):
-        buf[s, :nin] = xs[s].ravel()
-        conn.send(s)
-    want = np.empty((batch, G.SIZES[-1]), np.float32)
-    err = 0.0
-    for _ in range(slots):
-        s = conn.recv()
-        run(xs[s], want)
-        err = max(err, float(np.abs(buf[s, nin:].reshape(batch, -1) - want).max()))
-        conn.send(s)
-    _separate(conn, buf, xs, nin, min(1.0, seconds))  # warm both sides
-    sep, inp = [], []
-    for _ in range(reps):
-        sep.append(_separate(conn, buf, xs, nin, seconds))
-        inp.append(_in_process(run, xs, batch, seconds))
-    for _ in range(slots):
-        conn.recv()
-    return err, sep, inp
-
-
-def measure(batch: int, seconds: float, reps: int, slots: int) -> dict[str, Any]:
-    """Runs/s in a separate process and in this one, `reps` times each in turn."""
-    nin, nout = batch * G.SIZES[0], batch * G.SIZES[-1]
-    shm = shared_memory.SharedMemory(create=True, size=slots * (nin + nout) * 4)
-    buf = np.ndarray((slots, nin + nout), np.float32, shm.buf)
-    here, there = mp.Pipe()
-    proc = mp.get_context("spawn").Process(target=_device, args=(there, shm.name, batch, slots), daemon=True)
-    proc.start()
+    dev = Device(batch, slots)
     try:
-        err, sep, inp = _drive(here, buf, batch, seconds, reps, slots)
-        here.send(-1)
-        proc.join(30)
+        want = np.empty((batch, G.SIZES[-1]), np.float32)
+        ends = []
+        for s in range(slots):
+            dev.inputs[s][...] = xs[s]
+            ends.append(dev.begin(s))
+        err = 0.0
+        for s, end in enumerate(ends):
+            end()
+            run(xs[s], want)
+            err = max(err, float(np.abs(dev.outputs[s] - want).max()))
+        _separate(dev, xs, min(1.0, seconds))  # warm both sides
+        sep, inp = [], []
+        for _ in range(reps):
+            sep.append(_separate(dev, xs, seconds))
+            inp.append(_in_process(run, xs, batch, seconds))
     finally:
-        del buf  # (the mapping closes only once no array views it)
-        shm.close()
-        shm.unlink()
-        if proc.is_alive():
-            proc.kill()
+        dev.close()
     ratios = [a / b for a, b in zip(sep, inp)]
     return {"batch": batch, "slots": slots, "max_abs_error": err, "separate_per_s": statistics.median(sep),
             "in_process_per_s": statistics.median(inp), "separate_vs_in_process": statistics.median(ratios),
