@@ -7,6 +7,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -43,8 +44,11 @@ def scale_add(c: transfer.Client, seg: transfer.HostSegment, out: transfer.HostS
 
 
 def test_a_killed_device_process_fails_its_request_and_the_next_one_starts_again(daemon: DaemonProcess) -> None:
+    """Killed while it runs a request: that request fails, saying so; the next one starts a
+    new process, and the daemon serves on. (Killed while idle, it is only replaced.)"""
     n = 1 << 16
     x = np.arange(n, dtype=np.float32)
+    m = 3072
     with transfer.connect(daemon.endpoint) as c, transfer.connect(daemon.endpoint) as bystander:
         assert device_processes(daemon) == set(), "started before any kernel ran"
         seg, out = c.segment(x.nbytes), c.segment(x.nbytes)
@@ -53,13 +57,17 @@ def test_a_killed_device_process_fails_its_request_and_the_next_one_starts_again
         np.testing.assert_array_equal(out.ndarray(n, np.float32), 2 * x + 1)
         (first,) = device_processes(daemon)
 
+        big = c.segment(3 * m * m * 4)
+        running = c.compute("matmul", [big.tensor((m, m), np.float32), big.tensor((m, m), np.float32, offset=m * m * 4)],
+                            [big.tensor((m, m), np.float32, offset=2 * m * m * 4)])
+        time.sleep(0.2)  # the matmul runs in the process by now (it takes seconds on one core)
         os.kill(first, signal.SIGKILL)
+        with pytest.raises(E.BackendError, match="killed by signal 9"):
+            running.result()
         deadline = time.monotonic() + 10
         while first in children(daemon.pid) and Path(f"/proc/{first}/stat").read_text().split()[2] != "Z":
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        with pytest.raises(E.BackendError, match="killed by signal 9"):
-            scale_add(c, seg, out, n, 3.0).result()
 
         # A new process, which maps the memory that existed before it (segments made before
         # the crash) and after it: the answers are right, for this session and another.
@@ -98,9 +106,9 @@ def test_freed_memory_never_reaches_newer_memory(daemon: DaemonProcess) -> None:
 
 
 def test_queued_passes_keep_their_order_around_work_the_daemon_does_itself(daemon: DaemonProcess) -> None:
-    """Many in-place computes in flight from one session (each over --inline-bytes, so they
-    queue on the session's CPU pipeline and its worker sends them ahead to the process), with
-    a copy (which the daemon runs itself) in the middle: every result is the sequential one."""
+    """Many in-place computes in flight from one session (they queue on the session's CPU
+    pipeline, and the loop sends them ahead to the process), with a copy (which the daemon
+    runs itself, on a worker) in the middle: every result is the sequential one."""
     n = 1 << 18  # 1 MiB of float32: more than the loop runs inline
     x0 = np.arange(n, dtype=np.float32)
     with transfer.connect(daemon.endpoint) as c:
@@ -122,7 +130,8 @@ def test_queued_passes_keep_their_order_around_work_the_daemon_does_itself(daemo
 def test_the_loop_never_waits_behind_a_busy_device_process(daemon: DaemonProcess) -> None:
     """Session A keeps the CPU device's process busy with a long matmul; session B sends a
     compute small enough for the loop to have run it in place. B's compute waits behind A's in
-    the process, but on a worker: session C's copy is answered while A's matmul still runs."""
+    the process, but the loop only sent it: session C's copy is answered while A's matmul
+    still runs."""
     n = 3072
     with (transfer.connect(daemon.endpoint) as a, transfer.connect(daemon.endpoint) as b,
           transfer.connect(daemon.endpoint) as c):
@@ -165,3 +174,111 @@ def test_many_virtual_cpu_devices_share_one_process_per_core() -> None:
         assert sum(p.starts for p in backend.procs) <= len(backend.procs)
     finally:
         backend.close()
+
+
+def _kernel_and_tensor(n: int) -> tuple[Any, Any]:
+    from transfer.kernels import REGISTRY, TensorRef
+
+    return REGISTRY.get("scale_add", ("float32", "float32"), "cpu"), TensorRef(1, "float32", (n,))
+
+
+def test_a_sender_that_must_not_wait_is_refused_whole_and_nothing_is_lost() -> None:
+    """The event loop sends runs with block=False. With the device process stopped (SIGSTOP)
+    its socket fills: the send that would block raises BlockingIOError having sent nothing,
+    a map queued meanwhile waits too, and once the process runs again every run sent is
+    answered, in order, exactly once (each adds 1 in place: the sum counts them)."""
+    from transfer.addressing import SegmentKind
+    from transfer.backends import NumpyBackend, Span
+
+    kernel, t = _kernel_and_tensor(16)
+    backend = NumpyBackend(1)
+    proc = backend.procs[0]
+    try:
+        mem = backend.alloc(64, 0)
+        x = np.frombuffer(mem, np.float32)
+        span = [(t, Span(SegmentKind.DEVICE, mem, 0, 64))]
+        with pytest.raises(BlockingIOError):  # not started: starting it is a thread's job
+            backend.begin_compute(kernel, span, span, {"a": 1.0, "b": 1.0}, 0, block=False)
+        backend.compute(kernel, span, span, {"a": 1.0, "b": 1.0}, 0)  # starts it
+        assert proc._child is not None
+        os.kill(proc._child.pid, signal.SIGSTOP)
+        try:
+            answers = []
+            for _ in range(100_000):
+                try:
+                    answers.append(backend.begin_compute(kernel, span, span, {"a": 1.0, "b": 1.0}, 0, block=False))
+                except BlockingIOError:
+                    break
+            else:
+                pytest.fail("the stopped process's socket never filled")
+            assert len(answers) > 10
+            later = backend.alloc(64, 0)  # its map is queued behind the full socket
+            with pytest.raises(BlockingIOError):
+                backend.begin_compute(kernel, span, span, {"a": 1.0, "b": 1.0}, 0, block=False)
+            assert proc.pending
+        finally:
+            os.kill(proc._child.pid, signal.SIGCONT)
+        y = np.frombuffer(later, np.float32)
+        backend.compute(kernel, span, [(t, Span(SegmentKind.DEVICE, later, 0, 64))], {"a": 2.0, "b": 0.0}, 0)
+        for answer in answers:
+            assert answer() is None
+        np.testing.assert_array_equal(x, 1 + len(answers))
+        np.testing.assert_array_equal(y, 2 * (1 + len(answers)))
+    finally:
+        backend.close()
+
+
+def test_an_answer_tells_once_whether_asked_before_or_after_and_raises_its_error() -> None:
+    from transfer.backends import Answer
+
+    told: list[str] = []
+    a = Answer()
+    a.on_done(lambda: told.append("before"))
+    doubled = a.then(lambda v: v * 2)
+    assert told == []
+    a.set(21)
+    a.on_done(lambda: told.append("after"))
+    assert told == ["before", "after"] and a() == 21 and doubled() == 42
+    failed = Answer()
+    failed.then(lambda v: v).on_done(lambda: told.append("failed"))
+    failed.set(error=E.BackendError("gone"))
+    with pytest.raises(E.BackendError, match="gone"):
+        failed.then(lambda v: v)()
+    assert told[-1] == "failed"
+
+
+def test_a_pass_the_process_takes_in_part_is_finished_in_order() -> None:
+    """`Sent.send(False)` stops at the op the process cannot take now; `send(True)` (a
+    thread's) sends the rest in order; the pass is done when its last op is answered."""
+    from transfer.backends import Answer
+    from transfer.server._ops import Op
+    from transfer.server._waves import Sent
+
+    order: list[tuple[int, bool]] = []
+    answers = [Answer() for _ in range(3)]
+    refused = {1}
+
+    def op(i: int) -> Op:
+        def begin(block: bool) -> Answer:
+            if not block and i in refused:
+                refused.discard(i)
+                raise BlockingIOError
+            order.append((i, block))
+            return answers[i]
+
+        return Op(i + 1, [], [], None, 0, begin=begin)  # type: ignore[arg-type]
+
+    ops = [op(i) for i in range(3)]
+    sent = Sent(ops)
+    assert not sent.send(False) and order == [(0, False)] and not sent.sent_all
+    assert sent.send(True) and order == [(0, False), (1, True), (2, True)] and sent.sent_all
+    told: list[int] = []
+    sent.on_done(lambda: told.append(1))
+    answers[0].set("a")
+    answers[1].set(error=E.BackendError("boom"))
+    assert told == []
+    answers[2].set("c")
+    assert told == [1]
+    sent.end()
+    assert [o.result for o in ops] == ["a", None, "c"]
+    assert ops[0].error is None and isinstance(ops[1].error, E.BackendError) and ops[2].error is None

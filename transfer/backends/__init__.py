@@ -6,10 +6,10 @@ import importlib.util
 import logging
 import os
 
-from ._base import Backend, Span
+from ._base import Answer, Backend, Span, Then
 from ._numpy import NumpyBackend
 
-__all__ = ["Backend", "Span", "NumpyBackend", "make_backend", "select_backend", "STREAMSIM_DEVICES_ENV"]
+__all__ = ["Answer", "Backend", "Span", "Then", "NumpyBackend", "make_backend", "select_backend", "STREAMSIM_DEVICES_ENV"]
 
 log = logging.getLogger("transfer.backends")
 

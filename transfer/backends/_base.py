@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import threading
 from typing import Any, Callable, ContextManager, Hashable, NamedTuple, Sequence
 
 from ..addressing import SegmentKind
 from ..kernels import run_steps
 
-__all__ = ["Backend", "Span"]
+__all__ = ["Answer", "Backend", "Span"]
 
 
 class Span(NamedTuple):
@@ -24,6 +25,79 @@ class Span(NamedTuple):
     mem: Any
     offset: int
     nbytes: int
+
+
+class Answer:
+    """What a started run gives back (`Backend.begin_compute`, `begin_steps`): call it to wait
+    for the result (a worker thread), or ask to be told once it is in (`on_done`: the event
+    loop, which must never wait). `then(fn)` is the same answer, passed through `fn`.
+
+    Why not `concurrent.futures.Future`: that one is made for an executor's bookkeeping
+    (states, cancellation, a Condition per future); this is one lock and a list."""
+
+    __slots__ = ("_lock", "_waiting", "_done", "_value", "_error", "_callbacks")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting = threading.Lock()  # held until the answer is in: a waiter blocks on it
+        self._waiting.acquire()
+        self._done = False
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[[], None]] = []
+
+    @classmethod
+    def ready(cls, value: Any) -> "Answer":
+        answer = cls()
+        answer.set(value)
+        return answer
+
+    def set(self, value: Any = None, error: BaseException | None = None) -> None:
+        """(Once.) The result, or the error waiting raises; runs the `on_done` callbacks here."""
+        with self._lock:
+            self._value, self._error, self._done = value, error, True
+            callbacks, self._callbacks = self._callbacks, []
+        self._waiting.release()
+        for callback in callbacks:
+            callback()
+
+    def on_done(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` once the answer is in: at once if it is, else on the thread that
+        sets it (so it must be quick and thread-safe: `TrioToken.run_sync_soon`)."""
+        with self._lock:
+            if not self._done:
+                self._callbacks.append(callback)
+                return
+        callback()
+
+    def __call__(self) -> Any:
+        if not self._done:
+            self._waiting.acquire()  # (without the GIL)
+            self._waiting.release()  # for the next waiter
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def then(self, fn: Callable[[Any], Any]) -> "Then":
+        return Then(self, fn)
+
+
+class Then:
+    """An `Answer` passed through `fn` when waited for."""
+
+    __slots__ = ("_base", "_fn")
+
+    def __init__(self, base: "Answer | Then", fn: Callable[[Any], Any]) -> None:
+        self._base, self._fn = base, fn
+
+    def __call__(self) -> Any:
+        return self._fn(self._base())
+
+    def on_done(self, callback: Callable[[], None]) -> None:
+        self._base.on_done(callback)
+
+    def then(self, fn: Callable[[Any], Any]) -> "Then":
+        return Then(self, fn)
 
 
 class Backend(abc.ABC):
@@ -100,18 +174,18 @@ class Backend(abc.ABC):
         """Run a registry kernel on (TensorRef, Span) operands; return its result (or None)."""
 
     def begin_compute(self, kernel: Any, inputs: list[tuple[Any, Span]], outputs: list[tuple[Any, Span]], params: Any,
-                      device: int) -> Callable[[], Any]:
-        """Start `compute`; returns what waits for its result (here: it ran already)."""
-        result = self.compute(kernel, inputs, outputs, params, device)
-        return lambda: result
+                      device: int, block: bool = True) -> "Answer | Then":
+        """Start `compute`; its result is the answer's (here: it ran already). With `block`
+        False, a backend whose kernels run elsewhere raises BlockingIOError rather than wait
+        to hand the work over (its process is not started, or its socket is full)."""
+        return Answer.ready(self.compute(kernel, inputs, outputs, params, device))
 
-    def begin_steps(self, steps: Sequence[Any], failed: set[int], device: int) -> Callable[[], list[tuple[int, Any, float]]]:
-        """Start a stretch of a graph's nodes on one device, in order; returns what waits for
-        their outcomes (`kernels.run_steps`: per node; `failed`, the nodes that failed before,
-        gains this stretch's failures). Here they run at once, one `compute` after another; a
+    def begin_steps(self, steps: Sequence[Any], failed: set[int], device: int, block: bool = True) -> "Answer | Then":
+        """Start a stretch of a graph's nodes on one device, in order; the answer is their
+        outcomes (`kernels.run_steps`: per node; `failed`, the nodes that failed before, gains
+        this stretch's failures). Here they run at once, one `compute` after another; a
         backend whose kernels run elsewhere (the CPU devices' processes) only queues them."""
-        out = run_steps(steps, failed, lambda kernel, ins, outs, params: self.compute(kernel, ins, outs, params, device))
-        return lambda: out
+        return Answer.ready(run_steps(steps, failed, lambda kernel, ins, outs, params: self.compute(kernel, ins, outs, params, device)))
 
     def close(self) -> None:
         """Release what the backend holds beyond its memory (the CPU devices' processes)."""

@@ -18,9 +18,11 @@ reach newer memory.
 **Protocol.** One SOCK_SEQPACKET socketpair per process; each message is one pickle (both
 ends are this module: nothing else can write to the pair). To the process: ``("map", key,
 nbytes)`` with one fd, ``("unmap", key)``, ``("run", steps, failed)``. It answers each run
-with the outcomes of `kernels.run_steps`. Only a caller holding the process's lock writes to
-the socket; the event loop only queues maps and unmaps (`SharedIndex.add` / `remove`), so it
-never blocks on a busy process.
+with the outcomes of `kernels.run_steps`, in order; a reader thread hands each answer to its
+`Answer`. Only a caller holding the process's lock writes to the socket. The event loop
+never blocks on a busy process: it queues maps and unmaps (`SharedIndex.add` / `remove`),
+sends runs only without waiting (`begin(block=False)`, else a worker sends them), and is
+told of answers (`Answer.on_done`).
 
 **Failure.** A process that dies (a crash, the OOM killer, kill -9) fails the run in flight
 with `BackendError`, naming how it ended; the next run starts a new process, which maps
@@ -33,16 +35,18 @@ import collections
 import itertools
 import os
 import pickle
+import select
 import socket
 import subprocess
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from .. import errors as E
 from ..addressing import SegmentKind
 from ..kernels import MAX_MESSAGE, process_argv
+from ._base import Answer
 
 __all__ = ["SharedIndex", "DeviceProcess"]
 
@@ -95,10 +99,12 @@ class SharedIndex:
 class DeviceProcess:
     """One CPU device's process: started at its first run, started again after a crash.
 
-    A run is sent (`begin`) and its answer waited for later (the function `begin` returns),
-    so a caller may queue the next run while this one computes: the process then goes from
-    one to the next without waiting for the daemon's Python in between. It runs them in
-    the order they were sent, and answers in that order."""
+    A run is sent (`begin`) and answered later (the `Answer` it returns), so a caller may
+    queue the next run while this one computes: the process then goes from one to the next
+    without waiting for the daemon's Python in between. It runs them in the order they were
+    sent, and answers in that order. One reader thread per process reads the answers (in
+    recv, without the GIL, while the process computes) and hands each to its `Answer`: a
+    worker thread blocked on it wakes, and the event loop is told (`Answer.on_done`)."""
 
     def __init__(self, shared: SharedIndex, device: int) -> None:
         self.shared, self.device = shared, device
@@ -106,15 +112,10 @@ class DeviceProcess:
         self.pending: collections.deque[tuple[str, int, int, int]] = collections.deque()
         self._sock: socket.socket | None = None
         self._child: subprocess.Popen[bytes] | None = None
+        #: The answers this process owes, in the order the runs were sent.
+        self._owed: collections.deque[Answer] = collections.deque()
+        self._reader: threading.Thread | None = None
         self._lock = threading.Lock()  # the process's state, and sending
-        self._reading = threading.Lock()  # one reader of answers at a time
-        #: Which process this is (a run waits only for the process it was sent to), runs sent
-        #: to it and answers read from it; answers read for runs another caller waits for.
-        self._gen = 0
-        self._sent = self._read = 0
-        self._answers: dict[tuple[int, int], bytes] = {}
-        self._buf = bytearray(MAX_MESSAGE)  # what answers are read into (one reader at a time)
-        self._ended: dict[int, str] = {}
         self.starts = 0
 
     def queue_map(self, key: int, fd: int, nbytes: int) -> None:
@@ -128,9 +129,11 @@ class DeviceProcess:
         if self._sock is not None:
             self.pending.append(("unmap", key, -1, 0))
 
-    def begin(self, steps: Sequence[Any], failed: set[int]) -> Callable[[], list[tuple[int, Any, float]]]:
-        """Send `steps` (kernels over (TensorRef, Span) operands) to the process; returns what
-        waits for their outcomes."""
+    def begin(self, steps: Sequence[Any], failed: set[int], block: bool = True) -> Answer:
+        """Send `steps` (kernels over (TensorRef, Span) operands) to the process; the answer
+        is their outcomes. With `block` False (the event loop) this never waits: it raises
+        BlockingIOError, having sent nothing, if the process must be started, another thread
+        is sending, or the socket is full; a worker thread may then send it."""
         key = self.shared.key
 
         def operands(pairs: Any) -> list[tuple[Any, ...]]:
@@ -141,50 +144,44 @@ class DeviceProcess:
         msg = pickle.dumps(("run", wire, failed), 5)
         if len(msg) > MAX_MESSAGE:
             raise E.InvalidField(f"a run of {len(steps)} kernels is too large for the CPU device ({len(msg)} bytes)")
-        with self._lock:
+        if not self._lock.acquire(block):
+            raise BlockingIOError("another thread is sending to the CPU device process")
+        try:
             if self._sock is None:
+                if not block:
+                    raise BlockingIOError("the CPU device process is not running")
                 self._start()
-            sock, gen, seq = self._sock, self._gen, self._sent
+            sock = self._sock
             assert sock is not None
-            self._sent += 1
+            flags = 0 if block else socket.MSG_DONTWAIT
+            answer = Answer()
+            self._owed.append(answer)  # (before the send: its answer may come at once)
             try:
-                self._flush(sock)
-                sock.send(msg)
+                self._flush(sock, flags)
+                sock.send(msg, flags)
+            except BlockingIOError:
+                self._owed.pop()  # not sent: nothing will answer it
+                raise
             except OSError:
-                pass  # the process is gone: reading says how
-        return lambda: self._wait(gen, seq)
+                pass  # the process is gone: the reader fails what it owed, saying how
+            return answer
+        finally:
+            self._lock.release()
 
-    def _wait(self, gen: int, seq: int) -> list[tuple[int, Any, float]]:
-        with self._reading:
-            while True:
-                answer = self._answers.pop((gen, seq), None)
-                if answer is not None:
-                    outcomes: list[tuple[int, Any, float]] = pickle.loads(answer)
-                    return outcomes
-                if gen != self._gen:
-                    raise E.BackendError(self._ended[gen])
-                sock = self._sock
-                try:
-                    n = sock.recv_into(self._buf) if sock is not None else 0  # (without the GIL)
-                except OSError:
-                    n = 0
-                if not n:
-                    self._died()
-                    continue
-                self._answers[(self._gen, self._read)] = bytes(self._buf[:n])
-                self._read += 1
-
-    def _flush(self, sock: socket.socket) -> None:
+    def _flush(self, sock: socket.socket, flags: int) -> None:
         pending = self.pending
         while pending:
-            kind, key, fd, nbytes = pending.popleft()
+            kind, key, fd, nbytes = pending[0]
             if kind == "map":
-                try:
-                    socket.send_fds(sock, [pickle.dumps(("map", key, nbytes))], [fd])
-                finally:
-                    os.close(fd)
+                if flags and not _writable(sock):
+                    # (A sendmsg carrying fds blocks on a full socket even with MSG_DONTWAIT,
+                    # on Linux 6.18: so it is sent only when the socket says it has room.)
+                    raise BlockingIOError("the CPU device process's socket is full")
+                socket.send_fds(sock, [pickle.dumps(("map", key, nbytes))], [fd], flags)
+                os.close(fd)
             else:
-                sock.send(pickle.dumps(("unmap", key)))
+                sock.send(pickle.dumps(("unmap", key)), flags)
+            pending.popleft()  # (sent: a send that would block leaves it queued)
 
     def _start(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -198,33 +195,47 @@ class DeviceProcess:
             raise E.BackendError(f"cannot start the CPU device {self.device} process: {exc}") from None
         finally:
             theirs.close()
+        owed: collections.deque[Answer] = collections.deque()
         with self.shared.lock:  # every live memory, then whatever comes after, in order
             self.pending.clear()
-            self._sock, self._child = ours, child
-            self._sent = self._read = 0
+            self._sock, self._child, self._owed = ours, child, owed
             for key, fd, nbytes, _ in self.shared.by_id.values():
                 self.queue_map(key, fd, nbytes)
             if self not in self.shared.procs:
                 self.shared.procs.append(self)
+        self._reader = threading.Thread(target=self._read, args=(ours, child, owed), daemon=True,
+                                        name=f"transfer-cpu{self.device}-answers")
+        self._reader.start()
         self.starts += 1
 
-    def _died(self) -> None:
-        """(Reading.) The process is gone: reap it, and fail every run sent to it, saying how
-        it ended. The next run starts a new one."""
+    def _read(self, sock: socket.socket, child: subprocess.Popen[bytes], owed: collections.deque[Answer]) -> None:
+        """The reader thread: each answer to the run it answers, until the socket ends; then
+        fail what is still owed, saying how the process ended."""
+        buf = bytearray(MAX_MESSAGE)  # (reused: a fresh 1 MiB buffer per answer costs ~50 us)
+        while True:
+            try:
+                n = sock.recv_into(buf)  # (without the GIL)
+            except OSError:
+                n = 0
+            if not n:
+                break
+            owed.popleft().set(pickle.loads(memoryview(buf)[:n]))
         with self._lock:
-            sock, child = self._sock, self._child
-            with self.shared.lock:
-                self._sock = self._child = None
-                self._drop_pending()
-            how = "is gone"
-            if child is not None:
-                code = _reap(child)
-                how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
-            if sock is not None:
-                sock.close()
-            self._ended[self._gen] = (f"the CPU device {self.device} process {how} while running this request; "
-                                      f"the next request starts a new one")
-            self._gen += 1
+            died = self._sock is sock  # else `close` ended it
+            if died:
+                with self.shared.lock:
+                    self._sock = self._child = None
+                    self._drop_pending()
+        if died:
+            code = _reap(child)
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+            why = (f"the CPU device {self.device} process {how} while running this request; "
+                   f"the next request starts a new one")
+        else:
+            why = f"the CPU device {self.device} process was closed before this request ran"
+        sock.close()
+        while owed:
+            owed.popleft().set(error=E.BackendError(why))
 
     def _drop_pending(self) -> None:
         for kind, _, fd, _ in self.pending:
@@ -234,13 +245,22 @@ class DeviceProcess:
 
     def close(self) -> None:
         with self._lock:
-            sock, child = self._sock, self._child
-            self._sock = self._child = None
-            if sock is not None:
-                sock.close()  # the process reads EOF and exits
-            if child is not None:
-                _reap(child)
-            self._drop_pending()
+            sock, child, reader = self._sock, self._child, self._reader
+            with self.shared.lock:
+                self._sock = self._child = None
+                self._drop_pending()
+        if sock is not None:
+            sock.shutdown(socket.SHUT_RDWR)  # the process reads EOF and exits; the reader wakes
+        if child is not None:
+            _reap(child)
+        if reader is not None and reader is not threading.current_thread():
+            reader.join(5)
+
+
+def _writable(sock: socket.socket) -> bool:
+    poll = select.poll()  # (not select.select: a daemon's fds pass FD_SETSIZE)
+    poll.register(sock, select.POLLOUT)
+    return bool(poll.poll(0))
 
 
 def _reap(child: subprocess.Popen[bytes]) -> int:

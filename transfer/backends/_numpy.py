@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -22,7 +22,7 @@ from .._checksum import checksum64
 from ..addressing import SegmentKind
 from ..kernels import FAILED
 from ..memory._shm import new_memfd
-from ._base import Backend, Span
+from ._base import Answer, Backend, Span, Then
 from ._devproc import DeviceProcess, SharedIndex
 
 __all__ = ["NumpyBackend"]
@@ -89,22 +89,21 @@ class NumpyBackend(Backend):
         return self.begin_compute(kernel, inputs, outputs, params, device)()
 
     def begin_compute(self, kernel: Any, inputs: list[tuple[Any, Span]], outputs: list[tuple[Any, Span]], params: Any,
-                      device: int) -> Callable[[], Any]:
-        """`compute` sent to the device's process; returns what waits for its result."""
-        wait = self.procs[device % len(self.procs)].begin([(0, kernel, inputs, outputs, params, (), None)], set())
+                      device: int, block: bool = True) -> Answer | Then:
+        """`compute` sent to the device's process; its result is the answer's."""
+        return self.procs[device % len(self.procs)].begin([(0, kernel, inputs, outputs, params, (), None)], set(), block).then(_result)
 
-        def result() -> Any:
-            ((state, value, _),) = wait()
-            if state == FAILED:
-                raise value
-            return value
-
-        return result
-
-    def begin_steps(self, steps: Sequence[Any], failed: set[int], device: int) -> Callable[[], list[tuple[int, Any, float]]]:
-        return self.procs[device % len(self.procs)].begin(steps, failed)
+    def begin_steps(self, steps: Sequence[Any], failed: set[int], device: int, block: bool = True) -> Answer:
+        return self.procs[device % len(self.procs)].begin(steps, failed, block)
 
     def close(self) -> None:
         for proc in self.procs:
             proc.close()
         self.shared.close()
+
+
+def _result(outcomes: list[tuple[int, Any, float]]) -> Any:
+    ((state, value, _),) = outcomes
+    if state == FAILED:
+        raise value
+    return value

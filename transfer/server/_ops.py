@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import errors as E
 from ..addressing import SegmentKind
-from ..backends import Span
+from ..backends import Answer, Span, Then
 from ._placement import VirtualDevice
 
 __all__ = ["Op", "Range", "Staged", "lane_of", "runs_inline", "SOCKET", "RING", "LANES_PER_SESSION"]
@@ -67,10 +67,11 @@ class Op:
     #: Every byte it touches is host memory: on a stream backend it runs on the CPU, at once.
     host_only: bool = False
     #: `run` in two halves, set where the work runs outside the daemon (a CPU device's process,
-    #: `Backend.out_of_process`): begin() queues it there and returns what waits for its result.
-    #: A worker may then queue the next pass before this one ends (`_waves.begin_stretch`);
-    #: the loop never runs it (`runs_inline`). None: run() only, in the daemon.
-    begin: Callable[[], Callable[[], Any]] | None = None
+    #: `Backend.out_of_process`): begin(block) sends it there and returns its `Answer`. The
+    #: loop sends such passes without waiting and is told when they are done, queueing the
+    #: next meanwhile (`_waves.Sent`); it never runs them inline (`runs_inline`). None: run()
+    #: only, in the daemon.
+    begin: Callable[[bool], Answer | Then] | None = None
 
     @property
     def cost(self) -> int:

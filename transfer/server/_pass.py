@@ -11,8 +11,9 @@ the ring). A pass then:
    as one vector op);
 3. **schedules** the ops into hazard-free waves (`_waves`);
 4. **executes** them: on the event loop when the pass is small (at most
-   `inline_bytes`, no RDMA), else on the devices' worker threads. Inline is
-   a decision here, not a second implementation;
+   `inline_bytes`, no RDMA), else on the devices' worker threads, or (a CPU
+   device's kernels) sent to its process, the loop told when they are done.
+   Inline is a decision here, not a second implementation;
 5. makes the device work **visible** (each device synchronized as its share
    of a wave ends), and only then
 6. **completes**: one reply frame for socket requests, completions on the
@@ -22,7 +23,6 @@ the ring). A pass then:
 
 from __future__ import annotations
 
-import collections
 import time
 from typing import Any, Callable
 
@@ -40,7 +40,7 @@ from ._ops import RING, Op, runs_inline
 from ._planner import CopyRun, Planner, answers, plan_batch
 from ._rings import COMPLETION_DETAIL, Rings
 from ._session import Session
-from ._waves import assign_waves, begin_stretch, device_failed, issue, issue_off_loop, one_device, run_inline, run_stretch, run_waves, wait_visible
+from ._waves import Sent, assign_waves, device_failed, issue, issue_off_loop, one_device, run_inline, run_stretch, run_waves, send_pass, wait_visible
 
 __all__ = ["Pass", "Batch"]
 
@@ -54,7 +54,7 @@ _POLL_S = 500e-6
 _INLINE_PASSES = 4
 #: How long a worker runs a session's queued CPU passes before it lets other sessions have it.
 _CPU_SLICE_S = 0.02
-#: Passes a worker keeps queued in a CPU device's process: one running, one waiting behind it.
+#: A session's passes queued in a CPU device's process: one running, one waiting behind it.
 _AHEAD = 2
 
 
@@ -199,10 +199,10 @@ class Pass:
         """Queue a one-lane pass without waiting for it; the session's completer answers it.
 
         The GPU then runs this pass while the loop takes and queues the next: the engine does
-        not idle for a round trip per pass. A CPU pass is queued as planned: the completer's
-        worker runs the session's queued passes one after another (`_run_queued`) while the
-        loop plans the next, so the CPU does not idle while the loop plans and answers.
-        Returns False if it ran to completion instead."""
+        not idle for a round trip per pass. A CPU pass is queued as planned, and sent to the
+        device's process at once where it runs there (`_send_cpu`), else run in turn by the
+        device's worker (`_run_queued`): the CPU does not idle while the loop plans and
+        answers. Returns False if it ran to completion instead."""
         assert batch.pipe is not None
         if session.pipeline and session.pipeline[-1].pipe != batch.pipe:
             await self.drain(session)  # another lane or device: nothing would order the two
@@ -225,11 +225,14 @@ class Pass:
         return True
 
     def _queue_cpu(self, session: Session, batch: Batch) -> None:
-        """A CPU pass joins the session's pipeline: the completer's worker runs it in turn."""
-        batch.pipe[0].queued_bytes += sum(op.cost for op in batch.ops)  # type: ignore[index]
+        """A CPU pass joins the session's pipeline, and is sent to the device's process at
+        once if it can be (`_send_cpu`); else the completer runs it in turn."""
+        device = batch.pipe[0]  # type: ignore[index]
+        device.queued_bytes += sum(op.cost for op in batch.ops)
         session.pipeline.append(batch)
         session.pipeline_wake.set()
         self.accounting.counters["pipelined_passes"] += 1
+        self._send_cpu(session, device)
 
     async def drain(self, session: Session) -> None:
         """Wait until every pipelined pass of the session has been answered."""
@@ -245,9 +248,8 @@ class Pass:
                 continue
             batch = session.pipeline[0]
             if batch.fence is None:  # CPU passes: run them, in order; each is answered as it ends
-                with trio.CancelScope(shield=True):  # the worker's thread finishes what it started
-                    await trio.to_thread.run_sync(self._run_queued, session, batch.pipe[0], trio.lowlevel.current_trio_token(),
-                                                  limiter=self.limiters[batch.pipe[0].index])
+                with trio.CancelScope(shield=True):  # what was sent or started finishes
+                    await self._run_cpu(session, batch.pipe[0])
                 continue
             with trio.CancelScope(shield=True):  # issued work finishes: its memory is in use until then
                 # Look between the loop's other work for a while (a query is a microsecond, a
@@ -263,41 +265,87 @@ class Pass:
             moved, session.pipeline_moved = session.pipeline_moved, trio.Event()
             moved.set()
 
-    def _run_queued(self, session: Session, device: Any, token: trio.lowlevel.TrioToken) -> None:
-        """A worker thread: the session's queued CPU passes, in order, until none is left (or
-        its slice of the device's worker is used up); each is answered on the loop as it ends,
-        while this thread goes on to the next one the loop has planned meanwhile. Passes whose
-        work runs in the device's process are queued there up to `_AHEAD` deep, so that it goes
-        from one to the next without waiting for this thread (`begin_stretch`)."""
-        give_up = time.perf_counter() + _CPU_SLICE_S
-        ahead: collections.deque[tuple[Batch, Callable[[], None]]] = collections.deque()
-        stop = lambda: self._stopped(session)  # noqa: E731
-        while True:
-            # A snapshot (the loop appends and answers meanwhile; tuple() copies under the GIL).
-            waiting = [b for b in tuple(session.pipeline) if not b.ran]
-            batch = waiting[len(ahead)] if len(waiting) > len(ahead) else None
-            if batch is not None and (batch.fence is not None or batch.pipe is None or batch.pipe[0] is not device):
-                batch = None
-            if batch is not None and len(ahead) < _AHEAD and time.perf_counter() <= give_up:
-                end = begin_stretch(batch.waves, device, stop)
-                if end is not None:
-                    ahead.append((batch, end))
-                    continue
-            if ahead:  # the oldest pass queued: wait for it, answer it
-                done, end = ahead.popleft()
-                self._ran(session, done, device, token, end)
-                continue
-            if batch is None or time.perf_counter() > give_up:
-                return  # (out of time: the completer queues for the worker again, others get a turn)
-            self._ran(session, batch, device, token, lambda: run_stretch(batch.waves, device, stop))  # noqa: B023
+    def _send_cpu(self, session: Session, device: Any) -> None:
+        """(On the loop.) Send the session's next pipelined passes to the CPU device's process,
+        while fewer than `_AHEAD` are there and each runs wholly there, without waiting: the
+        process goes from one to the next while the loop plans and answers, and the loop is
+        told when each is done (the process's reader thread wakes it; `_sent_done`). A pass
+        the process cannot take now is left part-sent: the completer has a thread send the
+        rest (`_run_cpu`), and nothing is sent behind it meanwhile."""
+        sent, pipeline = session.sent, session.pipeline
+        while len(sent) < _AHEAD and len(pipeline) > len(sent):
+            if sent and not sent[-1][1].sent_all:
+                return
+            batch = pipeline[len(sent)]
+            if batch.fence is not None or batch.pipe is None or batch.pipe[0] is not device:
+                return  # another device's: once these are answered
+            new = send_pass(batch.waves, lambda: self._stopped(session))
+            if new is None:
+                return  # the daemon runs it: a worker, once these are answered
+            sent.append((batch, new))
+            if not new.send(False):
+                return
+            self._when_done(session, new)
 
-    def _ran(self, session: Session, batch: Batch, device: Any, token: trio.lowlevel.TrioToken, run: Callable[[], None]) -> None:
-        try:
-            run()
-        except Exception as exc:  # a bug below the ops' own handling: fail this pass, serve on
-            device_failed(batch.ops, f"running on {device}", exc)
-        batch.ran = True
-        token.run_sync_soon(self._answer_ran, session, batch)
+    def _when_done(self, session: Session, sent: Sent) -> None:
+        token = trio.lowlevel.current_trio_token()
+        sent.on_done(lambda: _soon(token, self._sent_done, session, sent))
+
+    @staticmethod
+    def _sent_done(session: Session, sent: Sent) -> None:
+        sent.done = True
+        session.pipeline_wake.set()
+
+    async def _run_cpu(self, session: Session, device: Any) -> None:
+        """The completer's share of a session's CPU passes: each answered, in order, as it
+        ends. Passes sent to the device's process (`_send_cpu`) are answered once told they
+        are done; no thread waits for them, so a small compute costs no thread hop. A pass
+        the daemon runs itself (a copy) waits until those before it are answered, then runs
+        on the device's worker (`_run_queued`)."""
+        sent, pipeline = session.sent, session.pipeline
+        while True:
+            self._send_cpu(session, device)
+            if sent and not sent[-1][1].sent_all:  # the process could not take it without waiting
+                rest = sent[-1][1]
+                await trio.to_thread.run_sync(rest.send, True, limiter=self.waiters)
+                self._when_done(session, rest)
+                continue
+            if sent and sent[0][1].done:  # the oldest sent pass is answered
+                batch, done = sent.popleft()
+                done.end()
+                batch.ran = True
+                self._answer_ran(session, batch)
+                continue
+            if sent:  # wait for the oldest's answer, or a new pass to send
+                session.pipeline_wake = trio.Event()
+                await session.pipeline_wake.wait()
+                continue
+            batch = pipeline[0] if pipeline else None
+            if batch is None or batch.fence is not None or batch.pipe is None or batch.pipe[0] is not device:
+                return
+            await trio.to_thread.run_sync(self._run_queued, session, device, trio.lowlevel.current_trio_token(),
+                                          limiter=self.limiters[device.index])
+
+    def _run_queued(self, session: Session, device: Any, token: trio.lowlevel.TrioToken) -> None:
+        """A worker thread: the session's queued CPU passes that the daemon runs itself, in
+        order, until one that runs in the device's process comes (the loop sends those), none
+        is left, or its slice of the device's worker is used up. Each is answered on the loop
+        as it ends, while this thread goes on to the next one the loop planned meanwhile."""
+        give_up = time.perf_counter() + _CPU_SLICE_S
+        stop = lambda: self._stopped(session)  # noqa: E731
+        while time.perf_counter() <= give_up:
+            # A snapshot (the loop appends and answers meanwhile; tuple() copies under the GIL).
+            batch = next((b for b in tuple(session.pipeline) if not b.ran), None)
+            if batch is None or batch.fence is not None or batch.pipe is None or batch.pipe[0] is not device:
+                return
+            if all(op.begin is not None for op in batch.ops):
+                return  # the loop sends it to the device's process
+            try:
+                run_stretch(batch.waves, device, stop)
+            except Exception as exc:  # a bug below the ops' own handling: fail this pass, serve on
+                device_failed(batch.ops, f"running on {device}", exc)
+            batch.ran = True
+            token.run_sync_soon(self._answer_ran, session, batch)
 
     def _answer_ran(self, session: Session, batch: Batch) -> None:
         """On the loop: a pipelined CPU pass has run; answer it. It is the pipeline's head: one
@@ -467,6 +515,15 @@ class Pass:
             self.rings.settle(session)  # the ring goes back to its worker once the session is idle
         if peer_lost and session.running:
             self.on_peer_lost(session)  # the producer's NIXL agent is gone: its session goes too
+
+
+def _soon(token: trio.lowlevel.TrioToken, fn: Callable[..., None], *args: Any) -> None:
+    """`fn(*args)` on the loop, from another thread; nothing if the loop has ended (a device
+    process answering, or failing what it owed, as the daemon closes)."""
+    try:
+        token.run_sync_soon(fn, *args)
+    except trio.RunFinishedError:
+        pass
 
 
 def _result(value: Any) -> int:

@@ -8,14 +8,14 @@ decides where work runs; for host-only work the policy does.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
 from .. import errors as E
 from .. import protocol as P
 from ..addressing import MappingTable, Segment, SegmentKind, make_va
-from ..backends import Span
+from ..backends import Answer, Span, Then
 from ..kernels import FAILED, OPERATORS, REGISTRY, SKIPPED, TensorRef, signature, tensor_extent, tensor_nbytes
 from ._graphplan import GraphPlan, NodePlan
 from ._ops import SOCKET, Op, Range, lane_of
@@ -253,9 +253,9 @@ class Planner:
         reads, writes = ranges[:op.n_inputs], ranges[op.n_inputs:]
         backend, params = dev.backend, req.params
         if not pulls:
-            def begin() -> Callable[[], Any]:
-                wait: Callable[[], Any] = backend.begin_compute(kernel, ins, outs, params, dev.local_id)
-                return wait
+            def begin(block: bool = True) -> Answer | Then:
+                answer: Answer | Then = backend.begin_compute(kernel, ins, outs, params, dev.local_id, block)
+                return answer
 
             return Op(req.id, reads, writes, dev, nbytes, lambda: begin()(), work=work,
                       begin=begin if backend.out_of_process else None)
@@ -484,22 +484,22 @@ class _Stretch:
             if self.op is run.ops[-1] and run.planner is not None:
                 run.planner._release(run.pulls)
 
-    def begin(self) -> Callable[[], Any]:
-        """Start the nodes on the device; returns what waits for them and then answers."""
+    def begin(self, block: bool = True) -> Then:
+        """Start the nodes on the device; the answer is the run's, once they have run."""
         run = self.run
         errors = run.errors
         failed = {j for j, err in enumerate(errors) if err is not None}
-        wait = self.device.backend.begin_steps(self.steps, failed, self.device.local_id)
 
-        def end() -> Any:
+        def end(outcomes: list[tuple[int, Any, float]]) -> Any:
             times = run.times
-            for step, (state, value, seconds) in zip(self.steps, wait()):
+            for step, (state, value, seconds) in zip(self.steps, outcomes):
                 i = step[0]
                 times[i] = seconds
                 errors[i] = value if state == FAILED else errors[value] if state == SKIPPED else None
             return run.answer() if self.op is run.ops[-1] else None
 
-        return end
+        answer: Answer | Then = self.device.backend.begin_steps(self.steps, failed, self.device.local_id, block)
+        return answer.then(end)
 
 
 def plan_batch(planner: Planner, owner: Any, items: Sequence[tuple[Any, int]]) -> tuple[list[Op], list[Refusal]]:

@@ -91,6 +91,8 @@ class Session:
     current: Any = None
     #: Pipelined passes: queued on a GPU lane, answered in order as their fences pass.
     pipeline: deque[Any] = field(default_factory=deque)
+    #: The pipeline's first passes, sent to a CPU device's process: (batch, `_waves.Sent`).
+    sent: deque[Any] = field(default_factory=deque)
     pipeline_wake: trio.Event = field(default_factory=trio.Event)
     #: Set (and replaced) each time a pipelined pass is answered.
     pipeline_moved: trio.Event = field(default_factory=trio.Event)

@@ -23,11 +23,11 @@ import numpy as np
 import trio
 
 from .. import errors as E
-from ..backends import Span
+from ..backends import Answer, Span, Then
 from ._ops import Op, runs_inline
 from ._placement import VirtualDevice
 
-__all__ = ["assign_waves", "coalesce", "run_inline", "run_waves", "run_stretch", "one_device", "issue", "issue_off_loop", "wait_visible", "device_failed"]
+__all__ = ["assign_waves", "coalesce", "run_inline", "run_waves", "run_stretch", "send_pass", "Sent", "one_device", "issue", "issue_off_loop", "wait_visible", "device_failed"]
 
 
 class _Intervals:
@@ -426,35 +426,73 @@ def run_stretch(waves: Sequence[Sequence[Op]], device: VirtualDevice,
             _run_units(coalesce(wave), device)
 
 
-def begin_stretch(waves: Sequence[Sequence[Op]], device: VirtualDevice,
-                  stop: Callable[[], E.TransferError | None] | None) -> Callable[[], None] | None:
-    """`run_stretch`, for a pass whose every op runs outside the daemon (`Op.begin`: a CPU
-    device's process, which runs what it is sent in order, so the waves' order holds): queue
-    it all there and return what waits for it, so that a worker can queue the next pass
-    meanwhile. None (nothing started) if some op runs only here: run the pass whole."""
+class Sent:
+    """A pass whose every op runs in a CPU device's process (`Op.begin`), sent there in order
+    and answered later. The event loop sends what the process takes without waiting
+    (`send(False)`) and a worker thread the rest; `on_done` says when the answers are in,
+    and `end` takes them. Passes sent one after another run in that order: one device's
+    process runs what it is sent in order, so the waves' order holds too."""
+
+    __slots__ = ("ops", "answers", "done")
+
+    @property
+    def sent_all(self) -> bool:
+        return len(self.answers) == len(self.ops)
+
+    def __init__(self, ops: list[Op]) -> None:
+        self.ops = ops
+        self.answers: list[tuple[Op, Answer | Then]] = []
+        #: Set by the loop once told (`on_done`).
+        self.done = False
+
+    def send(self, block: bool) -> bool:
+        """Send the ops not sent yet, in order. False if `block` is False and the process
+        cannot take the next one now (nothing of that op was sent; ask again, blocking)."""
+        ops, answers = self.ops, self.answers
+        while len(answers) < len(ops):
+            op = ops[len(answers)]
+            try:
+                answers.append((op, op.begin(block)))  # type: ignore[misc]
+            except BlockingIOError:
+                return False
+            except Exception as exc:
+                _fail_ops([op], exc)
+                answers.append((op, Answer.ready(None)))
+        return True
+
+    def on_done(self, callback: Callable[[], None]) -> None:
+        """`callback()` once every op sent is answered (at once if none was): on the reader
+        thread that sets the last answer, so it must be thread-safe. The process answers in
+        the order it was sent, so the last op's answer comes last."""
+        if self.answers:
+            self.answers[-1][1].on_done(callback)
+        else:
+            callback()
+
+    def end(self) -> None:
+        """(Once answered.) Each op's result or error."""
+        for op, answer in self.answers:
+            try:
+                result = answer()
+            except Exception as exc:
+                _fail_ops([op], exc)
+            else:
+                if op.error is None:
+                    op.result = result
+
+
+def send_pass(waves: Sequence[Sequence[Op]], stop: Callable[[], E.TransferError | None] | None) -> Sent | None:
+    """A pass to send to its CPU device's process (`Sent`; nothing sent yet), if every op of
+    it runs there; else None (it runs in the daemon: `run_stretch`). If `stop()` gives an
+    error, every op fails with it and nothing will be sent."""
     ops = [op for wave in waves for op in wave]
     if not all(op.begin is not None for op in ops):
         return None
     why = stop() if stop is not None else None
     if why is not None:
         _fail_rest(waves, why)
-        return lambda: None
-    started: list[tuple[Op, Callable[[], Any]]] = []
-    with device.backend.off_loop():
-        for op in ops:
-            try:
-                started.append((op, op.begin()))  # type: ignore[misc]
-            except Exception as exc:
-                _fail_ops([op], exc)
-
-    def end() -> None:
-        for op, wait in started:
-            try:
-                op.result = wait()
-            except Exception as exc:
-                _fail_ops([op], exc)
-
-    return end
+        return Sent([])
+    return Sent(ops)
 
 
 async def _on_device(waves: Any, device: VirtualDevice | None, nbytes: int, limiter: trio.CapacityLimiter | None,
