@@ -15,6 +15,8 @@ noisy machine:
 * **Image preprocessing** (examples/image_preprocess.py's graph: uint8 NHWC ->
   horizontal flip -> normalize to float32 NCHW), in images/s, against NumPy
   in-process as a user would write it, and against the graph's kernels run here.
+* `--latency N`: one request at a time, a 64-float compute and a 64 B copy, p50 and p99
+  (with `--baseline`, on both daemons in turn).
 * `--baseline DIR`: the MLP also through a transferd imported from DIR (a
   checkout of another commit, its native extension built), in the same run:
   before and after a change, under the same load.
@@ -404,6 +406,38 @@ def kernels_images(hwc: tuple[int, ...]) -> Callable[[np.ndarray, np.ndarray], N
     return run
 
 
+def bench_latency(clients: dict[str, transfer.Client], n: int, reps: int) -> list[dict[str, Any]]:
+    """One request at a time: a 64-float `scale_add` (a compute far too small to be worth a
+    process hop: what a CPU device's process costs per request, over the control socket)
+    and, for scale, a 64 B copy (on the ring, as the client sends it by default), on each
+    daemon; p50 and p99 in us. The daemons take
+    turns, `n` requests a turn, `reps` turns each."""
+    rows = []
+    segs = {name: (c.segment(256), c.segment(256)) for name, c in clients.items()}
+    for what in ("compute", "copy"):
+        times: dict[str, list[float]] = {name: [] for name in clients}
+        for _ in range(reps):
+            for name, c in clients.items():
+                seg, out = segs[name]
+                src, dst = seg.tensor(64, np.float32), out.tensor(64, np.float32)
+                one = ((lambda: c.compute("scale_add", [src], [dst], {"a": 2.0, "b": 1.0}).result()) if what == "compute"  # noqa: B023
+                       else (lambda: c.copy(out.va, seg.va, 64).result()))  # noqa: B023
+                for _ in range(max(n // 10, 1)):
+                    one()  # warm: the device process started, caches hot
+                for _ in range(n):
+                    t0 = time.perf_counter()
+                    one()
+                    times[name].append(time.perf_counter() - t0)
+        row: dict[str, Any] = {"request": what}
+        for name, ts in times.items():
+            ts.sort()
+            row[f"{name}_p50_us"] = round(ts[len(ts) // 2] * 1e6, 1)
+            row[f"{name}_p99_us"] = round(ts[int(len(ts) * 0.99)] * 1e6, 1)
+        rows.append(row)
+        print(f"{what:>8s} " + " ".join(f"{row[f'{k}_p50_us']:9.1f} {row[f'{k}_p99_us']:9.1f}" for k in clients))
+    return rows
+
+
 @contextlib.contextmanager
 def _started_from(cwd: str, pythonpath: str) -> Iterator[None]:
     """Processes started inside see this working directory and PYTHONPATH; both restored after."""
@@ -445,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", type=Path, metavar="DIR",
                     help="also run the MLP through a transferd imported from DIR (a checkout of another commit, "
                          "its native extension built): before/after in one run")
+    ap.add_argument("--latency", type=int, default=0, metavar="N",
+                    help="also time N single requests per turn (3 turns): a 64-float compute and a 64 B copy, p50/p99")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
@@ -471,6 +507,10 @@ def main(argv: list[str] | None = None) -> int:
               + (f" {'base img/s':>12s} {'d/base':>9s}" if args.baseline is not None else ""))
         img_rows = bench_images(clients, side, parse(args.image_batches), args.image_size, min(args.slots, 2),
                                 args.seconds, args.reps)
+        lat_rows: list[dict[str, Any]] = []
+        if args.latency:
+            print(f"{'one at a time':>13s} " + " ".join(f"{k + ' p50':>9s} {'p99 us':>9s}" for k in clients))
+            lat_rows = bench_latency(clients, args.latency, 3)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         doc = {
@@ -483,6 +523,7 @@ def main(argv: list[str] | None = None) -> int:
                        "baseline": None if args.baseline is None else str(args.baseline)},
             "mlp": mlp_rows,
             "images": img_rows,
+            "latency": lat_rows,
         }
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
     return 0

@@ -351,12 +351,14 @@ def test_graphs_bench_tiny(tmp_path: Path) -> None:
     out = tmp_path / "graphs.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "graphs.py"), "--backend", "numpy", "--batches", "1,4",
                            "--image-batches", "2", "--image-size", "16", "--seconds", "0.05", "--reps", "1",
-                           "--baseline", str(ROOT), "--json", str(out)],
+                           "--latency", "5", "--baseline", str(ROOT), "--json", str(out)],
                           cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["command"].startswith("python bench/graphs.py ") and doc["machine"]["blas_threads"] == "1"
     assert [r["batch"] for r in doc["mlp"]] == [1, 4] and [r["images"] for r in doc["images"]] == [2]
+    assert [r["request"] for r in doc["latency"]] == ["compute", "copy"]
+    assert all(r[f"{k}_p50_us"] > 0 for r in doc["latency"] for k in ("daemon", "baseline"))
     for r in doc["mlp"]:
         assert r["max_abs_error"] <= 1e-5
         assert r["daemon_per_s"] > 0 and r["in_process_per_s"] > 0 and r["kernels_per_s"] > 0

@@ -285,38 +285,42 @@ class Pass:
             sent.append((batch, new))
             if not new.send(False):
                 return
-            self._when_done(session, new)
+            self._when_done(session, new, device)
 
-    def _when_done(self, session: Session, sent: Sent) -> None:
+    def _when_done(self, session: Session, sent: Sent, device: Any) -> None:
         token = trio.lowlevel.current_trio_token()
-        sent.on_done(lambda: _soon(token, self._sent_done, session, sent))
+        sent.on_done(lambda: _soon(token, self._sent_done, session, sent, device))
 
-    @staticmethod
-    def _sent_done(session: Session, sent: Sent) -> None:
+    def _sent_done(self, session: Session, sent: Sent, device: Any) -> None:
+        """(On the loop, told by the process's reader thread.) A sent pass is done: answer
+        every done pass at the head, in order, right here (no hop to the completer's task),
+        and send the next ones."""
         sent.done = True
-        session.pipeline_wake.set()
+        queue = session.sent
+        while queue and queue[0][1].done:
+            batch, done = queue.popleft()
+            done.end()
+            batch.ran = True
+            self._answer_ran(session, batch)
+        self._send_cpu(session, device)
+        session.pipeline_wake.set()  # the completer: a pass a worker runs, or a send to finish
 
     async def _run_cpu(self, session: Session, device: Any) -> None:
-        """The completer's share of a session's CPU passes: each answered, in order, as it
-        ends. Passes sent to the device's process (`_send_cpu`) are answered once told they
-        are done; no thread waits for them, so a small compute costs no thread hop. A pass
-        the daemon runs itself (a copy) waits until those before it are answered, then runs
-        on the device's worker (`_run_queued`)."""
+        """The completer's share of a session's CPU passes, in order. Passes sent to the
+        device's process (`_send_cpu`) are answered when the loop is told they are done
+        (`_sent_done`): no thread waits for them, so a small compute costs no thread hop.
+        Here: a pass the process could not take at once is sent by a thread, and a pass
+        the daemon runs itself (a copy) runs on the device's worker (`_run_queued`) once
+        those before it are answered."""
         sent, pipeline = session.sent, session.pipeline
         while True:
             self._send_cpu(session, device)
             if sent and not sent[-1][1].sent_all:  # the process could not take it without waiting
                 rest = sent[-1][1]
                 await trio.to_thread.run_sync(rest.send, True, limiter=self.waiters)
-                self._when_done(session, rest)
+                self._when_done(session, rest, device)
                 continue
-            if sent and sent[0][1].done:  # the oldest sent pass is answered
-                batch, done = sent.popleft()
-                done.end()
-                batch.ran = True
-                self._answer_ran(session, batch)
-                continue
-            if sent:  # wait for the oldest's answer, or a new pass to send
+            if sent:  # until they are answered, or a new pass comes to send
                 session.pipeline_wake = trio.Event()
                 await session.pipeline_wake.wait()
                 continue
