@@ -109,9 +109,10 @@ def test_mlp_graph_matches_numpy_and_profiles(client: transfer.Client) -> None:
     assert client.stats()["session"]["defines"] >= 1
 
 
-def test_a_graph_run_is_one_worker_call(client: transfer.Client) -> None:
-    """Its nodes' waves all run on one device: one hop to that device's worker runs them all
-    (each node's work is over inline_bytes, so each wave once took a hop of its own)."""
+def test_a_graph_run_is_one_unit_of_device_work(client: transfer.Client) -> None:
+    """Its nodes' waves all run on one device: one message to the CPU device's process (one
+    hop to a GPU's worker) runs them all (each node's work is over inline_bytes, so each wave
+    once took a hop of its own)."""
     g, ws = mlp(client, 64, [256, 512, 512, 16])
     xs, ys = client.segment(64 * 256 * 4), client.segment(64 * 16 * 4)
     x = xs.ndarray((64, 256), np.float32)
@@ -129,8 +130,8 @@ def test_a_graph_run_is_one_worker_call(client: transfer.Client) -> None:
 
 
 def test_cpu_passes_are_pipelined(client: transfer.Client) -> None:
-    """Runs submitted back to back on a CPU device: the session's worker runs one pass while the
-    loop plans the next (pipelined_passes counts them); every run's output is its own batch's."""
+    """Runs submitted back to back on a CPU device: its process runs one pass while the loop
+    plans the next (pipelined_passes counts them); every run's output is its own batch's."""
     g, ws = mlp(client, 64, [256, 512, 512, 16])
     n, nin, nout = 12, 64 * 256 * 4, 64 * 16 * 4
     xs, ys = client.segment(n * nin), client.segment(n * nout)

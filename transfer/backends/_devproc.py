@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import os
 import pickle
 import select
@@ -50,6 +51,7 @@ from ._base import Answer
 
 __all__ = ["SharedIndex", "DeviceProcess"]
 
+log = logging.getLogger("transfer.backends")
 _keys = itertools.count(1)
 HOST = SegmentKind.HOST
 
@@ -219,7 +221,16 @@ class DeviceProcess:
                 n = 0
             if not n:
                 break
-            owed.popleft().set(pickle.loads(memoryview(buf)[:n]))
+            answer = owed.popleft()
+            try:
+                outcomes = pickle.loads(memoryview(buf)[:n])
+            except Exception as exc:  # (cannot happen: the other end is ours) fail this run alone
+                answer.set(error=E.BackendError(f"the CPU device {self.device} process sent an unreadable answer: {exc!r}"))
+                continue
+            try:
+                answer.set(outcomes)
+            except Exception:  # a caller's callback: its bug, not the device's; read on
+                log.exception("a callback on a CPU device answer failed")
         with self._lock:
             died = self._sock is sock  # else `close` ended it
             if died:
@@ -250,7 +261,10 @@ class DeviceProcess:
                 self._sock = self._child = None
                 self._drop_pending()
         if sock is not None:
-            sock.shutdown(socket.SHUT_RDWR)  # the process reads EOF and exits; the reader wakes
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # the process reads EOF and exits; the reader wakes
+            except OSError:
+                pass  # (the process is gone already: the reader has woken)
         if child is not None:
             _reap(child)
         if reader is not None and reader is not threading.current_thread():

@@ -18,7 +18,7 @@ from ..addressing import SegmentKind
 from ..backends import Answer, Span, Then
 from ._placement import VirtualDevice
 
-__all__ = ["Op", "Range", "Staged", "lane_of", "runs_inline", "SOCKET", "RING", "LANES_PER_SESSION"]
+__all__ = ["Op", "Range", "Staged", "in_process", "lane_of", "runs_inline", "SOCKET", "RING", "LANES_PER_SESSION"]
 
 Range = tuple[int, int, int]  # (segment id, start offset, end offset)
 
@@ -100,6 +100,12 @@ def runs_inline(ops: Iterable[Op], inline_bytes: int) -> bool:
             return False
         cost += op.cost
     return cost <= inline_bytes
+
+
+def in_process(ops: Iterable[Op]) -> bool:
+    """Whether every op runs outside the daemon (`Op.begin`: a CPU device's process), so the
+    loop sends the pass there instead of a worker running it (`_waves.send_pass`)."""
+    return all(op.begin is not None for op in ops)
 
 
 class Staged:

@@ -36,7 +36,7 @@ from ._accounting import Accounting
 from ._config import DaemonConfig
 from ._control import AFTER_PASS, BARRIERS, Control
 from ._deferred import resolve
-from ._ops import RING, Op, runs_inline
+from ._ops import RING, Op, in_process, runs_inline
 from ._planner import CopyRun, Planner, answers, plan_batch
 from ._rings import COMPLETION_DETAIL, Rings
 from ._session import Session
@@ -342,7 +342,7 @@ class Pass:
             batch = next((b for b in tuple(session.pipeline) if not b.ran), None)
             if batch is None or batch.fence is not None or batch.pipe is None or batch.pipe[0] is not device:
                 return
-            if all(op.begin is not None for op in batch.ops):
+            if in_process(batch.ops):
                 return  # the loop sends it to the device's process
             try:
                 run_stretch(batch.waves, device, stop)

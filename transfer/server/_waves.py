@@ -24,7 +24,7 @@ import trio
 
 from .. import errors as E
 from ..backends import Answer, Span, Then
-from ._ops import Op, runs_inline
+from ._ops import Op, in_process, runs_inline
 from ._placement import VirtualDevice
 
 __all__ = ["assign_waves", "coalesce", "run_inline", "run_waves", "run_stretch", "send_pass", "Sent", "one_device", "issue", "issue_off_loop", "wait_visible", "device_failed"]
@@ -486,7 +486,7 @@ def send_pass(waves: Sequence[Sequence[Op]], stop: Callable[[], E.TransferError 
     it runs there; else None (it runs in the daemon: `run_stretch`). If `stop()` gives an
     error, every op fails with it and nothing will be sent."""
     ops = [op for wave in waves for op in wave]
-    if not all(op.begin is not None for op in ops):
+    if not in_process(ops):
         return None
     why = stop() if stop is not None else None
     if why is not None:
