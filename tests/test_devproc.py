@@ -268,6 +268,19 @@ def test_a_pass_the_process_takes_in_part_is_finished_in_order() -> None:
 
         return Op(i + 1, [], [], None, 0, begin=begin)  # type: ignore[arg-type]
 
+    # An op that cannot be sent at all (here: the last) is answered with its error at once;
+    # the pass is still done only when the ops before it are.
+    broken = Op(9, [], [], None, 0, begin=lambda block: (_ for _ in ()).throw(E.InvalidField("too large")))  # type: ignore[arg-type]
+    alone = Sent([op(0), broken])
+    answers[0] = Answer()
+    assert alone.send(False) and isinstance(broken.error, E.InvalidField)
+    early: list[int] = []
+    alone.on_done(lambda: early.append(1))
+    assert early == [], "told done while an op before the broken one still runs"
+    answers[0].set("x")
+    assert early == [1]
+    order.clear()
+    answers[0] = Answer()
     ops = [op(i) for i in range(3)]
     sent = Sent(ops)
     assert not sent.send(False) and order == [(0, False)] and not sent.sent_all

@@ -15,6 +15,7 @@ is visible, and only then may the pass answer it.
 
 from __future__ import annotations
 
+import threading
 from bisect import bisect_right
 from collections import defaultdict
 from typing import Any, Callable, Sequence
@@ -461,13 +462,26 @@ class Sent:
         return True
 
     def on_done(self, callback: Callable[[], None]) -> None:
-        """`callback()` once every op sent is answered (at once if none was): on the reader
-        thread that sets the last answer, so it must be thread-safe. The process answers in
-        the order it was sent, so the last op's answer comes last."""
-        if self.answers:
-            self.answers[-1][1].on_done(callback)
-        else:
+        """`callback()` once every op sent is answered (at once if none was), on the thread
+        that sets the last answer (a process's reader thread), so it must be thread-safe.
+        Counted, not just the last op's: an op that failed to send is answered at once,
+        while ops before it may still run."""
+        answers = [answer for _, answer in self.answers]
+        if not answers:
             callback()
+            return
+        left = [len(answers)]
+        lock = threading.Lock()
+
+        def one() -> None:
+            with lock:
+                left[0] -= 1
+                last = not left[0]
+            if last:
+                callback()
+
+        for answer in answers:
+            answer.on_done(one)
 
     def end(self) -> None:
         """(Once answered.) Each op's result or error."""
