@@ -15,7 +15,7 @@ from typing import Any, Callable, ContextManager, Hashable, NamedTuple, Sequence
 from ..addressing import SegmentKind
 from ..kernels import run_steps
 
-__all__ = ["Answer", "Backend", "Span"]
+__all__ = ["Answer", "Backend", "Span", "Then"]
 
 
 class Span(NamedTuple):

@@ -277,7 +277,7 @@ class Pass:
             if sent and not sent[-1][1].sent_all:
                 return
             batch = pipeline[len(sent)]
-            if batch.fence is not None or batch.pipe is None or batch.pipe[0] is not device:
+            if not _on_cpu(batch, device):
                 return  # another device's: once these are answered
             new = send_pass(batch.waves, lambda: self._stopped(session))
             if new is None:
@@ -325,7 +325,7 @@ class Pass:
                 await session.pipeline_wake.wait()
                 continue
             batch = pipeline[0] if pipeline else None
-            if batch is None or batch.fence is not None or batch.pipe is None or batch.pipe[0] is not device:
+            if batch is None or not _on_cpu(batch, device):
                 return
             await trio.to_thread.run_sync(self._run_queued, session, device, trio.lowlevel.current_trio_token(),
                                           limiter=self.limiters[device.index])
@@ -340,7 +340,7 @@ class Pass:
         while time.perf_counter() <= give_up:
             # A snapshot (the loop appends and answers meanwhile; tuple() copies under the GIL).
             batch = next((b for b in tuple(session.pipeline) if not b.ran), None)
-            if batch is None or batch.fence is not None or batch.pipe is None or batch.pipe[0] is not device:
+            if batch is None or not _on_cpu(batch, device):
                 return
             if in_process(batch.ops):
                 return  # the loop sends it to the device's process
@@ -519,6 +519,11 @@ class Pass:
             self.rings.settle(session)  # the ring goes back to its worker once the session is idle
         if peer_lost and session.running:
             self.on_peer_lost(session)  # the producer's NIXL agent is gone: its session goes too
+
+
+def _on_cpu(batch: Batch, device: Any) -> bool:
+    """Whether a pipelined pass is one of this CPU device's (no GPU fence, this device)."""
+    return batch.fence is None and batch.pipe is not None and batch.pipe[0] is device
 
 
 def _soon(token: trio.lowlevel.TrioToken, fn: Callable[..., None], *args: Any) -> None:

@@ -442,7 +442,8 @@ class Sent:
 
     def __init__(self, ops: list[Op]) -> None:
         self.ops = ops
-        self.answers: list[tuple[Op, Answer | Then]] = []
+        #: The answer of each op sent so far, in order (`ops[i]` has `answers[i]`).
+        self.answers: list[Answer | Then] = []
         #: Set by the loop once told (`on_done`).
         self.done = False
 
@@ -453,12 +454,12 @@ class Sent:
         while len(answers) < len(ops):
             op = ops[len(answers)]
             try:
-                answers.append((op, op.begin(block)))  # type: ignore[misc]
+                answers.append(op.begin(block))  # type: ignore[misc]
             except BlockingIOError:
                 return False
             except Exception as exc:
                 _fail_ops([op], exc)
-                answers.append((op, Answer.ready(None)))
+                answers.append(Answer.ready(None))
         return True
 
     def on_done(self, callback: Callable[[], None]) -> None:
@@ -466,7 +467,7 @@ class Sent:
         that sets the last answer (a process's reader thread), so it must be thread-safe.
         Counted, not just the last op's: an op that failed to send is answered at once,
         while ops before it may still run."""
-        answers = [answer for _, answer in self.answers]
+        answers = self.answers
         if not answers:
             callback()
             return
@@ -485,7 +486,7 @@ class Sent:
 
     def end(self) -> None:
         """(Once answered.) Each op's result or error."""
-        for op, answer in self.answers:
+        for op, answer in zip(self.ops, self.answers):
             try:
                 result = answer()
             except Exception as exc:
