@@ -74,6 +74,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 import transfer
+from transfer._bench import latency as latency_bench
 from transfer.kernels import REGISTRY
 from transfer.testing import run_daemon
 
@@ -422,17 +423,12 @@ def bench_latency(clients: dict[str, transfer.Client], n: int, reps: int) -> lis
                 src, dst = seg.tensor(64, np.float32), out.tensor(64, np.float32)
                 one = ((lambda: c.compute("scale_add", [src], [dst], {"a": 2.0, "b": 1.0}).result()) if what == "compute"  # noqa: B023
                        else (lambda: c.copy(out.va, seg.va, 64).result()))  # noqa: B023
-                for _ in range(max(n // 10, 1)):
-                    one()  # warm: the device process started, caches hot
-                for _ in range(n):
-                    t0 = time.perf_counter()
-                    one()
-                    times[name].append(time.perf_counter() - t0)
+                # (warm-up first: the device process started, caches hot)
+                times[name] += latency_bench._timed(one, n, max(n // 10, 1))
         row: dict[str, Any] = {"request": what}
         for name, ts in times.items():
-            ts.sort()
-            row[f"{name}_p50_us"] = round(ts[len(ts) // 2] * 1e6, 1)
-            row[f"{name}_p99_us"] = round(ts[int(len(ts) * 0.99)] * 1e6, 1)
+            stats = latency_bench._stats(ts)  # the p50/p99 transfer-bench's latency mode reports
+            row[f"{name}_p50_us"], row[f"{name}_p99_us"] = stats["p50_us"], stats["p99_us"]
         rows.append(row)
         print(f"{what:>8s} " + " ".join(f"{row[f'{k}_p50_us']:9.1f} {row[f'{k}_p99_us']:9.1f}" for k in clients))
     return rows
