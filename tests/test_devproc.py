@@ -295,3 +295,26 @@ def test_a_pass_the_process_takes_in_part_is_finished_in_order() -> None:
     sent.end()
     assert [o.result for o in ops] == ["a", None, "c"]
     assert ops[0].error is None and isinstance(ops[1].error, E.BackendError) and ops[2].error is None
+
+
+def test_memory_made_and_freed_between_runs_holds_no_fds() -> None:
+    """Segments made and freed while no run is sent (a client's churn) do not pile up as
+    unsent maps holding fds until the next run: a map never sent is dropped with its fd."""
+    from transfer.addressing import SegmentKind
+    from transfer.backends import NumpyBackend, Span
+
+    kernel, t = _kernel_and_tensor(16)
+    backend = NumpyBackend(1)
+    proc = backend.procs[0]
+    try:
+        mem = backend.alloc(64, 0)
+        span = [(t, Span(SegmentKind.DEVICE, mem, 0, 64))]
+        backend.compute(kernel, span, span, {"a": 1.0, "b": 1.0}, 0)  # the process runs
+        fds = len(os.listdir("/proc/self/fd"))
+        for _ in range(200):
+            backend.free(backend.alloc(4096, 0))
+        assert len(proc.pending) == 0 and len(os.listdir("/proc/self/fd")) <= fds
+        backend.compute(kernel, span, span, {"a": 1.0, "b": 1.0}, 0)  # and still computes
+        np.testing.assert_array_equal(np.frombuffer(mem, np.float32), 2.0)
+    finally:
+        backend.close()

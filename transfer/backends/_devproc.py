@@ -127,9 +127,21 @@ class DeviceProcess:
 
     def queue_unmap(self, key: int) -> None:
         """(Under the index's lock.) Unmap this memory before the next run, if running (a
-        process started later never maps it)."""
-        if self._sock is not None:
-            self.pending.append(("unmap", key, -1, 0))
+        process started later never maps it). A map of it not sent yet is dropped instead,
+        its fd closed now: memory made and freed between runs (a client's churn) must not
+        hold fds until the next run. Only when no sender holds the process (never waits)."""
+        if self._sock is None:
+            return
+        if self._lock.acquire(False):  # (no _flush runs meanwhile: pending may be edited)
+            try:
+                for i, (kind, k, fd, _) in enumerate(self.pending):
+                    if kind == "map" and k == key:
+                        del self.pending[i]
+                        os.close(fd)
+                        return  # never sent: the process has nothing to unmap
+            finally:
+                self._lock.release()
+        self.pending.append(("unmap", key, -1, 0))
 
     def begin(self, steps: Sequence[Any], failed: set[int], block: bool = True) -> Answer:
         """Send `steps` (kernels over (TensorRef, Span) operands) to the process; the answer
