@@ -200,8 +200,9 @@ def test_a_sender_that_must_not_wait_is_refused_whole_and_nothing_is_lost() -> N
         with pytest.raises(BlockingIOError):  # not started: starting it is a thread's job
             backend.begin_compute(kernel, span, span, {"a": 1.0, "b": 1.0}, 0, block=False)
         backend.compute(kernel, span, span, {"a": 1.0, "b": 1.0}, 0)  # starts it
-        assert proc._child is not None
-        os.kill(proc._child.pid, signal.SIGSTOP)
+        pid = proc.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
         try:
             answers = []
             for _ in range(100_000):
@@ -217,7 +218,7 @@ def test_a_sender_that_must_not_wait_is_refused_whole_and_nothing_is_lost() -> N
                 backend.begin_compute(kernel, span, span, {"a": 1.0, "b": 1.0}, 0, block=False)
             assert proc.pending
         finally:
-            os.kill(proc._child.pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGCONT)
         y = np.frombuffer(later, np.float32)
         backend.compute(kernel, span, [(t, Span(SegmentKind.DEVICE, later, 0, 64))], {"a": 2.0, "b": 0.0}, 0)
         for answer in answers:
@@ -318,3 +319,33 @@ def test_memory_made_and_freed_between_runs_holds_no_fds() -> None:
         np.testing.assert_array_equal(np.frombuffer(mem, np.float32), 2.0)
     finally:
         backend.close()
+
+
+def test_a_daemon_stopped_while_its_device_process_computes_exits_cleanly(daemon_factory: Any, capfd: Any) -> None:
+    """SIGTERM with a matmul of seconds running in the CPU device's process and more queued
+    behind it, past a short grace: the loop that read the process's answers is cancelled, a
+    thread reads them from then on, and the daemon still exits 0, its process with it (a
+    reader that stopped with answers owed would leave the shielded completer waiting forever)."""
+    d = daemon_factory("--shutdown-grace", "0.1")
+    m = 3072
+    with transfer.connect(d.endpoint) as c:
+        seg, out = c.segment(1 << 16), c.segment(1 << 16)
+        scale_add(c, seg, out, 64, 2.0).result()  # the process is running
+        (proc,) = device_processes(d)
+        big = c.segment(3 * m * m * 4)
+        running = c.compute("matmul", [big.tensor((m, m), np.float32), big.tensor((m, m), np.float32, offset=m * m * 4)],
+                            [big.tensor((m, m), np.float32, offset=2 * m * m * 4)])
+        behind = [scale_add(c, seg, out, 64, 3.0) for _ in range(8)]
+        time.sleep(0.2)  # the matmul runs in the process by now
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(30) == 0
+        for p in [running, *behind]:  # each answered: done, or cut off by the shutdown
+            try:
+                p.result(timeout=10)
+            except transfer.TransferError:
+                pass
+    assert "not read to their end" not in capfd.readouterr().err
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{proc}").exists() and Path(f"/proc/{proc}/stat").read_text().split()[2] != "Z":
+        assert time.monotonic() < deadline, "the device process outlived its daemon"
+        time.sleep(0.02)

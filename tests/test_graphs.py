@@ -101,7 +101,16 @@ def test_mlp_graph_matches_numpy_and_profiles(client: transfer.Client) -> None:
         x[...] = RNG.standard_normal((16, 32))
         assert client.run_graph(g, [xs], [ys]).result() is None
         np.testing.assert_allclose(ys.ndarray((16, 8), np.float32), mlp_ref(x, ws), rtol=1e-4, atol=1e-4)
-    prof = client.run_graph(g, [xs], [ys], profile=True).result()
+    # A run with one input and one output is one ring descriptor (the first, which carried
+    # the definition, took the socket); a profiled run's answer does not fit a completion.
+    assert client._ring is not None and client._ring.graphs
+    pushed = client._ring.pushed
+    run = client.run_graph(g, [xs], [ys])
+    assert run.id in client._ring.outstanding and client._ring.pushed == pushed + 1
+    assert run.result() is None
+    prof = client.run_graph(g, [xs], [ys], profile=True)
+    assert prof.id not in client._ring.outstanding and client._ring.pushed == pushed + 1
+    prof = prof.result()
     nodes = prof["nodes"]
     assert [n["op"] for n in nodes] == ["linear", "relu", "linear", "relu", "linear"]
     assert all(n["device"] == client.home_device and n["kind"] == "cpu" and n["us"] >= 0 for n in nodes)
@@ -401,3 +410,25 @@ def test_runs_revalidate_weights_and_bound_vas(client: transfer.Client) -> None:
     with pytest.raises(E.AddressError, match="node 1 \\(matmul\\)"):
         client.run_graph(g, [xs], [ys]).result()
     assert client.fill(xs, 64, 0).result() is None
+
+
+def test_a_graph_runs_only_for_its_session(gdaemon: DaemonProcess) -> None:
+    """Another session naming a graph's VA (on the ring, as any one-input run travels) is told
+    it is not the owner, and the graph's owner runs it on as before."""
+    with transfer.connect(gdaemon.endpoint) as a, transfer.connect(gdaemon.endpoint) as b:
+        g = a.graph()
+        g.input("x", (4, 4), "float32")
+        g.output("y", (4, 4), "float32")
+        g.op("relu", ["x"], "y")
+        ax, ay = a.segment(64), a.segment(64)
+        ax.ndarray((4, 4), np.float32)[...] = -1
+        a.run_graph(g, [ax], [ay]).result()
+        bx, by = b.segment(64), b.segment(64)
+        assert b._ring is not None
+        pushed = b._ring.pushed
+        with pytest.raises(E.NotOwner):
+            b._call(P.RunGraph, g.va, [bx.va], [by.va])
+        assert b._ring.pushed == pushed + 1  # it took the ring
+        ax.ndarray((4, 4), np.float32)[...] = 3
+        a.run_graph(g, [ax], [ay]).result()
+        np.testing.assert_array_equal(ay.ndarray((4, 4), np.float32), 3)

@@ -157,6 +157,9 @@ def test_hostile_descriptors_get_error_completions(ringd) -> None:
             (Op.COPY, base + 5, seg.at(0), (77 << 40), 8),  # no such segment
             (Op.CHECKSUM, base + 6, 0, seg.at(4090), 2**64 - 1),  # size overflow
             (Op.COPY, base + 7, seg.at(0), seg.at(64), 8),  # fine
+            (Op.RUN_GRAPH, base + 8, seg.at(0), seg.at(64), 0, 0, 0, seg.at(0)),  # not a graph's VA
+            (Op.RUN_GRAPH, base + 9, seg.at(0), seg.at(64), 0, 0, 0, 77 << 40),  # no such graph
+            (Op.RUN_GRAPH, base + 10, seg.at(0), seg.at(64), 8, 0, 0, seg.at(0)),  # nbytes must be 0
         ]
         for d in bad:
             assert ring.push(d)
@@ -170,6 +173,9 @@ def test_hostile_descriptors_get_error_completions(ringd) -> None:
         assert status[base + 4] == E.InvalidField.code
         assert status[base + 5] in (E.UnknownSegment.code, E.InvalidAddress.code)
         assert status[base + 6] in (E.OutOfBounds.code, E.InvalidAddress.code)
+        assert status[base + 8] == E.InvalidField.code
+        assert status[base + 9] in (E.UnknownSegment.code, E.InvalidAddress.code)
+        assert status[base + 10] == E.InvalidField.code
         assert all(comps["flags"][comps["status"] != 0] == 1), "errors announce their detail reply"
         # a batch big enough for the planned (vector) path, with one bad copy in it
         descs = np.zeros(64, ring.out_dtype)

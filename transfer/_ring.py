@@ -69,6 +69,9 @@ class Op(IntEnum):
     CHECKSUM = 3
     FENCE = 4
     COMPUTE = 5
+    #: A graph run with one input and one output, no profile: src is the input's VA, dst the
+    #: output's, arg0 the graph's (`protocol.RunGraph`). Served by the daemon's loop.
+    RUN_GRAPH = 6
 
 
 # --- descriptor layouts -------------------------------------------------------

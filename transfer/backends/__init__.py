@@ -7,9 +7,10 @@ import logging
 import os
 
 from ._base import Answer, Backend, Span, Then
+from ._devproc import Channel
 from ._numpy import NumpyBackend
 
-__all__ = ["Answer", "Backend", "Span", "Then", "NumpyBackend", "make_backend", "select_backend", "STREAMSIM_DEVICES_ENV"]
+__all__ = ["Answer", "Backend", "Channel", "Span", "Then", "NumpyBackend", "make_backend", "select_backend", "STREAMSIM_DEVICES_ENV"]
 
 log = logging.getLogger("transfer.backends")
 

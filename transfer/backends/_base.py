@@ -187,6 +187,11 @@ class Backend(abc.ABC):
         backend whose kernels run elsewhere (the CPU devices' processes) only queues them."""
         return Answer.ready(run_steps(steps, failed, lambda kernel, ins, outs, params: self.compute(kernel, ins, outs, params, device)))
 
+    def read_answers_with(self, adopt: Callable[[Any], bool]) -> None:
+        """(A backend whose kernels run elsewhere.) From now on, `adopt(channel)` is offered
+        each new device process's answers (`_devproc.Channel`) to read: a daemon's event loop
+        reads them itself. If it declines (False), a thread reads them."""
+
     def close(self) -> None:
         """Release what the backend holds beyond its memory (the CPU devices' processes)."""
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -95,6 +95,10 @@ class NumpyBackend(Backend):
 
     def begin_steps(self, steps: Sequence[Any], failed: set[int], device: int, block: bool = True) -> Answer:
         return self.procs[device % len(self.procs)].begin(steps, failed, block)
+
+    def read_answers_with(self, adopt: Callable[[Any], bool]) -> None:
+        for proc in self.procs:
+            proc.adopt = adopt
 
     def close(self) -> None:
         for proc in self.procs:

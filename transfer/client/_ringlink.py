@@ -31,10 +31,12 @@ __all__ = ["RingLink", "descriptors_of"]
 
 #: A completion whose error message follows on the control socket (server._rings).
 _DETAIL = 1
-_RING_TYPES = frozenset((P.Copy, P.CopyV, P.Fill, P.Checksum, P.ChecksumV, P.Fence, P.Wait))
+_RING_TYPES = frozenset((P.Copy, P.CopyV, P.Fill, P.Checksum, P.ChecksumV, P.Fence, P.Wait, P.RunGraph))
 #: Vector requests: one descriptor per range, so at most the ring's credits.
 _VECTORS = frozenset((P.CopyV, P.ChecksumV))
-_COPY, _FILL, _CHECKSUM, _FENCE = (int(o) for o in (RingOp.COPY, RingOp.FILL, RingOp.CHECKSUM, RingOp.FENCE))
+#: Kinds only some requests of which take the ring (`takes` decides each).
+_SOME = _VECTORS | {P.RunGraph}
+_COPY, _FILL, _CHECKSUM, _FENCE, _RUN_GRAPH = (int(o) for o in (RingOp.COPY, RingOp.FILL, RingOp.CHECKSUM, RingOp.FENCE, RingOp.RUN_GRAPH))
 
 
 #: A descriptor's bytes, fields in layout order (REQUEST_DTYPE): op, flags, stream, id, dst,
@@ -83,6 +85,7 @@ _PACKERS: dict[type, Callable[[Any], tuple[bytes, int]]] = {
     # A checksum per range, each completed on its own under the one id (_Sums gathers them).
     P.ChecksumV: lambda r: (pack_vector(_CHECKSUM, False, r.id, r.stream, 0, r.src, r.nbytes), len(r.src)),
     P.Fence: lambda r: (_PACK(_FENCE, 0, r.stream, r.id, 0, 0, 0, 0, 0, 0), 1),
+    P.RunGraph: lambda r: (_PACK(_RUN_GRAPH, 0, r.stream, r.id, r.outputs[0], r.inputs[0], 0, r.graph, 0, 0), 1),
 }
 
 
@@ -143,6 +146,8 @@ class RingLink:
         self.credits = min(self.ring.request_capacity, self.ring.completion_capacity)
         #: The longest CopyV chain it carries (the daemon joins at most MAX_CHAIN).
         self.max_chain = min(MAX_CHAIN, self.credits)
+        #: Whether the daemon runs graphs off the ring (RUN_GRAPH); else they take the socket.
+        self.graphs = info.get("graphs") is True
         #: Outstanding requests: id -> (pending, answers with a value (a checksum_many: its
         #: _Sums), descriptors it took).
         self.outstanding: dict[int, tuple[Pending, bool | _Sums, int]] = {}
@@ -170,6 +175,8 @@ class RingLink:
         if t in _VECTORS:  # one descriptor per range (a CopyV's chain is also bounded)
             n = len(req.nbytes)  # type: ignore[attr-defined]
             return 0 < n <= (self.max_chain if t is P.CopyV else self.credits)
+        if t is P.RunGraph:  # one descriptor: one input, one output, and no profile to carry back
+            return self.graphs and len(req.inputs) == 1 and len(req.outputs) == 1 and not req.profile  # type: ignore[attr-defined]
         return t in _RING_TYPES
 
     def takes_all(self, reqs: Sequence[P.Request]) -> bool:
@@ -181,7 +188,7 @@ class RingLink:
         kinds = {type(r) for r in reqs}
         if not kinds.issubset(_RING_TYPES):
             return False
-        return kinds.isdisjoint(_VECTORS) or all(self.takes(r) for r in reqs if type(r) in _VECTORS)
+        return kinds.isdisjoint(_SOME) or all(self.takes(r) for r in reqs if type(r) in _SOME)
 
     def push(self, reqs: Sequence[P.Request], pending: dict[int, Pending], wait_credits: Callable[[int], None]) -> None:
         """Publish `reqs` (all `takes`), waiting for credits when the window is full; a

@@ -93,10 +93,12 @@ def runs_inline(ops: Iterable[Op], inline_bytes: int) -> bool:
     """The one inline rule (`--inline-bytes`): work whose `Op.cost`, summed over what runs
     together, is at most `inline_bytes` runs on the event loop; more goes to a worker. Never
     work that runs in another process (`Op.begin`: a CPU device's kernels): the loop would
-    only wait for it, behind whatever that process runs for other sessions."""
+    only wait for it, behind whatever that process runs for other sessions (and the loop reads
+    its answers: it would wait for itself). That includes a compute whose inputs are pulled
+    first (no `begin`: it runs whole, after the pulls)."""
     cost = 0
     for op in ops:
-        if op.begin is not None:
+        if op.begin is not None or (op.device is not None and op.device.backend.out_of_process):
             return False
         cost += op.cost
     return cost <= inline_bytes

@@ -23,6 +23,7 @@ the ring). A pass then:
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable
 
@@ -269,7 +270,7 @@ class Pass:
         """(On the loop.) Send the session's next pipelined passes to the CPU device's process,
         while fewer than `_AHEAD` are there and each runs wholly there, without waiting: the
         process goes from one to the next while the loop plans and answers, and the loop is
-        told when each is done (the process's reader thread wakes it; `_sent_done`). A pass
+        told when each is done (as it reads the process's answers; `_sent_done`). A pass
         the process cannot take now is left part-sent: the completer has a thread send the
         rest (`_run_cpu`), and nothing is sent behind it meanwhile."""
         sent, pipeline = session.sent, session.pipeline
@@ -288,11 +289,23 @@ class Pass:
             self._when_done(session, new, device)
 
     def _when_done(self, session: Session, sent: Sent, device: Any) -> None:
-        token = trio.lowlevel.current_trio_token()
-        sent.on_done(lambda: _soon(token, self._sent_done, session, sent, device))
+        """(On the loop.) `_sent_done` once the pass's answers are in: called right there when
+        the loop itself reads the last one (the process's answers are read on the loop), else
+        (a thread read it, or it is in already, while `_send_cpu` is still going) soon."""
+        token, loop = trio.lowlevel.current_trio_token(), threading.get_ident()
+        registered = False
+
+        def done() -> None:
+            if registered and threading.get_ident() == loop:
+                self._sent_done(session, sent, device)
+            else:
+                _soon(token, self._sent_done, session, sent, device)
+
+        sent.on_done(done)
+        registered = True
 
     def _sent_done(self, session: Session, sent: Sent, device: Any) -> None:
-        """(On the loop, told by the process's reader thread.) A sent pass is done: answer
+        """(On the loop, as the process's answers are read.) A sent pass is done: answer
         every done pass at the head, in order, right here (no hop to the completer's task),
         and send the next ones."""
         sent.done = True

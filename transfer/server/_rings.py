@@ -57,12 +57,13 @@ log = logging.getLogger("transfer.server")
 #: Completion flag: the error's message follows on the control socket, as a reply with this id.
 COMPLETION_DETAIL = 1
 # Plain ints: IntEnum attribute lookups cost ~1 µs each in a hot loop.
-_NOP, _COPY, _FILL, _CHECKSUM, _FENCE = (int(o) for o in (RingOp.NOP, RingOp.COPY, RingOp.FILL, RingOp.CHECKSUM, RingOp.FENCE))
+_NOP, _COPY, _FILL, _CHECKSUM, _FENCE, _RUN_GRAPH = (
+    int(o) for o in (RingOp.NOP, RingOp.COPY, RingOp.FILL, RingOp.CHECKSUM, RingOp.FENCE, RingOp.RUN_GRAPH))
 
 
 def _request(row: tuple[int, ...]) -> Any:
     """One descriptor as a request of the batch form (or a BadRequest naming its fault)."""
-    op, rid, dst, src, nbytes, stream, flags, arg0, _, _ = row
+    op, rid, dst, src, nbytes, stream, flags, arg0, arg1, arg2 = row
     try:
         if rid == 0:
             raise E.InvalidField("a ring descriptor's id must be non-zero")
@@ -77,6 +78,10 @@ def _request(row: tuple[int, ...]) -> Any:
             return P.Checksum(rid, src, nbytes, stream)
         if op == _FENCE or op == _NOP:
             return P.Fence(rid, stream)
+        if op == _RUN_GRAPH:
+            if nbytes or arg1 or arg2:
+                raise E.InvalidField("a RUN_GRAPH descriptor's nbytes, arg1 and arg2 must be zero")
+            return P.RunGraph(rid, arg0, [src], [dst], False, stream)
         raise E.UnknownOperation(f"ring opcode {op} is not served over the ring (use the control socket)")
     except E.TransferError as exc:
         return P.BadRequest(rid, exc)
@@ -271,6 +276,9 @@ class Rings:
             "cbell": cbell,
             "capacity": ring.request_capacity,
             "completion_capacity": ring.completion_capacity,
+            # Served beyond copy, fill, checksum and fence (a client takes the ring for a
+            # kind only where its daemon says so: an older daemon refuses what it lacks).
+            "graphs": True,
         }
 
     def close(self, session: Session) -> None:

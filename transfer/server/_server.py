@@ -20,7 +20,7 @@ import trio
 
 from .. import protocol as P
 from ..addressing import MappingTable
-from ..backends import Backend, NumpyBackend, select_backend
+from ..backends import Backend, Channel, NumpyBackend, select_backend
 from ..memory import DaemonLock, sweep_stale
 from ._accounting import Accounting
 from ._config import DaemonConfig
@@ -38,6 +38,44 @@ from ._rings import Rings
 from ._session import Session
 
 __all__ = ["Server"]
+
+
+def _answers_read_on_loop(nursery: trio.Nursery) -> Callable[[Channel], bool]:
+    """`adopt` for the CPU devices' processes: the loop reads their answers (a task per
+    process, woken when its socket is readable), so an answer costs no thread and no GIL
+    handover (`backends._devproc`). Offered from the thread that started a process; a
+    process the loop cannot take any more (it is ending) is read by a thread instead."""
+    token = trio.lowlevel.current_trio_token()
+
+    def start(channel: Channel) -> None:
+        try:
+            nursery.start_soon(_read_answers, channel)
+        except RuntimeError:  # the nursery is closing
+            channel.pump()
+
+    def adopt(channel: Channel) -> bool:
+        try:
+            token.run_sync_soon(start, channel)
+        except trio.RunFinishedError:
+            return False
+        return True
+
+    return adopt
+
+
+async def _read_answers(channel: Channel) -> None:
+    """Read a device process's answers as they come, until its stream ends; cancelled (the
+    daemon stopping), hand the reading to a thread: workers may still wait for answers."""
+    try:
+        while True:
+            await trio.lowlevel.wait_readable(channel.sock)
+            if not channel.read(False):
+                break
+    except BaseException:
+        channel.pump()
+        raise
+    with trio.CancelScope(shield=True):
+        await trio.to_thread.run_sync(channel.end)  # (may wait for the process to exit)
 
 
 class Server:
@@ -109,6 +147,9 @@ class Server:
         self.front.send = send
         self.front.nursery = nursery
         self.control.nursery = nursery
+        adopt = _answers_read_on_loop(nursery)
+        for backend in self.backends:
+            backend.read_answers_with(adopt)
 
     def on_message(self, parts: list[bytes], secure: bool = False) -> None:
         self.front.on_message(parts, secure)

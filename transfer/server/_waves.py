@@ -464,7 +464,7 @@ class Sent:
 
     def on_done(self, callback: Callable[[], None]) -> None:
         """`callback()` once every op sent is answered (at once if none was), on the thread
-        that sets the last answer (a process's reader thread), so it must be thread-safe.
+        that sets the last answer (the loop, or a thread reading a process's answers), so it must be thread-safe.
         Counted, not just the last op's: an op that failed to send is answered at once,
         while ops before it may still run."""
         answers = self.answers
