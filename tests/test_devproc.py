@@ -349,3 +349,27 @@ def test_a_daemon_stopped_while_its_device_process_computes_exits_cleanly(daemon
     while Path(f"/proc/{proc}").exists() and Path(f"/proc/{proc}/stat").read_text().split()[2] != "Z":
         assert time.monotonic() < deadline, "the device process outlived its daemon"
         time.sleep(0.02)
+
+
+def test_the_inline_rule_never_runs_a_device_process_s_kernels_on_the_loop() -> None:
+    """The loop reads the device processes' answers, so it must never run their kernels itself
+    (it would wait for itself): a compute there is never inline, with `begin` or without (one
+    whose remote inputs are pulled first runs whole). A copy on that device runs in the daemon,
+    so a small one stays on the loop (taking it off cost the socket round trip ~1.7x)."""
+    from types import SimpleNamespace
+
+    from transfer.server._ops import Op, runs_inline
+
+    cpu = SimpleNamespace(backend=SimpleNamespace(out_of_process=True))
+    gpu = SimpleNamespace(backend=SimpleNamespace(out_of_process=False))
+
+    def op(device: Any, kind: str, begin: Any = None) -> Op:
+        o = Op(1, [], [], device, 64, lambda: None, begin=begin)
+        o.kind = kind
+        return o
+
+    assert runs_inline([op(cpu, "copy")], 1 << 16)
+    assert not runs_inline([op(cpu, "compute")], 1 << 16)  # (after its pulls: no begin)
+    assert not runs_inline([op(cpu, "compute", begin=lambda block: None)], 1 << 16)
+    assert runs_inline([op(gpu, "compute")], 1 << 16)
+    assert not runs_inline([op(cpu, "copy")], 32)  # over inline_bytes

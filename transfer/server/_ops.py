@@ -95,10 +95,11 @@ def runs_inline(ops: Iterable[Op], inline_bytes: int) -> bool:
     work that runs in another process (`Op.begin`: a CPU device's kernels): the loop would
     only wait for it, behind whatever that process runs for other sessions (and the loop reads
     its answers: it would wait for itself). That includes a compute whose inputs are pulled
-    first (no `begin`: it runs whole, after the pulls)."""
+    first (no `begin`: it runs whole, after the pulls). A copy on such a device runs in the
+    daemon: it may run inline."""
     cost = 0
     for op in ops:
-        if op.begin is not None or (op.device is not None and op.device.backend.out_of_process):
+        if op.begin is not None or (op.kind == "compute" and op.device is not None and op.device.backend.out_of_process):
             return False
         cost += op.cost
     return cost <= inline_bytes
