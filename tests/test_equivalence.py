@@ -1,7 +1,7 @@
 """Proof of equivalence: every request path gives the same memory and the same replies.
 
 A hypothesis program is a random sequence of copy, copy_many, fill, checksum,
-compute and fence over a small universe (two host segments, two device
+compute, a graph run (relu, on the ring where the client has one) and fence over a small universe (two host segments, two device
 buffers, a freed segment, a segment that never existed), some of the requests
 invalid (out of bounds, freed or unknown segments, sizes past 2**63, fill
 values that are not a byte, compute with mismatched shapes, overlapping
@@ -177,7 +177,21 @@ def compute_op(draw: st.DrawFn) -> tuple:
     return ("compute", kind, ((x, "uint8", (count,)),), ((x, "uint8", (count,)),) if kind == "fft" else (), {})
 
 
-OP = st.one_of(copy_op(), copy_op(), copy_many_op(), fill_op(), checksum_op(), compute_op(), st.just(("fence",)))
+@st.composite
+def graph_op(draw: st.DrawFn) -> tuple:
+    """("graph", x, y): the session's graph (relu over 4x4 float32, 64 B) run on VAs: over the
+    ring where the client has one (one input, one output), else the socket. y == x is in place."""
+    x = draw(addr(64, align=4))
+    if draw(st.integers(0, 3)) == 0:
+        y = x
+    elif draw(st.integers(0, 3)) == 0 and x[0] in SIZES:
+        y = (x[0], max(0, x[1] + 4 * draw(st.integers(-8, 8))))  # near x: often a partial overlap
+    else:
+        y = draw(addr(64, align=4))
+    return ("graph", x, y)
+
+
+OP = st.one_of(copy_op(), copy_op(), copy_many_op(), fill_op(), checksum_op(), compute_op(), graph_op(), st.just(("fence",)))
 PROGRAM = st.lists(OP, min_size=1, max_size=25)
 
 
@@ -239,7 +253,7 @@ def reference(init: dict[str, np.ndarray], program: list[tuple]) -> tuple[list[t
                 ys = [tensor(t) for t in outs]
                 for y, (yr, ya, yb) in ys:
                     for (xr, xa, xb), spec in zip([r for _, r in xs], ins):
-                        if yr == xr and ya < xb and xa < yb:
+                        if yr == xr and ya < xb and xa < yb and (ya, yb) != (xa, xb):
                             in_place = name == "scale_add" and (ya, yb) == (xa, xb) and outs[0] == ins[0]
                             if not in_place:
                                 raise Invalid  # an output overlapping an input
@@ -255,6 +269,13 @@ def reference(init: dict[str, np.ndarray], program: list[tuple]) -> tuple[list[t
                         if params["b"]:
                             np.add(r, np.float32(params["b"]), out=r)
                     y[...] = r
+                out.append(("ok", None))
+            elif kind == "graph":
+                _, x, y = op
+                (xv, (xr, xa, xb)), (yv, (yr, ya, yb)) = tensor((x, "float32", (4, 4))), tensor((y, "float32", (4, 4)))
+                if yr == xr and ya < xb and xa < yb and (ya, yb) != (xa, xb):
+                    raise Invalid  # the output overlaps the input, not exactly (relu works in place)
+                np.maximum(xv, np.float32(0), out=yv)
                 out.append(("ok", None))
             elif kind == "fence":
                 out.append(("ok", None))
@@ -284,6 +305,7 @@ def fence_pipelined(program: list[tuple], ref: list[tuple]) -> dict[int, bool]:
 
 # --- one client per path ------------------------------------------------------------------------------
 _HEX = re.compile(r"0x[0-9a-f]+")
+_SITE = re.compile(r"graph created at \S+, ")  # where each client defined it: not a path's outcome
 _SEG = re.compile(r"segment (\d+)")
 
 
@@ -311,7 +333,7 @@ class Path_:
             sid, off = split_va(int(m.group(0), 16))
             return f"<{self.names[sid]}+{off:#x}>" if sid in self.names else m.group(0)
 
-        msg = _HEX.sub(hexrep, msg)
+        msg = _HEX.sub(hexrep, _SITE.sub("graph, ", msg))
         return _SEG.sub(lambda m: f"segment <{self.names.get(int(m.group(1)), m.group(1))}>", msg)
 
     def outcome(self, exc: BaseException | None, value: Any = None, notes: bool = False) -> tuple:
@@ -344,6 +366,8 @@ class Path_:
         if kind == "compute":
             _, name, ins, outs, params = op
             return c.compute(name, [self.tensor(t) for t in ins], [self.tensor(t) for t in outs], dict(params), stream=stream)
+        if kind == "graph":
+            return c.run_graph(self.host["graph"], [self.va(op[1])], [self.va(op[2])], stream=stream)
         raise AssertionError(op)
 
 
@@ -355,6 +379,7 @@ def _setup_sync(c: transfer.Client) -> tuple[dict[str, int], dict[str, Any]]:
     env.update({k: c.alloc(SIZES[k]).va for k in DEVICE})
     env.update(dead=dead.va, nowhere=NOWHERE_VA, stage=h["stage"].va)
     c.free(dead)
+    h["graph"] = _relu_graph(c)
     return env, h
 
 
@@ -366,7 +391,17 @@ async def _setup_trio(c: transfer.TrioClient) -> tuple[dict[str, int], dict[str,
     env.update({k: (await c.alloc(SIZES[k])).va for k in DEVICE})
     env.update(dead=dead.va, nowhere=NOWHERE_VA, stage=h["stage"].va)
     await c.free(dead)
+    h["graph"] = _relu_graph(c)
     return env, h
+
+
+def _relu_graph(c: Any) -> transfer.Graph:
+    """The session's graph for "graph" ops (defined with its first run, deferred)."""
+    g = c.graph()
+    g.input("x", (4, 4), "float32")
+    g.output("y", (4, 4), "float32")
+    g.op("relu", ["x"], "y")
+    return g
 
 
 # --- running a program ------------------------------------------------------------------------------------
