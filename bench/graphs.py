@@ -465,8 +465,8 @@ def baseline_daemon(checkout: Path, backend: str) -> Iterator[Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="auto", choices=("auto", "numpy", "cupy"), help="the daemon's; the in-process side follows it")
-    ap.add_argument("--batches", default="1,4,16,64,256,1024", help="MLP batch sizes")
-    ap.add_argument("--image-batches", default="8,32", help="images per batch")
+    ap.add_argument("--batches", default="1,4,16,64,256,1024", help="MLP batch sizes ('' skips the MLP)")
+    ap.add_argument("--image-batches", default="8,32", help="images per batch ('' skips the images)")
     ap.add_argument("--image-size", type=int, default=224)
     ap.add_argument("--slots", type=int, default=4, help="runs the producer keeps in flight")
     ap.add_argument("--seconds", type=float, default=2.0, help="per side, per rep")
@@ -480,8 +480,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
-    def parse(text: str) -> list[int]:
-        return [int(v) for v in text.split(",") if v]
+    def parse(text: str, what: str) -> list[int]:
+        try:
+            sizes = [int(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            ap.error(f"{what}: a comma-separated list of positive integers, got {text!r}")
+        if any(n < 1 for n in sizes):
+            ap.error(f"{what}: sizes must be at least 1 (an empty list skips that part), got {text!r}")
+        return sizes
+
+    batches, image_batches = parse(args.batches, "--batches"), parse(args.image_batches, "--image-batches")
 
     with contextlib.ExitStack() as stack:
         d = stack.enter_context(run_daemon(["--backend", args.backend]))
@@ -498,10 +506,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.slots} runs in flight, {args.reps} x {args.seconds:g} s per side")
         print(f"{'batch':>6s} {'daemon/s':>10s} {'in-proc/s':>10s} {'ratio':>9s} {'kernels/s':>10s} {'d/kern':>9s} {'max err':>10s} {'load':>5s}"
               + (f" {'base/s':>10s} {'b ratio':>9s}" if args.baseline is not None else ""))
-        mlp_rows = bench_mlp(clients, side, parse(args.batches), args.slots, args.seconds, args.reps)
+        mlp_rows = bench_mlp(clients, side, batches, args.slots, args.seconds, args.reps)
         print(f"{'images':>6s} {'size':>4s} {'daemon img/s':>12s} {'in-proc img/s':>14s} {'ratio':>9s} {'kernels img/s':>12s} {'d/kern':>9s} {'max err':>10s} {'load':>5s}"
               + (f" {'base img/s':>12s} {'d/base':>9s}" if args.baseline is not None else ""))
-        img_rows = bench_images(clients, side, parse(args.image_batches), args.image_size, min(args.slots, 2),
+        img_rows = bench_images(clients, side, image_batches, args.image_size, min(args.slots, 2),
                                 args.seconds, args.reps)
         lat_rows: list[dict[str, Any]] = []
         if args.latency:

@@ -393,3 +393,13 @@ def test_compute_process_bench_tiny(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())["result"]
     assert r["max_abs_error"] == 0.0 and r["separate_per_s"] > 0 and r["in_process_per_s"] > 0
+
+
+def test_graphs_bench_refuses_bad_sizes_before_it_starts(tmp_path: Path) -> None:
+    """A zero or non-numeric batch size is a usage error (exit 2, naming the flag), before any
+    daemon starts, not a daemon error from deep inside a run."""
+    for flag, value, words in (("--image-batches", "0", "at least 1"), ("--batches", "4,x", "comma-separated")):
+        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "graphs.py"), flag, value], cwd=tmp_path,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and flag in proc.stderr and words in proc.stderr, proc.stderr[-2000:]
+        assert "transferd" not in proc.stderr  # refused before a daemon started
