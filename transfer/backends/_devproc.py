@@ -160,13 +160,7 @@ class Channel:
         """(The stream has ended: may wait up to 5 s for the process to exit.) Fail what is
         still owed, saying how the process ended; the next run starts a new one."""
         proc = self.proc
-        with proc._lock:
-            died = proc._channel is self  # else `close` ended it
-            if died:
-                with proc.shared.lock:
-                    proc._channel = None
-                    proc._drop_pending()
-        if died:
+        if proc._detach(self) is not None:  # else `close` ended it
             code = _reap(self.child)
             how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
             why = (f"the CPU device {proc.device} process {how} while running this request; "
@@ -308,6 +302,19 @@ class DeviceProcess:
         self.starts += 1
         return channel
 
+    def _detach(self, channel: Channel | None = None) -> Channel | None:
+        """Forget the running process's channel (only if it is `channel`, where given) with
+        the maps and unmaps queued for it; the channel forgotten, else None. What `close`
+        and a channel's `end` share: whichever comes first ends the process's state."""
+        with self._lock:
+            current = self._channel
+            if current is None or (channel is not None and current is not channel):
+                return None
+            with self.shared.lock:
+                self._channel = None
+                self._drop_pending()
+            return current
+
     def _drop_pending(self) -> None:
         for kind, _, fd, _ in self.pending:
             if kind == "map":
@@ -317,11 +324,7 @@ class DeviceProcess:
     def close(self) -> None:
         """End the process; what it still owed fails. (Not on the loop that reads it: this
         waits for its reader to end, up to 5 s.)"""
-        with self._lock:
-            channel = self._channel
-            with self.shared.lock:
-                self._channel = None
-                self._drop_pending()
+        channel = self._detach()
         if channel is None:
             return
         try:
