@@ -968,7 +968,7 @@ static PyObject *Worker_counters(WorkerObject *self, PyObject *unused)
 {
     tdp_worker_t *w = &self->w;
 #define C(x) (unsigned long long)atomic_load_explicit(&w->x, memory_order_relaxed)
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "copy", C(n_copy), "fill", C(n_fill),
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "copy", C(n_copy), "fill", C(n_fill),
                          "checksum", C(n_checksum), "fused", C(n_fused), "fence", C(n_fence), "bytes", C(n_bytes),
                          "batches", C(n_batches), "wakes", C(n_wakes),
                          "handover_opcode", C(handovers[TDP_WHY_OPCODE]),
@@ -976,6 +976,7 @@ static PyObject *Worker_counters(WorkerObject *self, PyObject *unused)
                          "handover_address", C(handovers[TDP_WHY_ADDRESS]),
                          "handover_devices", C(handovers[TDP_WHY_DEVICES]),
                          "handover_chain", C(handovers[TDP_WHY_CHAIN]),
+                         "handover_after", C(handovers[TDP_WHY_AFTER]),
                          "done", C(done));
 #undef C
 }
@@ -1015,7 +1016,7 @@ static PyObject *Worker_get_mode(WorkerObject *self, void *c)
 
 static PyObject *Worker_get_why(WorkerObject *self, void *c)
 {
-    static const char *names[TDP_WHY_COUNT] = {"", "opcode", "fields", "address", "devices", "chain"};
+    static const char *names[TDP_WHY_COUNT] = {"", "opcode", "fields", "address", "devices", "chain", "after"};
     int why = atomic_load_explicit(&self->w.why, memory_order_relaxed);
     return PyUnicode_FromString(why >= 0 && why < TDP_WHY_COUNT ? names[why] : "?");
 }

@@ -62,6 +62,8 @@ _Static_assert(sizeof(tdp_comp_t) == 32, "completion layout");
 
 enum { TDP_NOP = 0, TDP_COPY = 1, TDP_FILL = 2, TDP_CHECKSUM = 3, TDP_FENCE = 4 };
 #define TDP_FLAG_CHAIN 1u
+/* Waits for the control frames its client sent before it: only Python counts those. */
+#define TDP_FLAG_AFTER 2u
 #define TDP_MAX_CHAIN 4096u
 #define TDP_OFFSET_BITS 40
 #define TDP_OFFSET_MASK ((1ull << TDP_OFFSET_BITS) - 1)
@@ -91,6 +93,7 @@ enum {
     TDP_WHY_ADDRESS,    /* a VA not in the native table, not the session's, or out of bounds */
     TDP_WHY_DEVICES,    /* operands on two devices */
     TDP_WHY_CHAIN,      /* a chain that mixes ops/ids/streams or outgrows the ring */
+    TDP_WHY_AFTER,      /* a descriptor that waits for socket frames (TDP_FLAG_AFTER) */
     TDP_WHY_COUNT
 };
 
@@ -648,7 +651,10 @@ static inline int64_t tdp_serve(tdp_worker_t *w, uint64_t avail)
             break; /* no completion slot: the client has not reaped yet */
         tdp_comp_t *c = &w->comps[nc];
         *c = (tdp_comp_t){d->id, 0, 0, 0, 0};
-        if (d->flags & TDP_FLAG_CHAIN) {
+        if (d->flags & TDP_FLAG_AFTER) {
+            why = TDP_WHY_AFTER;
+            break;
+        } else if (d->flags & TDP_FLAG_CHAIN) {
             int r = tdp_chain(w, i, n, &len);
             if (r == -2) {
                 need = n - i + 1;

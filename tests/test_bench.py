@@ -403,3 +403,14 @@ def test_graphs_bench_refuses_bad_sizes_before_it_starts(tmp_path: Path) -> None
                               env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and flag in proc.stderr and words in proc.stderr, proc.stderr[-2000:]
         assert "transferd" not in proc.stderr  # refused before a daemon started
+
+
+def test_nodrain_producer_runs_on_the_ring_after_its_first_run(tmp_path: Path) -> None:
+    """bench/nodrain.py (examples/mlp_forward.py's producer loop, never draining): every run
+    after the first, which carries the definition, is a ring descriptor; outputs are right."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "nodrain.py"), "--batch", "2", "--seconds", "0.3"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads(proc.stdout.splitlines()[-1])
+    assert row["runs"] >= 16 and row["runs_on_ring"] == row["runs"] - 1, row
+    assert row["max_abs_error"] < 1e-3

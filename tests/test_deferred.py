@@ -46,7 +46,9 @@ def test_one_blocking_round_trip_deferred_against_one_per_call_eager(daemon) -> 
     frames_e, blocking_e, out_e = measured(daemon.endpoint, deferred=False)
     want = np.arange(1024, dtype=np.float32).reshape(32, 32) * 2 + 1
     assert np.array_equal(out_d, want) and np.array_equal(out_e, want)
-    assert blocking_d == 1, (frames_d, blocking_d)  # only the final wait blocks
+    # Only the final wait blocks: on the socket, or (its fence pushed behind the compute's
+    # frame) on the ring, where a wait costs no socket round trip.
+    assert blocking_d <= 1, (frames_d, blocking_d)
     assert blocking_e >= 6, (frames_e, blocking_e)  # every create/configure call waited
     assert frames_d < frames_e
 
@@ -153,7 +155,9 @@ def test_trio_client_defers_too(daemon) -> None:
             await c.fence()
             st1 = (await c.stats())["session"]
             assert (host.ndarray(1024, np.float32, offset=4096) == 6.0).all()
-            assert st1["blocking"] - st0["blocking"] - 1 == 1  # only the fence blocked
+            # Only the fence blocked: on the socket, or on the ring (pushed behind the compute's
+            # frame), where a wait costs no socket round trip.
+            assert st1["blocking"] - st0["blocking"] - 1 <= 1
             await c.free(a)
             await c.free(b)
             c.fill(host, 16, 0)

@@ -9,6 +9,7 @@ from typing import Iterator
 
 import numpy as np
 import pytest
+import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -116,6 +117,74 @@ def test_mlp_graph_matches_numpy_and_profiles(client: transfer.Client) -> None:
     assert all(n["device"] == client.home_device and n["kind"] == "cpu" and n["us"] >= 0 for n in nodes)
     assert nodes[0]["kernel"] == "(float32, float32, float32) -> (float32)"
     assert client.stats()["session"]["defines"] >= 1
+
+
+@pytest.mark.parametrize("flavor", ["sync", "trio"])
+def test_a_pipelined_producer_runs_on_the_ring_from_its_second_run(gdaemon: DaemonProcess, flavor: str) -> None:
+    """A producer that keeps four runs in flight from its first one (which carries the graph's
+    definition over the socket) and never drains: every later run is one ring descriptor,
+    placed behind the socket frames sent before it, and every output is right. (Before
+    `FLAG_AFTER`, such a producer found a socket request pending at every submission, and
+    all its runs stayed on the socket.)"""
+    n, depth = 24, 4
+    inputs = [RNG.standard_normal((8, 16)).astype(np.float32) for _ in range(n)]
+
+    def outputs_right(c: transfer.Client | transfer.TrioClient, ws: list[np.ndarray], ys: list, pushed: int) -> None:
+        assert c._ring is not None and c._ring.pushed == pushed + n - 1, "a run after the first took the socket"
+        for k in range(depth):
+            i = n - depth + k
+            np.testing.assert_allclose(ys[i % depth].ndarray((8, 4), np.float32), mlp_ref(inputs[i], ws), rtol=1e-4, atol=1e-4)
+
+    if flavor == "sync":
+        with transfer.connect(gdaemon.endpoint) as c:
+            g, ws = mlp(c, 8, [16, 12, 4])
+            xs = [c.segment(8 * 16 * 4) for _ in range(depth)]
+            ys = [c.segment(8 * 4 * 4) for _ in range(depth)]
+            assert c._ring is not None
+            pushed, runs = c._ring.pushed, []
+            for i in range(n):
+                if len(runs) == depth:
+                    runs.pop(0).result(10)
+                xs[i % depth].ndarray((8, 16), np.float32)[...] = inputs[i]
+                runs.append(c.run_graph(g, [xs[i % depth]], [ys[i % depth]]))
+            for r in runs:
+                r.result(10)
+            outputs_right(c, ws, ys, pushed)
+        return
+
+    async def main() -> None:
+        async with transfer.open_client(gdaemon.endpoint) as c:
+            ws = [(RNG.standard_normal((12, 16)) / 4).astype(np.float32), RNG.standard_normal(12).astype(np.float32),
+                  (RNG.standard_normal((4, 12)) / 4).astype(np.float32), RNG.standard_normal(4).astype(np.float32)]
+            total = sum(w.nbytes for w in ws)
+            seg, buf = await c.segment(total), await c.alloc(total)
+            refs, off = [], 0
+            for w in ws:
+                seg.ndarray(w.shape, w.dtype, offset=off)[...] = w
+                refs.append(buf.tensor(w.shape, w.dtype, offset=off))
+                off += w.nbytes
+            await c.copy(buf, seg)
+            g = c.graph()
+            g.input("x", (8, 16), "float32")
+            g.weight("w0", refs[0]), g.weight("b0", refs[1]), g.weight("w1", refs[2]), g.weight("b1", refs[3])
+            h, a = g.tensor("h", (8, 12), "float32"), g.tensor("a", (8, 12), "float32")
+            g.op("linear", ["x", "w0", "b0"], h)
+            g.op("relu", [h], a)
+            g.op("linear", [a, "w1", "b1"], g.output("y", (8, 4), "float32"))
+            xs = [await c.segment(8 * 16 * 4) for _ in range(depth)]
+            ys = [await c.segment(8 * 4 * 4) for _ in range(depth)]
+            assert c._ring is not None
+            pushed, runs = c._ring.pushed, []
+            for i in range(n):
+                if len(runs) == depth:
+                    await runs.pop(0)
+                xs[i % depth].ndarray((8, 16), np.float32)[...] = inputs[i]
+                runs.append(c.run_graph(g, [xs[i % depth]], [ys[i % depth]]))
+            for r in runs:
+                await r
+            outputs_right(c, ws, ys, pushed)
+
+    trio.run(main)
 
 
 def test_a_graph_run_is_one_unit_of_device_work(client: transfer.Client) -> None:

@@ -718,7 +718,7 @@ def test_reap_matches_completion_by_completion(data: st.DataObject) -> None:
 
     def fresh() -> tuple[RingLink, dict[int, Pending]]:
         link = object.__new__(RingLink)
-        link.outstanding, link.detail, link.early = {}, {}, {}
+        link.outstanding, link.early = {}, {}
         pending = {rid: Pending(rid, lambda *a: None) for rid in range(1, len(kinds) + 1)}
         for rid, k in enumerate(kinds, 1):
             link.outstanding[rid] = (pending[rid], _Sums() if k else True, max(k, 1))
@@ -755,8 +755,8 @@ def test_reap_matches_completion_by_completion(data: st.DataObject) -> None:
             continue
         assert rid not in link.outstanding
         value, status, flags = done[rid]
-        if status and flags:  # the full error follows on the socket
-            assert link.detail[rid] is p and not p._done and rid in pending
+        if status and flags:  # the full error follows on the socket: it stays pending for it
+            assert not p._done and rid in pending
         elif status:
             assert p._done and isinstance(p._error, E.TransferError) and p in unobserved
         else:

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import transfer
 from transfer import errors as E
 from transfer import protocol as P
-from transfer._ring import COMPLETION_DTYPE, Op, Ring, available_implementations
+from transfer._ring import COMPLETION_DTYPE, FLAG_AFTER, FLAG_CHAIN, Op, Ring, available_implementations
 from transfer.testing import start_daemon, stop_process
 
 from conftest import FAST, leftovers, segment_files
@@ -259,6 +259,38 @@ def test_hostile_descriptor_chains_fail_alone(ringd) -> None:
     with transfer.connect(ringd.endpoint) as c2:
         seg2 = c2.segment(4096)
         assert c2.checksum(seg2.at(0), 8).result(5) == transfer.checksum64(bytes(8))
+
+
+def test_hostile_fences_hold_only_their_own_ring(ringd) -> None:
+    """FLAG_AFTER naming a frame that never comes holds that descriptor and those behind it,
+    on its own ring and nothing else: the session's socket serves on, another session runs,
+    and the session's end takes what was held. A fence met already costs nothing, on a
+    chain's later piece too."""
+    with transfer.connect(ringd.endpoint, ring=True) as c:
+        seg = c.segment(4096)
+        seg.buffer[:] = 3
+        ring = _raw(c)
+        base = 1 << 60
+        assert ring.push((Op.COPY, base + 1, seg.at(0), seg.at(64), 8, 0, FLAG_AFTER, 0, 0, 1))  # the hello: met
+        assert ring.push((Op.COPY, base + 2, seg.at(16), seg.at(64), 8, 0, FLAG_CHAIN))
+        assert ring.push((Op.COPY, base + 2, seg.at(24), seg.at(72), 8, 0, FLAG_AFTER, 0, 0, 1))
+        comps = _completions(ring, 2)
+        assert {int(i): int(s) for i, s in zip(comps["id"], comps["status"])} == {base + 1: 0, base + 2: 0}
+        assert ring.push((Op.FILL, base + 3, seg.at(0), 0, 8, 0, FLAG_AFTER, 7, 0, 1 << 62))  # never met
+        assert ring.push((Op.FILL, base + 4, seg.at(8), 0, 8, 0, 0, 9))  # behind it
+        assert c.stats()["session"]["id"] == c.session_id  # the socket serves on
+        time.sleep(0.2)
+        assert len(ring.pop_many()) == 0 and (seg.buffer[:16] == 3).all(), "a held descriptor ran"
+        with transfer.connect(ringd.endpoint, ring=True) as other:
+            theirs = other.segment(4096)
+            assert other.checksum(theirs.at(0), 16).result(5) == transfer.checksum64(bytes(16))
+    with transfer.connect(ringd.endpoint, ring=True) as c2:
+        seg2 = c2.segment(4096)
+        assert c2.checksum(seg2.at(0), 8).result(5) == transfer.checksum64(bytes(8))
+        deadline = time.monotonic() + 5
+        while c2.stats()["daemon"]["sessions"] > 1:  # the holder's session goes, with its ring
+            assert time.monotonic() < deadline, "the session holding descriptors was not released"
+            time.sleep(0.02)
 
 
 def test_a_corrupted_ring_ends_only_its_session(ringd, shm_dir: Path) -> None:

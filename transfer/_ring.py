@@ -57,6 +57,9 @@ __all__ = [
     "IMPLEMENTATION",
     "available_implementations",
     "LAYOUT_VERSION",
+    "FLAG_CHAIN",
+    "FLAG_AFTER",
+    "MAX_CHAIN",
 ]
 
 
@@ -89,6 +92,11 @@ REQUEST_DTYPE = np.dtype(
 #: descriptors sharing its id, this flag on all but the last; the daemon joins them into one
 #: request (validated, executed and answered as the socket's CopyV: one completion).
 FLAG_CHAIN = 1
+#: Request flag: this descriptor, and every one after it, waits until the daemon has read
+#: `arg2` frames from this session's control socket (its client counts every frame it sent,
+#: hello included). A client sets it when it pushes while requests it sent on the socket
+#: are still pending, so the ring's requests keep their place behind them.
+FLAG_AFTER = 2
 #: Descriptors one chain may have (longer vectors take the socket).
 MAX_CHAIN = 4096
 COMPLETION_DTYPE = np.dtype(

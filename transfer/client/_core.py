@@ -181,15 +181,22 @@ class ClientCore:
         return frames
 
     # --- routing and credits ------------------------------------------------------------------
-    def ring_route(self, reqs: Sequence[P.Request], unsent: int) -> bool:
-        """Whether `reqs` may take the ring: the ring keeps order only with itself, so only
-        when nothing sent on the socket is still pending. `unsent`: requests in the pending
-        table not handed to any transport yet (including `reqs`).
+    def ring_route(self, reqs: Sequence[P.Request], unsent: int, frames: int) -> int | None:
+        """Whether `reqs` may take the ring: None if not, else the fence their descriptors
+        carry. `unsent`: requests in the pending table not handed to any transport yet
+        (including `reqs`); `frames`: the socket frames this client has sent.
 
-        (The daemon takes what is in the ring before each frame it reads, so the other
-        direction, ring then socket, is ordered already.)"""
+        The ring keeps order only with itself: while a request sent on the socket is pending,
+        the daemon must read the frames sent so far before what is pushed now (the fence,
+        `FLAG_AFTER`). A daemon that cannot do that gets ring requests only when nothing sent
+        on the socket is pending. (The other direction, ring then socket, the daemon keeps:
+        it takes what is in the ring before each frame it reads.)"""
         link = self.ring
-        return link is not None and len(self.pending) - len(link.outstanding) == unsent and link.takes_all(reqs)
+        if link is None or not link.takes_all(reqs):
+            return None
+        if len(self.pending) - len(link.outstanding) == unsent:
+            return 0
+        return frames if link.after else None
 
     def socket_room(self, unsent: int) -> int:
         """How many more requests the socket may carry within the daemon's credits."""
@@ -216,12 +223,10 @@ class ClientCore:
             self.ring.outstanding.clear()
             self.ring.early.clear()
 
-    def ring_details(self) -> list[Pending]:
-        """Requests that failed on the ring and whose full error is still on its way (fence waits)."""
-        link = self.ring
-        if link is None or link.details_in():
-            return []
-        return list(link.detail.values())
+    def answers_before(self, rid: int) -> list[Pending]:
+        """Requests submitted before `rid` still waiting for their answer (a fence waits for
+        them: the daemon has done them, but their answer may come after the fence's)."""
+        return [p for i, p in self.pending.items() if i < rid]
 
     # --- replies ------------------------------------------------------------------------------
     def on_frame(self, data: bytes) -> None:

@@ -174,7 +174,8 @@ class LoopSession(Session):
         unsent = sum(1 for r in held if r.id in pending) + len(self._batch or ())
         while held:
             link = core.ring
-            if link is not None and core.ring_route([held[0]], unsent):
+            after = None if link is None else core.ring_route([held[0]], unsent, self.frames_sent)
+            if link is not None and after is not None:
                 n, used, room = 0, 0, link.room
                 while n < len(held) and link.takes(held[n]) and used + descriptors_of(held[n]) <= room:
                     used += descriptors_of(held[n])
@@ -182,7 +183,7 @@ class LoopSession(Session):
                 if n == 0:
                     return  # the ring is full: the reaper calls again as completions come
                 chunk = [held.popleft() for _ in range(n)]
-                self._push(link, chunk)
+                self._push(link, chunk, after)
                 self._kick_ring()
             else:
                 room = core.socket_room(unsent)
@@ -194,12 +195,12 @@ class LoopSession(Session):
                     self.frames_sent += 1
             unsent -= sum(1 for r in chunk if r.id in pending)
 
-    def _push(self, link: RingLink, chunk: list[P.Request]) -> None:
+    def _push(self, link: RingLink, chunk: list[P.Request], after: int) -> None:
         def full(need: int) -> None:
             raise AssertionError("pushed beyond the ring's credits")
 
         try:
-            link.push(chunk, self._core.pending, full)
+            link.push(chunk, self._core.pending, full, after)
         except E.TransferError as exc:  # a field out of range: those requests fail, nothing else
             for r in chunk:
                 if r.id not in link.outstanding:

@@ -23,7 +23,7 @@ import numpy as np
 from .. import errors as E
 from .. import protocol as P
 from .._native import native_module
-from .._ring import FLAG_CHAIN, MAX_CHAIN, REQUEST_DTYPE, Op as RingOp, Ring
+from .._ring import FLAG_AFTER, FLAG_CHAIN, MAX_CHAIN, REQUEST_DTYPE, Op as RingOp, Ring
 from ..memory._shm import check_sealed
 from ._pending import Pending
 
@@ -43,6 +43,8 @@ _COPY, _FILL, _CHECKSUM, _FENCE, _RUN_GRAPH = (int(o) for o in (RingOp.COPY, Rin
 #: src, nbytes, arg0, arg1, arg2. Packing with struct costs a fraction of a NumPy record.
 _PACK = struct.Struct("<HHIQQQQQQQ").pack
 assert struct.calcsize("<HHIQQQQQQQ") == REQUEST_DTYPE.itemsize
+#: A descriptor's flags (at byte 2) and one of its words (arg2 at byte 56), for `FLAG_AFTER`.
+_FLAGS, _WORD = struct.Struct("<H"), struct.Struct("<Q")
 
 
 def _py_pack_vector(op: int, chain: bool, rid: int, stream: int, dst: Any, src: Any, nbytes: np.ndarray) -> bytes:
@@ -148,13 +150,16 @@ class RingLink:
         self.max_chain = min(MAX_CHAIN, self.credits)
         #: Whether the daemon runs graphs off the ring (RUN_GRAPH); else they take the socket.
         self.graphs = info.get("graphs") is True
+        #: Whether the daemon orders descriptors after socket frames (`FLAG_AFTER`); else the
+        #: ring is taken only while nothing sent on the socket is pending.
+        self.after = info.get("after") is True
+        #: The last fence pushed: descriptors after it follow the same frames without one.
+        self.fenced = 0
         #: Outstanding requests: id -> (pending, answers with a value (a checksum_many: its
         #: _Sums), descriptors it took).
         self.outstanding: dict[int, tuple[Pending, bool | _Sums, int]] = {}
         #: Descriptors of the outstanding requests (a CopyV takes one per piece).
         self.in_flight = 0
-        #: Failed on the ring; their reply with the full error is on its way over the socket.
-        self.detail: dict[int, Pending] = {}
         #: The other order: answered on the socket before their ring completion was reaped
         #: (the daemon sends a pass's replies, then pushes its completions). Id -> [descriptors
         #: each completion gives back, descriptors left], given back as the completions come.
@@ -190,9 +195,10 @@ class RingLink:
             return False
         return kinds.isdisjoint(_SOME) or all(self.takes(r) for r in reqs if type(r) in _SOME)
 
-    def push(self, reqs: Sequence[P.Request], pending: dict[int, Pending], wait_credits: Callable[[int], None]) -> None:
+    def push(self, reqs: Sequence[P.Request], pending: dict[int, Pending], wait_credits: Callable[[int], None], after: int = 0) -> None:
         """Publish `reqs` (all `takes`), waiting for credits when the window is full; a
-        request's descriptors (a CopyV's chain) go out in one push, never split."""
+        request's descriptors (a CopyV's chain) go out in one push, never split. `after`:
+        the daemon takes them only once it has read that many of our socket frames."""
         groups = []  # (id, kind, descriptors' bytes, how many)
         need = 0
         try:
@@ -205,6 +211,12 @@ class RingLink:
         except (OverflowError, TypeError, ValueError, struct.error) as exc:  # a field out of range
             self._forget([(r.id, False, b"", 0) for r in reqs], pending)
             raise E.InvalidField(f"request field out of range: {exc}") from None
+        if after > self.fenced and groups:  # the first descriptor carries the fence
+            first = bytearray(groups[0][2])
+            flags, = _FLAGS.unpack_from(first, 2)
+            _FLAGS.pack_into(first, 2, flags | FLAG_AFTER)
+            _WORD.pack_into(first, 56, after)
+            groups[0] = (groups[0][0], groups[0][1], bytes(first), groups[0][3])
         outstanding = self.outstanding
         while groups:
             room = self.credits - self.in_flight
@@ -232,6 +244,8 @@ class RingLink:
                 outstanding[rid] = (pending[rid], _Sums() if t is P.ChecksumV else t is P.Checksum, k)
             self.in_flight += used
             self.pushed += used
+            if after > self.fenced:
+                self.fenced = after
 
     @staticmethod
     def _forget(groups: Sequence[tuple[int, Any, bytes, int]], pending: dict[int, Pending]) -> None:
@@ -285,8 +299,7 @@ class RingLink:
                 pending.pop(rid, None)
                 p._finish(None, E.error_for_code(status, "failed on the ring (no detail)"))
                 unobserved.append(p)
-            else:
-                self.detail[rid] = p  # the reply with the full error is on the socket; it finishes p
+            # (else the reply with the full error is on the socket: p stays pending until it finishes p)
             for _ in range(count - used):
                 self._late(rid)  # completions past what the request owed: late ones
         return total
@@ -320,12 +333,6 @@ class RingLink:
                     return True
         except BlockingIOError:
             return False
-
-    def details_in(self) -> bool:
-        """Whether every failure seen on the ring has had its reply (a fence reports them)."""
-        for rid in [r for r, p in self.detail.items() if p._done]:
-            del self.detail[rid]
-        return not self.detail
 
     def close(self) -> None:
         if not self.ring.closed:

@@ -287,9 +287,13 @@ class Session:
         return self._run(self._op_fence(stream), timeout)
 
     def _op_fence(self, stream: int) -> Op[None]:
-        yield from self._op_call(P.Fence, stream)
-        for p in self._core.ring_details():
-            yield p  # failed on the ring: its full error comes on the socket
+        fence = self._submit(P.Fence, stream, blocking=True)
+        yield fence
+        fence.result()
+        # What came before it is done; an answer that travels the other way may still be
+        # coming (a socket reply when the fence took the ring, a ring failure's message).
+        for p in self._core.answers_before(fence.id):
+            yield p
         err = self._core.take_unobserved()
         if err is not None:
             raise err

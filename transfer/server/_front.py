@@ -55,7 +55,19 @@ class Front:
 
     # --- incoming frames (synchronous, on the pump's task) -------------------------------------
     def on_message(self, parts: list[bytes], secure: bool = False) -> None:
-        """One message from a ROUTER socket: [identity, frame]. `secure`: the CURVE (tcp) socket."""
+        """One message from a ROUTER socket: [identity, frame]. `secure`: the CURVE (tcp) socket.
+
+        Every frame of a session is counted once it is dealt with (its requests queued, or
+        answered): ring descriptors pushed after it wait for that count (`FLAG_AFTER`)."""
+        self._message(parts, secure)
+        session = self.sessions.get(parts[0]) if len(parts) == 2 else None
+        if session is not None:
+            session.frames_seen += 1
+            if session.ring_held is not None:  # ring requests that waited for this frame
+                self.rings.after_frame(session)
+                self.pass_.kick(session)
+
+    def _message(self, parts: list[bytes], secure: bool) -> None:
         acc = self.accounting
         if len(parts) != 2:
             acc.bad_frame()

@@ -40,7 +40,7 @@ import trio
 
 from .. import errors as E
 from .. import protocol as P
-from .._ring import COMPLETION_DTYPE, FLAG_CHAIN, MAX_CHAIN, REQUEST_DTYPE, Op as RingOp, Ring, RingCorrupted, RingError
+from .._ring import COMPLETION_DTYPE, FLAG_AFTER, FLAG_CHAIN, MAX_CHAIN, REQUEST_DTYPE, Op as RingOp, Ring, RingCorrupted, RingError
 from ..memory._shm import PREFIX, new_memfd, reserve, seal
 from ._accounting import Accounting
 from ._config import DaemonConfig
@@ -279,13 +279,15 @@ class Rings:
             # Served beyond copy, fill, checksum and fence (a client takes the ring for a
             # kind only where its daemon says so: an older daemon refuses what it lacks).
             "graphs": True,
+            # Descriptors may wait for the socket frames sent before them (`FLAG_AFTER`).
+            "after": True,
         }
 
     def close(self, session: Session) -> None:
         """Closing sets our closed flag and wakes a client sleeping on the ring: it fails its
         outstanding descriptors with SessionClosed. Nothing maps the ring afterwards."""
         self.sessions.pop(session.id, None)
-        session.ring_chain = None
+        session.ring_chain = session.ring_held = None
         self.dataplane.stop(session)  # joins its thread: nothing touches the ring after this
         ring, session.ring = session.ring, None
         if ring is not None:
@@ -301,12 +303,12 @@ class Rings:
 
     # --- ingest and complete -------------------------------------------------------------------
     def ingest(self, session: Session, limit: int | None = None, front: bool = False) -> int:
-        """Move what the session's ring holds (within its completion budget) into its queue.
+        """Move what the session's ring holds (within its completion budget) into its queue;
+        return how many descriptors it took.
 
-        `limit` bounds one poll's take (fairness between rings); before a socket frame
-        the front takes everything, so ring requests keep their place ahead of it.
-        `front`: put them at the head of the queue (ahead of a frame that waited for them).
-        Only while no worker owns the ring.
+        `limit` bounds one poll's take (fairness between rings). `front`: `catch_up` takes
+        what the worker handed over while frames wait for it (each descriptor goes ahead of
+        the frames its client sent after it). Only while no worker owns the ring.
         """
         ring = session.ring
         if ring is None or not session.accepting:
@@ -315,6 +317,11 @@ class Rings:
             return 0
         if session.ring_wait is not None and not front:
             return 0  # a frame waits for what the ring holds: `catch_up` queues it ahead of the frame
+        if session.ring_held is not None:
+            held, session.ring_held = session.ring_held, None
+            self._place(session, held)
+            if session.ring_held is not None:
+                return 0  # its frame has not come: nothing behind it may go first
         rows: list[tuple[int, ...]] | None
         try:
             avail = ring.available()
@@ -328,30 +335,71 @@ class Rings:
                 rows = [ring.pop(wake=False) for _ in range(n)]
                 ring.inbox.notify()
                 array = None
-                chained = session.ring_chain is not None or any(r[6] & FLAG_CHAIN for r in rows)
+                flags = 0
+                for r in rows:
+                    flags |= r[6]
             else:
                 rows, array = None, ring.pop_many(n)
-                chained = session.ring_chain is not None or bool((array["flags"] & FLAG_CHAIN).any())
+                flags = int(np.bitwise_or.reduce(array["flags"]))
         except RingCorrupted as exc:
             self.broken(session, exc)
             return 0
-        if chained:  # a CopyV's chain (maybe begun in an earlier poll) is one request
-            taken = np.array(rows, dtype=REQUEST_DTYPE) if array is None else array
-            if session.ring_chain is not None:  # (np.concatenate repacks the layout: astype restores it)
-                taken = np.concatenate([session.ring_chain, taken]).astype(REQUEST_DTYPE)
-            items, rest = join_chains(taken)
-            session.ring_chain = rest if len(rest) else None
-        else:
-            items = to_batch(rows, array)
+        if flags & FLAG_AFTER or session.waiting_frames:
+            self._place(session, np.array(rows, dtype=REQUEST_DTYPE) if array is None else array)
+        else:  # (nearly always: after every frame already read)
+            self._queue(session, self._requests(session, rows, array, bool(flags & FLAG_CHAIN)), 0)
+        return n
+
+    @staticmethod
+    def _requests(session: Session, rows: list[tuple[int, ...]] | None, array: np.ndarray | None, chained: bool) -> list[tuple[Any, int]]:
+        """Descriptors as the batch form; a CopyV's chain (maybe begun in an earlier take) is one request."""
+        if not chained and session.ring_chain is None:
+            return to_batch(rows, array)
+        taken = np.array(rows, dtype=REQUEST_DTYPE) if array is None else array
+        if session.ring_chain is not None:  # (np.concatenate repacks the layout: astype restores it)
+            taken = np.concatenate([session.ring_chain, taken]).astype(REQUEST_DTYPE)
+        items, rest = join_chains(taken)
+        session.ring_chain = rest if len(rest) else None
+        return items
+
+    def _place(self, session: Session, array: np.ndarray) -> None:
+        """Descriptors, in ring order, into the queue behind the frames their fences name
+        (`FLAG_AFTER`: a descriptor and those after it follow the first `arg2` frames); from
+        the first whose frame has not been read, they are held until it is."""
+        after = (array["flags"] & FLAG_AFTER) != 0
+        fences = np.maximum(np.maximum.accumulate(np.where(after, array["arg2"], np.uint64(0))), np.uint64(session.ring_fence))
+        clean = array
+        if after.any():  # the fence is read: the request itself has neither
+            clean = array.copy()
+            clean["flags"] &= np.uint16(~FLAG_AFTER & 0xFFFF)
+            clean["arg2"][after] = 0
+        cuts = (np.flatnonzero(fences[1:] != fences[:-1]) + 1).tolist()
+        for a, b in zip([0, *cuts], [*cuts, len(array)]):  # runs of one fence
+            fence = int(fences[a])
+            if fence > session.frames_seen:
+                session.ring_held = array[a:].copy()
+                return
+            session.ring_fence = fence
+            part = clean[a:b]
+            self._queue(session, self._requests(session, None, part, bool((part["flags"] & FLAG_CHAIN).any())), fence)
+
+    def _queue(self, session: Session, items: list[tuple[Any, int]], fence: int) -> None:
+        """Requests from the ring into the queue: at its end, or ahead of the first waiting
+        frame its client sent after them (`fence`: the frames sent before them)."""
         # Each request answers once: that is what its descriptors reserved (a chain, one slot).
         owed = sum(answers(req) for req, _ in items)
         self.accounting.received(session, owed)
-        if front:
-            session.queue.extendleft(reversed(items))
-        else:
-            session.queue.extend(items)
         session.ring_pending += owed
-        return n
+        waits = session.waiting_frames
+        for k, (number, at) in enumerate(waits):
+            if number > fence:
+                queue = session.queue
+                queue.rotate(-at)
+                queue.extendleft(reversed(items))
+                queue.rotate(at)
+                waits[k:] = [(m, i + len(items)) for m, i in waits[k:]]
+                return
+        session.queue.extend(items)
 
     # --- the native worker's ring ----------------------------------------------------------------
     def before_frame(self, session: Session) -> None:
@@ -359,10 +407,19 @@ class Rings:
         worker = session.worker
         if worker is None or worker.mode != NATIVE:
             self.ingest(session)
-            return
-        tail = worker.tail()
-        if 0 < tail - worker.done <= session.ring.request_capacity:  # (an impossible tail: the worker reports it)
-            session.ring_wait = tail if session.ring_wait is None else max(session.ring_wait, tail)
+        else:
+            tail = worker.tail()
+            if 0 < tail - worker.done <= session.ring.request_capacity:  # (an impossible tail: the worker reports it)
+                session.ring_wait = tail if session.ring_wait is None else max(session.ring_wait, tail)
+        if session.ring_wait is not None:  # this frame's requests begin here (`_queue` places ahead of them)
+            session.waiting_frames.append((session.frames_seen + 1, len(session.queue)))
+
+    def after_frame(self, session: Session) -> None:
+        """A frame was counted: what its ring held for it goes into the queue, and the loop
+        (which left this ring unarmed while they waited) looks at it again."""
+        self.ingest(session)
+        if session.ring_held is None and self._served_here(session):
+            self._wake_loop()
 
     async def catch_up(self, session: Session) -> None:
         """Wait until the worker has done what came before the waiting frame, or handed it over
@@ -381,6 +438,7 @@ class Rings:
                 await session.ring_moved.wait()
         finally:
             session.ring_wait = None
+            session.waiting_frames.clear()
             if self._served_here(session):
                 self._wake_loop()  # `_arm` skipped this ring while the frame waited: look again
 
@@ -391,6 +449,7 @@ class Rings:
         if (
             worker is None or ring is None or worker.mode != PYTHON or not session.accepting
             or session.ring_pending or session.ring_chain is not None or session.ring_wait is not None
+            or session.ring_held is not None
             or not session.idle
         ):
             return
@@ -507,8 +566,8 @@ class Rings:
         ready = False
         for session in list(self.sessions.values()):
             ring = session.ring
-            if ring is None or not session.accepting or session.ring_wait is not None:
-                continue  # (a waiting frame's `catch_up` takes that ring's requests, not the loop)
+            if ring is None or not session.accepting or session.ring_wait is not None or session.ring_held is not None:
+                continue  # (a waiting frame's `catch_up` takes that ring's requests, a held one's frame the rest)
             if session.worker is not None:
                 if session.worker.mode != PYTHON:
                     continue  # the worker sleeps on the ring itself

@@ -87,6 +87,13 @@ class Session:
     ring_pending: int = 0
     #: A CopyV's descriptor chain taken in part (the rest was not in the ring yet), or None.
     ring_chain: Any = None
+    #: Control frames of this session dealt with, hello included (`FLAG_AFTER` counts them).
+    frames_seen: int = 0
+    #: The highest frame count a descriptor of its ring has waited for: the descriptors after
+    #: it follow the same frames.
+    ring_fence: int = 0
+    #: Descriptors taken from the ring that wait for a frame not read yet (`FLAG_AFTER`), or None.
+    ring_held: Any = None
     #: A pass taken from the queue and not yet finished (planned, or executing on a worker).
     current: Any = None
     #: Pipelined passes: queued on a GPU lane, answered in order as their fences pass.
@@ -113,6 +120,9 @@ class Session:
     #: A socket frame arrived while the worker still had this request index to go: the
     #: socket requests wait (`Rings.catch_up`) until it has, so the ring's go first.
     ring_wait: int | None = None
+    #: The frames queued while `ring_wait` is set: (frame number, where its requests begin in
+    #: `queue`). What the worker hands over is placed ahead of the frames sent after it.
+    waiting_frames: list[tuple[int, int]] = field(default_factory=list)
     #: Set when the worker rings the bell for this session (a watched index, a handover).
     ring_moved: trio.Event = field(default_factory=trio.Event)
 
