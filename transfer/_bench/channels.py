@@ -294,7 +294,11 @@ class TransferProducer:
             self.seg = self.client.segment(cell.buffer_bytes)
             self.buffer = self.seg.ndarray((cell.buffer_bytes,), np.uint8)
             self.buffer[:] = 0
-        self.dev = self.client.alloc(cell.buffer_bytes) if cell.mode in ("local", "remote") else None
+        # The "device" buffer: in local mode one slot's worth, which every group overwrites in
+        # turn, as every other method's consumer does (the daemon runs a session's requests in
+        # order, and the check reads the source); in remote mode one per slot, since the check
+        # reads what the READ delivered.
+        self.dev = self.client.alloc(cell.slot_bytes if cell.mode == "local" else cell.buffer_bytes) if cell.mode in ("local", "remote") else None
         # FIFO of (g, pendings, cks, expected)
         self.inflight: list[tuple[int, list[Pending], list[Pending], Sequence[int] | None]] = []
         S, K = cell.size, cell.batch
@@ -324,7 +328,7 @@ class TransferProducer:
         """A slot's items' (copy destinations, sources, checksummed ranges): a producer with
         fixed slots computes them once."""
         src0 = self.seg.va + slot * self.cell.slot_bytes
-        dst0 = self.dev.va + slot * self.cell.slot_bytes if self.dev is not None else 0
+        dst0 = 0 if self.dev is None else self.dev.va + (slot * self.cell.slot_bytes if self.remote else 0)
         ck0 = dst0 if self.remote else src0  # the source in place, or (remote) what the READ delivered
         vas = self._vas[slot] = (np.uint64(dst0) + self._offsets, np.uint64(src0) + self._offsets, np.uint64(ck0) + self._offsets)
         return vas
