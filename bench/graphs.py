@@ -61,7 +61,6 @@ if __name__ == "__main__":
 import argparse
 import contextlib
 import importlib
-import importlib.util
 import json
 import platform
 import shlex
@@ -78,19 +77,9 @@ from transfer._bench import latency as latency_bench
 from transfer.kernels import REGISTRY
 from transfer.testing import run_daemon
 
+from _examples import load as load_example  # (bench/ is the script's directory: on sys.path)
 
-
-def _example(name: str) -> Any:
-    """One of examples/: the graphs and the math measured here are the examples' own."""
-    path = Path(__file__).resolve().parent.parent / "examples" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"transfer_example_{name}", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-_MLP, _IMAGES = _example("mlp_forward"), _example("image_preprocess")
+_MLP, _IMAGES = load_example("mlp_forward"), load_example("image_preprocess")
 SIZES, make_weights, mlp, mlp_graph, upload_weights = _MLP.SIZES, _MLP.make_weights, _MLP.reference, _MLP.build, _MLP.upload_weights
 MEAN, STD = _IMAGES.MEAN, _IMAGES.STD
 #: Distinct input batches cycled through (so no run reads the same cache-hot batch twice in a row).

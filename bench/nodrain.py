@@ -12,24 +12,15 @@ docs/ring.md). The outputs of the last runs are checked against NumPy.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import transfer
 
-
-def _example(name: str) -> Any:
-    path = Path(__file__).resolve().parent.parent / "examples" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"transfer_example_{name}", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from _examples import load as load_example  # (bench/ is the script's directory: on sys.path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.batch < 1 or args.slots < 1 or args.seconds <= 0:
         ap.error("--batch and --slots must be at least 1, --seconds positive")
-    m = _example("mlp_forward")
+    m = load_example("mlp_forward")
     ws = m.make_weights()
     xs = [m.batch_of(i, args.batch) for i in range(4)]
     with transfer.serve_in_process() as daemon, transfer.connect(daemon.endpoint) as c:
