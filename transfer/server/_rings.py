@@ -304,7 +304,7 @@ class Rings:
     # --- ingest and complete -------------------------------------------------------------------
     def ingest(self, session: Session, limit: int | None = None, front: bool = False) -> int:
         """Move what the session's ring holds (within its completion budget) into its queue;
-        return how many descriptors it took.
+        return how many it moved (not counting those held for a frame).
 
         `limit` bounds one poll's take (fairness between rings). `front`: `catch_up` takes
         what the worker handed over while frames wait for it (each descriptor goes ahead of
@@ -317,20 +317,22 @@ class Rings:
             return 0
         if session.ring_wait is not None and not front:
             return 0  # a frame waits for what the ring holds: `catch_up` queues it ahead of the frame
+        placed = 0
         if session.ring_held is not None:
             held, session.ring_held = session.ring_held, None
             self._place(session, held)
-            if session.ring_held is not None:
-                return 0  # its frame has not come: nothing behind it may go first
+            if session.ring_held is not None:  # its frame has not come: nothing behind it may go first
+                return len(held) - len(session.ring_held)
+            placed = len(held)
         rows: list[tuple[int, ...]] | None
         try:
             avail = ring.available()
             if not avail:
-                return 0
+                return placed
             # Each descriptor needs a completion slot when it is answered: take only what fits.
             n: int = min(avail, ring.free() - session.ring_pending, avail if limit is None else limit)
             if n <= 0:
-                return 0  # the client has not taken its completions: it waits, we do not
+                return placed  # the client has not taken its completions: it waits, we do not
             if n <= 4:  # tuples, no NumPy (one wake for the batch, if any)
                 rows = [ring.pop(wake=False) for _ in range(n)]
                 ring.inbox.notify()
@@ -343,12 +345,14 @@ class Rings:
                 flags = int(np.bitwise_or.reduce(array["flags"]))
         except RingCorrupted as exc:
             self.broken(session, exc)
-            return 0
+            return placed
         if flags & FLAG_AFTER or session.waiting_frames:
             self._place(session, np.array(rows, dtype=REQUEST_DTYPE) if array is None else array)
+            if session.ring_held is not None:
+                n -= len(session.ring_held)
         else:  # (nearly always: after every frame already read)
             self._queue(session, self._requests(session, rows, array, bool(flags & FLAG_CHAIN)), 0)
-        return n
+        return placed + n
 
     @staticmethod
     def _requests(session: Session, rows: list[tuple[int, ...]] | None, array: np.ndarray | None, chained: bool) -> list[tuple[Any, int]]:
