@@ -171,18 +171,23 @@ class LoopSession(Session):
         if not held:
             return
         pending = core.pending
-        unsent = sum(1 for r in held if r.id in pending) + len(self._batch or ())
+        # Created, not handed to a transport yet: the held requests (pings and Wait markers
+        # are not in `pending`), and what a batch() holds. (One request: one lookup.)
+        unsent = (held[0].id in pending if len(held) == 1 else sum(1 for r in held if r.id in pending)) + len(self._batch or ())
         while held:
             link = core.ring
             after = None if link is None else core.ring_route([held[0]], unsent, self.frames_sent)
             if link is not None and after is not None:
                 n, used, room = 0, 0, link.room
-                while n < len(held) and link.takes(held[n]) and used + descriptors_of(held[n]) <= room:
-                    used += descriptors_of(held[n])
+                while n < len(held) and link.takes(held[n]):
+                    k = descriptors_of(held[n])
+                    if used + k > room:
+                        break
+                    used += k
                     n += 1
                 if n == 0:
                     return  # the ring is full: the reaper calls again as completions come
-                chunk = [held.popleft() for _ in range(n)]
+                chunk = [held.popleft()] if n == 1 else [held.popleft() for _ in range(n)]
                 self._push(link, chunk, after)
                 self._kick_ring()
             else:
@@ -193,14 +198,16 @@ class LoopSession(Session):
                 for frame in core.encode(chunk):
                     self._pump.send_nowait([frame])
                     self.frames_sent += 1
-            unsent -= sum(1 for r in chunk if r.id in pending)
+            if held:
+                unsent -= sum(1 for r in chunk if r.id in pending)
+
+    @staticmethod
+    def _no_credits(need: int) -> None:
+        raise AssertionError("pushed beyond the ring's credits")  # (`_release_held` pushes within them)
 
     def _push(self, link: RingLink, chunk: list[P.Request], after: int) -> None:
-        def full(need: int) -> None:
-            raise AssertionError("pushed beyond the ring's credits")
-
         try:
-            link.push(chunk, self._core.pending, full, after)
+            link.push(chunk, self._core.pending, self._no_credits, after)
         except E.TransferError as exc:  # a field out of range: those requests fail, nothing else
             for r in chunk:
                 if r.id not in link.outstanding:
