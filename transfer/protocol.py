@@ -107,6 +107,7 @@ __all__ = [
     "decode_replies",
     "frame_error",
     "check_ints",
+    "int_bounds",
     "REQUEST_TYPES",
 ]
 
@@ -744,7 +745,7 @@ def decode_replies(data: bytes, limits: Limits = DEFAULT_LIMITS) -> list[Reply]:
 _INT_BOUNDS: dict[type, tuple[tuple[int, str, int, int], ...]] = {}
 
 
-def _int_bounds(cls: type) -> tuple[tuple[int, str, int, int], ...]:
+def int_bounds(cls: type) -> tuple[tuple[int, str, int, int], ...]:
     """(position after the id, field, lo, hi) for a request's integer fields (a vector
     request's arrays are not among them), from its own annotations."""
     bounds = _INT_BOUNDS.get(cls)
@@ -769,7 +770,7 @@ def check_ints(cls: type, args: tuple[Any, ...]) -> None:
     out); only integer fields are checked.
     """
     n = len(args)
-    for i, name, lo, hi in _INT_BOUNDS.get(cls) or _int_bounds(cls):
+    for i, name, lo, hi in _INT_BOUNDS.get(cls) or int_bounds(cls):
         if i >= n:
             break
         v = args[i]

@@ -32,6 +32,8 @@ __all__ = ["RingLink", "descriptors_of"]
 #: A completion whose error message follows on the control socket (server._rings).
 _DETAIL = 1
 _RING_TYPES = frozenset((P.Copy, P.CopyV, P.Fill, P.Checksum, P.ChecksumV, P.Fence, P.Wait, P.RunGraph))
+#: Kinds every request of which takes the ring.
+_PLAIN = frozenset((P.Copy, P.Fill, P.Checksum, P.Fence, P.Wait))
 #: Vector requests: one descriptor per range, so at most the ring's credits.
 _VECTORS = frozenset((P.CopyV, P.ChecksumV))
 #: Kinds only some requests of which take the ring (`takes` decides each).
@@ -107,6 +109,13 @@ class _Sums:
         self.flags = 0
 
 
+#: What a kind's completions answer: a value (a checksum), values gathered per range (a
+#: checksum_many: a new _Sums per request), or nothing.
+_ANSWERS: dict[type, Any] = {t: t is P.Checksum for t in _PACKERS}
+_ANSWERS[P.ChecksumV] = _Sums
+_WAIT = P.Wait
+
+
 def descriptors_of(req: P.Request) -> int:
     """How many descriptors (credits) a ring-able request takes."""
     if type(req) in _VECTORS:
@@ -177,19 +186,24 @@ class RingLink:
     def takes(self, req: P.Request) -> bool:
         """Whether `req` may take this ring (a chain longer than the credits takes the socket)."""
         t = type(req)
+        if t in _PLAIN:  # (most requests: one set lookup)
+            return True
         if t in _VECTORS:  # one descriptor per range (a CopyV's chain is also bounded)
             n = len(req.nbytes)  # type: ignore[attr-defined]
             return 0 < n <= (self.max_chain if t is P.CopyV else self.credits)
         if t is P.RunGraph:  # one descriptor: one input, one output, and no profile to carry back
             return self.graphs and len(req.inputs) == 1 and len(req.outputs) == 1 and not req.profile  # type: ignore[attr-defined]
-        return t in _RING_TYPES
+        return False
 
     def takes_all(self, reqs: Sequence[P.Request]) -> bool:
         """`takes` for every one of `reqs`: a call each for a few (a producer's group), by
         kind for many (one set, then a call per vector: a batch of 64 checksums at a third
         of the cost of a call each)."""
         if len(reqs) <= 4:
-            return all(map(self.takes, reqs))
+            for r in reqs:
+                if type(r) not in _PLAIN and not self.takes(r):
+                    return False
+            return True
         kinds = {type(r) for r in reqs}
         if not kinds.issubset(_RING_TYPES):
             return False
@@ -199,59 +213,56 @@ class RingLink:
         """Publish `reqs` (all `takes`), waiting for credits when the window is full; a
         request's descriptors (a CopyV's chain) go out in one push, never split. `after`:
         the daemon takes them only once it has read that many of our socket frames."""
-        groups = []  # (id, kind, descriptors' bytes, how many)
+        datas: list[bytes] = []  # each request's descriptors, packed
+        entries = []  # (id, what its completions answer (_ANSWERS), how many descriptors)
         need = 0
         try:
             for r in reqs:
                 t = type(r)
-                if t is not P.Wait:  # (a Wait marker has no descriptor: the ring counts no round trips)
+                if t is not _WAIT:  # (a Wait marker has no descriptor: the ring counts no round trips)
                     data, k = _PACKERS[t](r)
-                    groups.append((r.id, t, data, k))
+                    datas.append(data)
+                    entries.append((r.id, _ANSWERS[t], k))
                     need += k
         except (OverflowError, TypeError, ValueError, struct.error) as exc:  # a field out of range
-            self._forget([(r.id, False, b"", 0) for r in reqs], pending)
+            for r in reqs:  # nothing of the call left: nobody will answer these
+                pending.pop(r.id, None)
             raise E.InvalidField(f"request field out of range: {exc}") from None
-        if after > self.fenced and groups:  # the first descriptor carries the fence
-            first = bytearray(groups[0][2])
+        if not entries:
+            return
+        if after > self.fenced:  # the first descriptor carries the fence
+            first = bytearray(datas[0])
             flags, = _FLAGS.unpack_from(first, 2)
             _FLAGS.pack_into(first, 2, flags | FLAG_AFTER)
             _WORD.pack_into(first, 56, after)
-            groups[0] = (groups[0][0], groups[0][1], bytes(first), groups[0][3])
-        outstanding = self.outstanding
-        while groups:
+            datas[0] = bytes(first)
+        outstanding, n, start = self.outstanding, len(entries), 0
+        while True:
             room = self.credits - self.in_flight
             if need <= room:  # (nearly always: everything at once)
-                take, groups, used = groups, [], need
-            else:  # the longest prefix the credits allow
-                n = used = 0
-                for g in groups:
-                    if used + g[3] > room:
-                        break
-                    used += g[3]
-                    n += 1
-                if n == 0:
-                    wait_credits(groups[0][3])
+                end, used = n, need
+            else:  # the longest prefix the credits allow, then wait for more
+                end, used = start, 0
+                while end < n and used + entries[end][2] <= room:
+                    used += entries[end][2]
+                    end += 1
+                if end == start:
+                    wait_credits(entries[start][2])
                     continue
-                take, groups = groups[:n], groups[n:]
-                need -= used
-            # One buffer of whole descriptors, published with one release store (and one wake).
-            data = take[0][2] if len(take) == 1 else b"".join([g[2] for g in take])
+            # Whole descriptors, published with one release store (and one wake).
+            data = datas[start] if end - start == 1 else b"".join(datas[start:end])
             if self._outbox.push_buffer(data, used) != used:  # cannot happen within credits unless the daemon broke the ring
                 raise E.ConnectionLost("the daemon stopped taking ring descriptors")
-            for rid, t, _, k in take:
-                # What the completions answer: a checksum's value, a checksum_many's values
-                # gathered per range (_Sums), or nothing.
-                outstanding[rid] = (pending[rid], _Sums() if t is P.ChecksumV else t is P.Checksum, k)
+            for rid, answers, k in entries[start:end] if start or end < n else entries:
+                outstanding[rid] = (pending[rid], _Sums() if answers is _Sums else answers, k)
             self.in_flight += used
             self.pushed += used
-            if after > self.fenced:
+            if after > self.fenced:  # (the fence, in the first descriptor, is out)
                 self.fenced = after
-
-    @staticmethod
-    def _forget(groups: Sequence[tuple[int, Any, bytes, int]], pending: dict[int, Pending]) -> None:
-        """Requests that never left: nobody will answer them."""
-        for rid, _, _, _ in groups:
-            pending.pop(rid, None)
+            if end == n:
+                return
+            need -= used
+            start = end
 
     def reap(self, pending: dict[int, Pending], unobserved: list[Pending]) -> int:
         """Finish the requests whose completions are in; return how many completions there were."""

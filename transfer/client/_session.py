@@ -317,7 +317,7 @@ class Session:
             if not sizes:
                 raise TypeError("nbytes is required when copying between plain VAs")
             nbytes = min(sizes)
-        return self._submit(P.Copy, resolve_va(dst), resolve_va(src), nbytes, stream)
+        return self._submit(P.Copy, dst if type(dst) is int else resolve_va(dst), src if type(src) is int else resolve_va(src), nbytes, stream)
 
     def copy_many(self, dst: Sequence[int] | np.ndarray, src: Sequence[int] | np.ndarray, nbytes: Sequence[int] | np.ndarray, *, stream: int = 0) -> Any:
         """Many copies as one vector request; the daemon merges contiguous ones."""

@@ -218,29 +218,30 @@ class Client(Session):
 
     # --- how this client moves bytes: the socket in the caller's thread -----------------------
     def _send(self, reqs: Sequence[P.Request]) -> None:
-        """Send, staying within the daemon's credits: a full window waits for completions."""
-        with self._lock:
-            core = self._core
+        """Send, staying within the daemon's credits: a full window waits for completions.
+        The caller holds the lock (every caller does: a submission, a batch's end, a wait,
+        the heartbeat); re-entering it here cost 0.7 µs a request."""
+        core = self._core
+        link = core.ring
+        if link is not None:
             pending = core.pending
             # Created, not sent yet: these requests, and what a batch() holds.
             unsent = (reqs[0].id in pending if len(reqs) == 1 else sum(1 for r in reqs if r.id in pending)) + len(self._batch or ())
             after = core.ring_route(reqs, unsent, self.frames_sent)
             if after is not None:
-                link = core.ring
-                assert link is not None
                 link.push(reqs, pending, self._wait_room, after)
                 return
-            step = max(1, core.max_inflight // 2)
-            for i in range(0, len(reqs), step):
-                chunk = reqs[i : i + step]
-                # Created but not yet sent: the rest of reqs, and whatever a batch() holds.
-                left = len(reqs) - i + len(self._batch or ())
-                if core.socket_room(left) < len(chunk):
-                    self._drain_until(lambda: core.socket_room(left) >= len(chunk), None)
-                for frame in core.encode(chunk):
-                    self._sock.send(frame, 0, copy=len(frame) < 65536)
-                    self.frames_sent += 1
-            self._last_tx = time.monotonic()
+        step = max(1, core.max_inflight // 2)
+        for i in range(0, len(reqs), step):
+            chunk = reqs[i : i + step]
+            # Created but not yet sent: the rest of reqs, and whatever a batch() holds.
+            left = len(reqs) - i + len(self._batch or ())
+            if core.socket_room(left) < len(chunk):
+                self._drain_until(lambda: core.socket_room(left) >= len(chunk), None)
+            for frame in core.encode(chunk):
+                self._sock.send(frame, 0, copy=len(frame) < 65536)
+                self.frames_sent += 1
+        self._last_tx = time.monotonic()
 
     def _wait_room(self, need: int) -> None:
         """Wait until the ring has credits for `need` more descriptors (a full window)."""
