@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from transfer import errors as E
 from transfer import protocol as P
+from transfer._native import native_module
 from transfer.kernels import DTYPES, TensorRef
 
 u64 = st.integers(0, 2**64 - 1)
@@ -441,3 +442,31 @@ def test_checksum_many_reply_is_checked(sums: list[int], skew: int) -> None:
     else:
         with pytest.raises(E.ProtocolError, match="checksums"):
             p.result()
+
+
+_INTS = st.one_of(
+    st.integers(min_value=-(1 << 65), max_value=1 << 65),
+    st.sampled_from([0, 255, 256, (1 << 32) - 1, 1 << 32, (1 << 64) - 1, 1 << 64, -1]),
+    st.booleans(), st.floats(allow_nan=False), st.just(np.uint64(7)), st.just(np.int64(-3)), st.none(),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(cls=st.sampled_from([P.Copy, P.Fill, P.Checksum]), args=st.lists(_INTS, min_size=0, max_size=4))
+def test_native_int_check_agrees_with_check_ints(cls: type, args: list[object]) -> None:
+    """The native fast check (`ints_within`) the client submits through says yes only where
+    check_ints accepts, and for exact ints says exactly what check_ints says."""
+    within = native_module().ints_within if native_module() is not None else None
+    if within is None:
+        pytest.skip("the native extension is not built")
+    args_t = tuple(args)
+    try:
+        P.check_ints(cls, args_t)
+        ok = True
+    except E.InvalidField:
+        ok = False
+    fast = within(args_t, P.int_bounds(cls))
+    if fast:
+        assert ok
+    if all(type(a) is int for a in args_t):
+        assert fast == ok
