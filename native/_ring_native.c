@@ -573,9 +573,13 @@ static PyObject *Queue_get_closed(QueueObject *self, void *c)
     return PyBool_FromLong(!self->has_view);
 }
 
+static PyObject *Queue_push_requests(QueueObject *self, PyObject *const *a, Py_ssize_t na);
+
 static PyMethodDef Queue_methods[] = {
     {"push", (PyCFunction)(void (*)(void))Queue_push, METH_VARARGS | METH_KEYWORDS,
      "push(desc, wake=True) -> bool: publish one descriptor tuple; False if full."},
+    {"push_requests", (PyCFunction)(void (*)(void))Queue_push_requests, METH_FASTCALL,
+     "push_requests(reqs, start, kinds, room, after, pending, outstanding, sums) -> (taken, used, published)"},
     {"push_buffer", (PyCFunction)(void (*)(void))Queue_push_buffer, METH_VARARGS | METH_KEYWORDS,
      "push_buffer(data, count, wake=True) -> int: publish up to count slots with one release store."},
     {"pop", (PyCFunction)(void (*)(void))Queue_pop, METH_VARARGS | METH_KEYWORDS,
@@ -1114,57 +1118,266 @@ static inline uint64_t vec_at(const vec_arg_t *a, Py_ssize_t i)
     return v;
 }
 
-/* A vector request's descriptors (REQUEST_DTYPE layout), one per range, as bytes: the
- * client packs a copy_many or checksum_many without a NumPy call per field. */
-static PyObject *pack_vector(PyObject *mod, PyObject *args)
+/* ---- submission: a client's requests straight into its ring ------------------------ */
+
+/* What push_requests knows of a request, by the kind code the client's table maps its type
+ * to (transfer/client/_ringlink.py, _KINDS): which fields go where in the descriptor. */
+enum { K_WAIT = 0, K_COPY, K_FILL, K_CHECKSUM, K_FENCE, K_RUN_GRAPH, K_COPYV, K_CHECKSUMV, K_COUNT };
+static const uint16_t kind_op[K_COUNT] = {0, TDP_COPY, TDP_FILL, TDP_CHECKSUM, TDP_FENCE, 6, TDP_COPY, TDP_CHECKSUM};
+#define DESC_WORDS 8 /* REQUEST_DTYPE: 64 bytes */
+
+static PyObject *s_id, *s_stream, *s_dst, *s_src, *s_nbytes, *s_value, *s_graph, *s_inputs, *s_outputs;
+
+static int intern_names(void)
 {
-    unsigned int op;
-    int chain;
-    PyObject *rido, *streamo, *dsto, *srco, *nbo;
-    if (!PyArg_ParseTuple(args, "IpOOOOO:pack_vector", &op, &chain, &rido, &streamo, &dsto, &srco, &nbo))
-        return NULL;
-    uint64_t rid = PyLong_AsUnsignedLongLong(rido);
-    if (rid == (uint64_t)-1 && PyErr_Occurred())
-        return NULL;
-    uint64_t stream = PyLong_AsUnsignedLongLong(streamo);
-    if (stream == (uint64_t)-1 && PyErr_Occurred())
-        return NULL;
-    if (stream > UINT32_MAX || op > UINT16_MAX) {
-        PyErr_SetString(PyExc_OverflowError, "stream or op out of range");
+#define N(v, t) if (!(v = PyUnicode_InternFromString(t))) return -1
+    N(s_id, "id"); N(s_stream, "stream"); N(s_dst, "dst"); N(s_src, "src"); N(s_nbytes, "nbytes");
+    N(s_value, "value"); N(s_graph, "graph"); N(s_inputs, "inputs"); N(s_outputs, "outputs");
+#undef N
+    return 0;
+}
+
+/* An unsigned field of at most `max`: an int or anything with __index__ (a NumPy integer),
+ * as struct's "Q" takes it. OverflowError or TypeError otherwise. */
+static int u64_of(PyObject *o, uint64_t max, uint64_t *out)
+{
+    if (!o)
+        return -1;
+    PyObject *i = PyLong_CheckExact(o) ? (Py_INCREF(o), o) : PyNumber_Index(o);
+    Py_DECREF(o);
+    if (!i)
+        return -1;
+    uint64_t v = PyLong_AsUnsignedLongLong(i);
+    Py_DECREF(i);
+    if (v == (uint64_t)-1 && PyErr_Occurred())
+        return -1;
+    if (v > max) {
+        PyErr_SetString(PyExc_OverflowError, "request field out of range");
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+static int attr_u64(PyObject *r, PyObject *name, uint64_t max, uint64_t *out)
+{
+    return u64_of(PyObject_GetAttr(r, name), max, out);
+}
+
+/* The first VA of a RunGraph's inputs or outputs. */
+static int first_u64(PyObject *r, PyObject *name, uint64_t *out)
+{
+    PyObject *seq = PyObject_GetAttr(r, name);
+    if (!seq)
+        return -1;
+    PyObject *o = PySequence_GetItem(seq, 0);
+    Py_DECREF(seq);
+    return u64_of(o, UINT64_MAX, out);
+}
+
+/* How many descriptors a request of `kind` takes: a vector's ranges, else 1 (a Wait: 0). */
+static Py_ssize_t descriptors_for(PyObject *r, int kind)
+{
+    if (kind == K_WAIT)
+        return 0;
+    if (kind != K_COPYV && kind != K_CHECKSUMV)
+        return 1;
+    PyObject *nb = PyObject_GetAttr(r, s_nbytes);
+    if (!nb)
+        return -1;
+    Py_ssize_t k = PyObject_Length(nb);
+    Py_DECREF(nb);
+    return k;
+}
+
+/* One request's descriptors into w (room for all of them): the words of REQUEST_DTYPE. */
+static int pack_request(PyObject *r, int kind, Py_ssize_t k, uint64_t *w)
+{
+    uint64_t rid, stream, dst = 0, src = 0, nbytes = 0, arg0 = 0;
+    if (attr_u64(r, s_id, UINT64_MAX, &rid) < 0 || attr_u64(r, s_stream, UINT32_MAX, &stream) < 0)
+        return -1;
+    uint64_t head = (uint64_t)kind_op[kind] | stream << 32;
+    if (kind == K_COPYV || kind == K_CHECKSUMV) {
+        PyObject *nbo = PyObject_GetAttr(r, s_nbytes), *so = PyObject_GetAttr(r, s_src);
+        PyObject *dso = kind == K_COPYV ? PyObject_GetAttr(r, s_dst) : PyLong_FromLong(0);
+        vec_arg_t nb = {0}, d = {0}, sv = {0};
+        Py_ssize_t n = k;
+        int rc = -1;
+        if (nbo && so && dso && vec_arg(nbo, "nbytes", &n, &nb) == 0 && vec_arg(dso, "dst", &n, &d) == 0 &&
+            vec_arg(so, "src", &n, &sv) == 0) {
+            for (Py_ssize_t i = 0; i < k; i++, w += DESC_WORDS) {
+                w[0] = head | (kind == K_COPYV && i + 1 < k ? (uint64_t)TDP_FLAG_CHAIN << 16 : 0);
+                w[1] = rid;
+                w[2] = vec_at(&d, i);
+                w[3] = vec_at(&sv, i);
+                w[4] = vec_at(&nb, i);
+                w[5] = w[6] = w[7] = 0;
+            }
+            rc = 0;
+        }
+        if (nb.is_buf)
+            PyBuffer_Release(&nb.b);
+        if (d.is_buf)
+            PyBuffer_Release(&d.b);
+        if (sv.is_buf)
+            PyBuffer_Release(&sv.b);
+        Py_XDECREF(nbo);
+        Py_XDECREF(so);
+        Py_XDECREF(dso);
+        return rc;
+    }
+    int bad = 0;
+    switch (kind) {
+    case K_COPY:
+        bad = attr_u64(r, s_dst, UINT64_MAX, &dst) < 0 || attr_u64(r, s_src, UINT64_MAX, &src) < 0 ||
+              attr_u64(r, s_nbytes, UINT64_MAX, &nbytes) < 0;
+        break;
+    case K_FILL:
+        bad = attr_u64(r, s_dst, UINT64_MAX, &dst) < 0 || attr_u64(r, s_nbytes, UINT64_MAX, &nbytes) < 0 ||
+              attr_u64(r, s_value, UINT64_MAX, &arg0) < 0;
+        break;
+    case K_CHECKSUM:
+        bad = attr_u64(r, s_src, UINT64_MAX, &src) < 0 || attr_u64(r, s_nbytes, UINT64_MAX, &nbytes) < 0;
+        break;
+    case K_RUN_GRAPH:
+        bad = first_u64(r, s_outputs, &dst) < 0 || first_u64(r, s_inputs, &src) < 0 ||
+              attr_u64(r, s_graph, UINT64_MAX, &arg0) < 0;
+        break;
+    }
+    if (bad)
+        return -1;
+    w[0] = head;
+    w[1] = rid;
+    w[2] = dst;
+    w[3] = src;
+    w[4] = nbytes;
+    w[5] = arg0;
+    w[6] = w[7] = 0;
+    return 0;
+}
+
+/* push_requests(reqs, start, kinds, room, after, pending, outstanding, sums) -> (taken, used, published)
+ *
+ * The client's submission in one call: from reqs[start], the longest run of whole requests
+ * whose descriptors fit in `room`, packed, published with one release store and one wake,
+ * and each noted as outstanding[id] = (pending[id], answers, descriptors), where answers is
+ * True for a checksum, a new sums() for a checksum_many, else False. `kinds` maps a request
+ * type to its kind code; `after` (> 0) puts FLAG_AFTER and the frame count on the first
+ * descriptor. A field that does not fit fails the call before anything is published. */
+static PyObject *Queue_push_requests(QueueObject *self, PyObject *const *a, Py_ssize_t na)
+{
+    Py_ssize_t start, room;
+    unsigned long long after;
+    if (na != 8 || !PyList_Check(a[0]) || !PyDict_Check(a[2]) || !PyDict_Check(a[5]) || !PyDict_Check(a[6])) {
+        PyErr_SetString(PyExc_TypeError, "push_requests(reqs: list, start, kinds: dict, room, after, pending: dict, outstanding: dict, sums)");
         return NULL;
     }
-    Py_ssize_t k = -1;
-    vec_arg_t nb = {0}, d = {0}, s = {0};
-    PyObject *out = NULL;
-    if (vec_arg(nbo, "nbytes", &k, &nb) < 0)
+    if ((start = PyLong_AsSsize_t(a[1])) == -1 && PyErr_Occurred())
         return NULL;
-    if (!nb.is_buf) {
-        PyErr_SetString(PyExc_TypeError, "nbytes: expected a 1-D uint64 array");
+    if ((room = PyLong_AsSsize_t(a[3])) == -1 && PyErr_Occurred())
+        return NULL;
+    if ((after = PyLong_AsUnsignedLongLong(a[4])) == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    if (check_role(self, 1) < 0)
+        return NULL;
+    PyObject *reqs = a[0], *kinds = a[2], *pending = a[5], *outstanding = a[6], *sums = a[7];
+    Py_ssize_t n = PyList_GET_SIZE(reqs);
+    if (start < 0 || start > n) {
+        PyErr_SetString(PyExc_IndexError, "push_requests: start out of range");
         return NULL;
     }
-    if (vec_arg(dsto, "dst", &k, &d) < 0 || vec_arg(srco, "src", &k, &s) < 0)
-        goto done;
-    out = PyBytes_FromStringAndSize(NULL, k * 64);
-    if (!out)
-        goto done;
-    uint64_t *w = (uint64_t *)PyBytes_AS_STRING(out);
-    uint64_t head = (uint64_t)op | stream << 32;
-    for (Py_ssize_t i = 0; i < k; i++, w += 8) {
-        w[0] = head | (chain && i + 1 < k ? (uint64_t)TDP_FLAG_CHAIN << 16 : 0);
-        w[1] = rid;
-        w[2] = vec_at(&d, i);
-        w[3] = vec_at(&s, i);
-        w[4] = vec_at(&nb, i);
-        w[5] = w[6] = w[7] = 0;
+    /* Pass 1: what fits. */
+    Py_ssize_t end = start, used = 0;
+    int kind_at[64];
+    Py_ssize_t k_at[64];
+    for (; end < n; end++) {
+        PyObject *r = PyList_GET_ITEM(reqs, end);
+        PyObject *ko = PyDict_GetItemWithError(kinds, (PyObject *)Py_TYPE(r));
+        if (!ko) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_TypeError, "a %s cannot take the ring", Py_TYPE(r)->tp_name);
+            return NULL;
+        }
+        long kind = PyLong_AsLong(ko);
+        if (kind < 0 || kind >= K_COUNT) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "push_requests: unknown kind code");
+            return NULL;
+        }
+        Py_ssize_t k = descriptors_for(r, (int)kind);
+        if (k < 0)
+            return NULL;
+        if (used + k > room)
+            break;
+        if (end - start < 64) {
+            kind_at[end - start] = (int)kind;
+            k_at[end - start] = k;
+        }
+        used += k;
     }
-done:
-    if (nb.is_buf)
-        PyBuffer_Release(&nb.b);
-    if (d.is_buf)
-        PyBuffer_Release(&d.b);
-    if (s.is_buf)
-        PyBuffer_Release(&s.b);
-    return out;
+    /* Pass 2: pack (nothing is published if a field does not fit). */
+    uint64_t stackbuf[16 * DESC_WORDS];
+    uint64_t *buf = used <= 16 ? stackbuf : PyMem_Malloc((size_t)used * DESC_WORDS * 8);
+    if (!buf)
+        return PyErr_NoMemory();
+    uint64_t *w = buf;
+    for (Py_ssize_t i = start; i < end; i++) {
+        PyObject *r = PyList_GET_ITEM(reqs, i);
+        int kind;
+        Py_ssize_t k;
+        if (i - start < 64) {
+            kind = kind_at[i - start];
+            k = k_at[i - start];
+        } else {
+            kind = (int)PyLong_AsLong(PyDict_GetItem(kinds, (PyObject *)Py_TYPE(r)));
+            k = descriptors_for(r, kind);
+        }
+        if (k && pack_request(r, kind, k, w) < 0)
+            goto fail;
+        w += k * DESC_WORDS;
+    }
+    if (after && used) {
+        buf[0] |= (uint64_t)TDP_FLAG_AFTER << 16;
+        buf[7] = after;
+    }
+    int64_t published = used ? trq_push_from(&self->q, buf, (uint64_t)used, 0) : 0;
+    if (buf != stackbuf)
+        PyMem_Free(buf);
+    buf = NULL;
+    if (published < 0)
+        return corrupt(self);
+    if (published)
+        ring_peer(self);
+    /* Note what each answers. */
+    for (Py_ssize_t i = start; i < end; i++) {
+        PyObject *r = PyList_GET_ITEM(reqs, i);
+        int kind = (int)PyLong_AsLong(PyDict_GetItem(kinds, (PyObject *)Py_TYPE(r)));
+        if (kind == K_WAIT)
+            continue;
+        Py_ssize_t k = i - start < 64 ? k_at[i - start] : descriptors_for(r, kind);
+        PyObject *rid = PyObject_GetAttr(r, s_id);
+        if (!rid)
+            return NULL;
+        PyObject *p = PyDict_GetItemWithError(pending, rid);
+        if (!p) {
+            if (!PyErr_Occurred())
+                PyErr_SetObject(PyExc_KeyError, rid);
+            Py_DECREF(rid);
+            return NULL;
+        }
+        PyObject *answers = kind == K_CHECKSUMV ? PyObject_CallNoArgs(sums) : Py_NewRef(kind == K_CHECKSUM ? Py_True : Py_False);
+        PyObject *entry = answers ? Py_BuildValue("(ONn)", p, answers, k) : NULL;
+        int rc = entry ? PyDict_SetItem(outstanding, rid, entry) : -1;
+        Py_XDECREF(entry);
+        Py_DECREF(rid);
+        if (rc < 0)
+            return NULL;
+    }
+    return Py_BuildValue("(nnL)", end - start, used, (long long)published);
+fail:
+    if (buf != stackbuf)
+        PyMem_Free(buf);
+    return NULL;
 }
 
 /* checksum64 (transfer/_checksum.py) of a C-contiguous buffer: the word sum the workers use
@@ -1230,8 +1443,6 @@ static PyObject *ints_within(PyObject *mod, PyObject *const *a, Py_ssize_t n)
 
 static PyMethodDef module_methods[] = {
     {"_set_corrupt_error", set_corrupt_error, METH_O, "exception class for a corrupted ring"},
-    {"pack_vector", pack_vector, METH_VARARGS,
-     "pack_vector(op, chain, id, stream, dst, src, nbytes) -> bytes: one descriptor per range"},
     {"ints_within", (PyCFunction)(void (*)(void))ints_within, METH_FASTCALL,
      "ints_within(args, bounds) -> bool: every integer field an exact int within its bounds"},
     {"checksum64", checksum64_native, METH_O,
@@ -1245,6 +1456,8 @@ static struct PyModuleDef moduledef = {
 PyMODINIT_FUNC PyInit__ring_native(void)
 {
     if (PyType_Ready(&QueueType) < 0 || PyType_Ready(&TableType) < 0 || PyType_Ready(&WorkerType) < 0)
+        return NULL;
+    if (intern_names() < 0)
         return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m)

@@ -10,11 +10,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,8 +26,17 @@ from hypothesis import strategies as st
 
 from transfer import _ring
 from transfer import checksum64 as transfer_checksum64
-from transfer._ring import COMPLETION_DTYPE, REQUEST_DTYPE, Op, Ring, RingCorrupted, RingError
-from transfer.client._ringlink import _py_pack_vector
+from transfer import protocol as P
+from transfer._ring import (
+    COMPLETION_DTYPE,
+    FLAG_AFTER,
+    REQUEST_DTYPE,
+    Op,
+    Ring,
+    RingCorrupted,
+    RingError,
+)
+from transfer.client._ringlink import _KINDS, _py_push_requests, descriptors_of
 
 IMPLS = [
     pytest.param("native", marks=pytest.mark.skipif(_ring._native is None, reason="extension not built")),
@@ -633,33 +645,89 @@ def test_push_many_rings_the_doorbell_before_waiting_for_space(pair) -> None:
         os.close(w)
 
 
-# --- packing a vector request's descriptors (the client's copy_many / checksum_many) -----------
-_native_pack = getattr(_ring._native, "pack_vector", None)
-_u64s = st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=40)
+# --- the client's submission: pack, publish and note requests (RingLink.push) ----------------
+_U64 = st.integers(0, 2**64 - 1)
+_u64_array = st.lists(_U64, min_size=1, max_size=12).flatmap(
+    lambda xs: st.sampled_from([np.array(xs, np.uint64), np.array(xs + xs, np.uint64)[::2]]))  # contiguous or strided
+
+
+@st.composite
+def _requests(draw: st.DrawFn) -> list[P.Request]:
+    """A call's worth of ring-able requests, ids in order, with vector operands scalar or arrays."""
+    out: list[P.Request] = []
+    for rid in range(1, draw(st.integers(1, 8)) + 1):
+        stream = draw(st.integers(0, 2**32 - 1))
+        kind = draw(st.sampled_from(["copy", "fill", "checksum", "fence", "graph", "copyv", "checksumv", "wait"]))
+        if kind == "copy":
+            out.append(P.Copy(rid, draw(_U64), draw(_U64), draw(_U64), stream))
+        elif kind == "fill":
+            out.append(P.Fill(rid, draw(_U64), draw(_U64), draw(st.integers(0, 255)), stream))
+        elif kind == "checksum":
+            out.append(P.Checksum(rid, draw(_U64), draw(_U64), stream))
+        elif kind == "fence":
+            out.append(P.Fence(rid, stream))
+        elif kind == "graph":
+            out.append(P.RunGraph(rid, draw(_U64), [draw(_U64)], [draw(_U64)], False, stream))
+        elif kind == "wait":
+            out.append(P.Wait(rid))
+        else:
+            nb = draw(_u64_array)
+            k = len(nb)
+            src = draw(st.lists(_U64, min_size=k, max_size=k).map(lambda xs: np.array(xs, np.uint64)))
+            if kind == "copyv":
+                out.append(P.CopyV(rid, draw(st.one_of(st.just(np.arange(k, dtype=np.uint64)), st.just(np.full(k, 7, np.uint64)))), src, nb, stream))
+            else:
+                out.append(P.ChecksumV(rid, src, nb, stream))
+    return out
+
+
+class _Sums:
+    pass
 
 
 @pytest.mark.skipif(_ring._native is None, reason="extension not built")
-@given(_u64s, st.data(), st.booleans(), st.integers(0, 2**16 - 1), st.integers(0, 2**64 - 1), st.integers(0, 2**32 - 1))
-def test_pack_vector_native_matches_numpy(nbytes: list[int], data: st.DataObject, chain: bool, op: int, rid: int, stream: int) -> None:
-    """The native packer and the NumPy one write the same descriptors (REQUEST_DTYPE), for
-    scalar or array operands, strided arrays too; both refuse what a descriptor cannot hold."""
-    k = len(nbytes)
-    nb = np.array(nbytes, np.uint64)
-    ops = [data.draw(st.one_of(st.integers(0, 2**64 - 1), st.lists(st.integers(0, 2**64 - 1), min_size=2 * k, max_size=2 * k)
-                               .map(lambda xs: np.array(xs, np.uint64)[::2]))) for _ in range(2)]
-    got = _native_pack(op, chain, rid, stream, ops[0], ops[1], nb)
-    assert got == _py_pack_vector(op, chain, rid, stream, ops[0], ops[1], nb)
-    d = np.frombuffer(got, REQUEST_DTYPE)
-    assert d["op"].tolist() == [op] * k and d["id"].tolist() == [rid] * k and d["stream"].tolist() == [stream] * k
-    assert d["flags"].tolist() == ([1] * (k - 1) + [0] if chain else [0] * k) and d["nbytes"].tolist() == nbytes
-    for i, name in enumerate(("dst", "src")):
-        want = ops[i].tolist() if isinstance(ops[i], np.ndarray) else [ops[i]] * k
-        assert d[name].tolist() == want
-    for f in (_native_pack, _py_pack_vector):
-        for bad in ((op, chain, -1, stream, 0, 0, nb), (op, chain, rid, 2**32, 0, 0, nb), (op, chain, rid, stream, nb[:-1] if k > 1 else -1, 0, nb),
-                    (op, chain, rid, stream, 0, nb.astype(np.float64), nb), (op, chain, rid, stream, 0, 0, nb.astype(np.uint32))):
-            with pytest.raises((OverflowError, TypeError, ValueError)):
-                f(*bad)
+@given(_requests(), st.integers(0, 48), st.sampled_from([0, 1, 2**64 - 1]), st.booleans())
+def test_push_requests_native_matches_python(reqs: list[P.Request], room: int, after: int, corrupt: bool) -> None:
+    """The native submission (`Queue.push_requests`) and its pure-Python twin publish the same
+    descriptors, take the same whole requests within the room, note the same outstanding
+    entries, and both refuse a field a descriptor cannot hold, publishing nothing."""
+    if corrupt:  # a field out of range (the client's prepare refuses these first; the ring must too)
+        i = len(reqs) // 2
+        r = reqs[i]
+        reqs[i] = P.Copy(r.id, -1, 0, 0, 0) if type(r) is not P.Fence else P.Fence(r.id, 2**32)
+    results = []
+    marks = {r.id: object() for r in reqs}  # what each pending entry is: the same for both
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        for push in ("native", "python"):
+            srv = Ring.create(Path(d) / push, 64, 64, impl="native")
+            cli = Ring.attach(Path(d) / push, impl="native")
+            try:
+                pending = dict(marks)
+                outstanding: dict[int, Any] = {}
+                args = (reqs, 0, _KINDS, room, after, pending, outstanding, _Sums)
+                try:
+                    got = cli.outbox.push_requests(*args) if push == "native" else _py_push_requests(cli.outbox, *args)
+                except (OverflowError, TypeError, ValueError, struct.error):
+                    got = None
+                descs = srv.pop_many().tobytes()
+                results.append((got, descs, {k: (v[0], type(v[1]), v[1] if type(v[1]) is bool else None, v[2]) for k, v in outstanding.items()}))
+            finally:
+                cli.close()
+                srv.close()
+    assert results[0] == results[1]
+    got, descs, noted = results[0]
+    if got is None:  # refused: nothing published, nothing noted
+        assert corrupt and descs == b"" and not noted
+        return
+    taken, used, published = got
+    want = sum(descriptors_of(r) for r in reqs[:taken])
+    assert used == published == want <= room and len(descs) == 64 * used
+    if taken < len(reqs):  # it stopped at the first request that did not fit
+        assert want + descriptors_of(reqs[taken]) > room
+    d = np.frombuffer(descs, REQUEST_DTYPE)
+    if used:
+        assert bool(d["flags"][0] & FLAG_AFTER) == bool(after) and (not after or int(d["arg2"][0]) == after)
+    assert set(noted) == {r.id for r in reqs[:taken] if type(r) is not P.Wait}
 
 
 # --- checksum64: the extension's sum and NumPy's ---------------------------------------------

@@ -206,15 +206,8 @@ class LoopSession(Session):
         raise AssertionError("pushed beyond the ring's credits")  # (`_release_held` pushes within them)
 
     def _push(self, link: RingLink, chunk: list[P.Request], after: int) -> None:
-        try:
-            link.push(chunk, self._core.pending, self._no_credits, after)
-        except E.TransferError as exc:  # a field out of range: those requests fail, nothing else
-            for r in chunk:
-                if r.id not in link.outstanding:
-                    p = self._core.pending.pop(r.id, None)
-                    if p is not None:
-                        p._finish(None, exc)
-                        self._core.unobserved.append(p)
+        # A field out of range fails those requests (fence() reports them), nothing else.
+        link.push(chunk, self._core.pending, self._no_credits, after, self._core.unobserved)
 
     def _on_message(self, parts: list[bytes]) -> None:
         """The pump's delivery: replies finish their requests, and free credits."""

@@ -13,6 +13,7 @@ forms); everything else, and every error's message, stays on the control socket.
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 from pathlib import Path
@@ -22,7 +23,6 @@ import numpy as np
 
 from .. import errors as E
 from .. import protocol as P
-from .._native import native_module
 from .._ring import FLAG_AFTER, FLAG_CHAIN, MAX_CHAIN, REQUEST_DTYPE, Op as RingOp, Ring
 from ..memory._shm import check_sealed
 from ._pending import Pending
@@ -50,7 +50,9 @@ _FLAGS, _WORD = struct.Struct("<H"), struct.Struct("<Q")
 
 
 def _py_pack_vector(op: int, chain: bool, rid: int, stream: int, dst: Any, src: Any, nbytes: np.ndarray) -> bytes:
-    """`pack_vector` where the extension is not built: the same words, made with NumPy."""
+    """A vector request's descriptors, one per range, made with NumPy (for the pure-Python
+    twin of `push_requests`): dst and src are a VA for every range or a uint64 array, and
+    `chain` sets FLAG_CHAIN on all but the last."""
     if not (0 <= op <= 0xFFFF and 0 <= stream <= 0xFFFFFFFF):
         raise OverflowError("stream or op out of range")
     if not isinstance(nbytes, np.ndarray):
@@ -69,28 +71,22 @@ def _py_pack_vector(op: int, chain: bool, rid: int, stream: int, dst: Any, src: 
     return d.tobytes()
 
 
-#: A vector request's descriptors (REQUEST_DTYPE's layout) as bytes, one per range:
-#: ``pack_vector(op, chain, id, stream, dst, src, nbytes)``, where dst and src are a VA for
-#: every range or a uint64 array, and `chain` sets FLAG_CHAIN on all but the last. Native
-#: where built (no NumPy call per field: a copy_many or checksum_many packs in about a
-#: microsecond), else the same words from NumPy.
-pack_vector: Callable[..., bytes] = getattr(native_module(), "pack_vector", _py_pack_vector)
-
-
-#: Per ring-able request kind: its descriptors as bytes (one, or a vector's, one per range)
-#: and their count. One dict lookup per request, not a chain of type tests (a batch of
-#: checksums packs at twice the speed). Raises struct.error or OverflowError for a field
-#: out of range.
-_PACKERS: dict[type, Callable[[Any], tuple[bytes, int]]] = {
-    P.Copy: lambda r: (_PACK(_COPY, 0, r.stream, r.id, r.dst, r.src, r.nbytes, 0, 0, 0), 1),
-    P.CopyV: lambda r: (pack_vector(_COPY, True, r.id, r.stream, r.dst, r.src, r.nbytes), len(r.dst)),
-    P.Fill: lambda r: (_PACK(_FILL, 0, r.stream, r.id, r.dst, 0, r.nbytes, r.value, 0, 0), 1),
-    P.Checksum: lambda r: (_PACK(_CHECKSUM, 0, r.stream, r.id, 0, r.src, r.nbytes, 0, 0, 0), 1),
+#: Per ring-able request kind, for the pure-Python twin: its descriptors as bytes (one, or a
+#: vector's, one per range). Raises struct.error or OverflowError for a field out of range.
+_PACKERS: dict[type, Callable[[Any], bytes]] = {
+    P.Copy: lambda r: _PACK(_COPY, 0, r.stream, r.id, r.dst, r.src, r.nbytes, 0, 0, 0),
+    P.CopyV: lambda r: _py_pack_vector(_COPY, True, r.id, r.stream, r.dst, r.src, r.nbytes),
+    P.Fill: lambda r: _PACK(_FILL, 0, r.stream, r.id, r.dst, 0, r.nbytes, r.value, 0, 0),
+    P.Checksum: lambda r: _PACK(_CHECKSUM, 0, r.stream, r.id, 0, r.src, r.nbytes, 0, 0, 0),
     # A checksum per range, each completed on its own under the one id (_Sums gathers them).
-    P.ChecksumV: lambda r: (pack_vector(_CHECKSUM, False, r.id, r.stream, 0, r.src, r.nbytes), len(r.src)),
-    P.Fence: lambda r: (_PACK(_FENCE, 0, r.stream, r.id, 0, 0, 0, 0, 0, 0), 1),
-    P.RunGraph: lambda r: (_PACK(_RUN_GRAPH, 0, r.stream, r.id, r.outputs[0], r.inputs[0], 0, r.graph, 0, 0), 1),
+    P.ChecksumV: lambda r: _py_pack_vector(_CHECKSUM, False, r.id, r.stream, 0, r.src, r.nbytes),
+    P.Fence: lambda r: _PACK(_FENCE, 0, r.stream, r.id, 0, 0, 0, 0, 0, 0),
+    P.RunGraph: lambda r: _PACK(_RUN_GRAPH, 0, r.stream, r.id, r.outputs[0], r.inputs[0], 0, r.graph, 0, 0),
 }
+
+#: A ring-able request type's kind code for `push_requests` (native/_ring_native.c's K_*:
+#: which fields go where in its descriptors). A Wait marker takes no descriptor.
+_KINDS: dict[type, int] = {P.Wait: 0, P.Copy: 1, P.Fill: 2, P.Checksum: 3, P.Fence: 4, P.RunGraph: 5, P.CopyV: 6, P.ChecksumV: 7}
 
 
 #: A run's results as pop_runs packs them: little-endian words.
@@ -109,18 +105,43 @@ class _Sums:
         self.flags = 0
 
 
-#: What a kind's completions answer: a value (a checksum), values gathered per range (a
-#: checksum_many: a new _Sums per request), or nothing.
-_ANSWERS: dict[type, Any] = {t: t is P.Checksum for t in _PACKERS}
-_ANSWERS[P.ChecksumV] = _Sums
-_WAIT = P.Wait
-
-
 def descriptors_of(req: P.Request) -> int:
     """How many descriptors (credits) a ring-able request takes."""
     if type(req) in _VECTORS:
         return len(req.nbytes)  # type: ignore[attr-defined]
     return 0 if type(req) is P.Wait else 1
+
+
+def _py_push_requests(outbox: Any, reqs: list[P.Request], start: int, kinds: dict[type, int], room: int, after: int,
+                      pending: dict[int, Pending], outstanding: dict[int, Any], sums: Callable[[], Any]) -> tuple[int, int, int]:
+    """`Queue.push_requests` for the pure-Python queue (no extension built): from reqs[start],
+    the whole requests whose descriptors fit in `room`, packed with struct and NumPy,
+    published in one push, each noted as outstanding; (requests, descriptors, published)."""
+    end, used, datas = start, 0, []
+    while end < len(reqs):
+        r = reqs[end]
+        if type(r) not in kinds:
+            raise TypeError(f"a {type(r).__name__} cannot take the ring")
+        k = descriptors_of(r)
+        if used + k > room:
+            break
+        if k:
+            datas.append(_PACKERS[type(r)](r))
+        used += k
+        end += 1
+    data = b"".join(datas)
+    if after and used:  # the first descriptor carries the fence
+        first = bytearray(data)
+        flags, = _FLAGS.unpack_from(first, 2)
+        _FLAGS.pack_into(first, 2, flags | FLAG_AFTER)
+        _WORD.pack_into(first, 56, after)
+        data = bytes(first)
+    published = outbox.push_buffer(data, used) if used else 0
+    for r in reqs[start:end]:
+        t = type(r)
+        if t is not P.Wait:
+            outstanding[r.id] = (pending[r.id], sums() if t is P.ChecksumV else t is P.Checksum, descriptors_of(r))
+    return end - start, used, published
 
 
 class RingLink:
@@ -177,6 +198,10 @@ class RingLink:
         #: The queues themselves: the native push takes our packed bytes as they are, and
         #: pop_runs hands over every completion in as tuples, a run of one id as one (no NumPy for a few).
         self._outbox, self._inbox = self.ring.outbox, self.ring.inbox
+        #: Pack, publish and note a call's requests in one native call (the pure-Python queue:
+        #: the same in Python).
+        self._push_requests: Callable[..., tuple[int, int, int]] = getattr(
+            self._outbox, "push_requests", functools.partial(_py_push_requests, self._outbox))
 
     @property
     def room(self) -> int:
@@ -209,60 +234,44 @@ class RingLink:
             return False
         return kinds.isdisjoint(_SOME) or all(self.takes(r) for r in reqs if type(r) in _SOME)
 
-    def push(self, reqs: Sequence[P.Request], pending: dict[int, Pending], wait_credits: Callable[[int], None], after: int = 0) -> None:
+    def push(self, reqs: Sequence[P.Request], pending: dict[int, Pending], wait_credits: Callable[[int], None], after: int = 0,
+             failed: list[Pending] | None = None) -> None:
         """Publish `reqs` (all `takes`), waiting for credits when the window is full; a
         request's descriptors (a CopyV's chain) go out in one push, never split. `after`:
-        the daemon takes them only once it has read that many of our socket frames."""
-        datas: list[bytes] = []  # each request's descriptors, packed
-        entries = []  # (id, what its completions answer (_ANSWERS), how many descriptors)
-        need = 0
-        try:
-            for r in reqs:
-                t = type(r)
-                if t is not _WAIT:  # (a Wait marker has no descriptor: the ring counts no round trips)
-                    data, k = _PACKERS[t](r)
-                    datas.append(data)
-                    entries.append((r.id, _ANSWERS[t], k))
-                    need += k
-        except (OverflowError, TypeError, ValueError, struct.error) as exc:  # a field out of range
-            for r in reqs:  # nothing of the call left: nobody will answer these
-                pending.pop(r.id, None)
-            raise E.InvalidField(f"request field out of range: {exc}") from None
-        if not entries:
-            return
-        if after > self.fenced:  # the first descriptor carries the fence
-            first = bytearray(datas[0])
-            flags, = _FLAGS.unpack_from(first, 2)
-            _FLAGS.pack_into(first, 2, flags | FLAG_AFTER)
-            _WORD.pack_into(first, 56, after)
-            datas[0] = bytes(first)
-        outstanding, n, start = self.outstanding, len(entries), 0
+        the daemon takes them only once it has read that many of our socket frames.
+
+        A field that cannot be packed stops the call there: the requests not yet pushed
+        leave `pending`, finished with InvalidField, which is raised, or (with `failed`, the
+        event-loop clients' unobserved list, since their caller has returned already)
+        appended there for fence() to report."""
+        reqs = reqs if type(reqs) is list else list(reqs)
+        fence = after if after > self.fenced else 0
+        start = 0
         while True:
-            room = self.credits - self.in_flight
-            if need <= room:  # (nearly always: everything at once)
-                end, used = n, need
-            else:  # the longest prefix the credits allow, then wait for more
-                end, used = start, 0
-                while end < n and used + entries[end][2] <= room:
-                    used += entries[end][2]
-                    end += 1
-                if end == start:
-                    wait_credits(entries[start][2])
-                    continue
-            # Whole descriptors, published with one release store (and one wake).
-            data = datas[start] if end - start == 1 else b"".join(datas[start:end])
-            if self._outbox.push_buffer(data, used) != used:  # cannot happen within credits unless the daemon broke the ring
+            try:
+                taken, used, published = self._push_requests(
+                    reqs, start, _KINDS, self.credits - self.in_flight, fence, pending, self.outstanding, _Sums)
+            except (OverflowError, TypeError, ValueError, struct.error) as exc:  # a field out of range
+                err = E.InvalidField(f"request field out of range: {exc}")
+                for r in reqs[start:]:  # nothing of these left: nobody will answer them
+                    p = pending.pop(r.id, None)
+                    if p is not None and failed is not None:
+                        p._finish(None, err)
+                        failed.append(p)
+                if failed is None:
+                    raise err from None
+                return
+            if published != used:  # cannot happen within credits unless the daemon broke the ring
                 raise E.ConnectionLost("the daemon stopped taking ring descriptors")
-            for rid, answers, k in entries[start:end] if start or end < n else entries:
-                outstanding[rid] = (pending[rid], _Sums() if answers is _Sums else answers, k)
             self.in_flight += used
             self.pushed += used
-            if after > self.fenced:  # (the fence, in the first descriptor, is out)
-                self.fenced = after
-            if end == n:
+            if used and fence:  # (the fence, in the first descriptor, is out)
+                self.fenced, fence = fence, 0
+            start += taken
+            if start == len(reqs):
                 return
-            need -= used
-            start = end
+            if not taken:
+                wait_credits(descriptors_of(reqs[start]))
 
     def reap(self, pending: dict[int, Pending], unobserved: list[Pending]) -> int:
         """Finish the requests whose completions are in; return how many completions there were."""
