@@ -449,6 +449,126 @@ static PyObject *Queue_pop_runs(QueueObject *self, PyObject *args, PyObject *kwd
     return list;
 }
 
+/* pop_finished(outstanding, pending) -> (completions, freed, rest)
+ *
+ * The client's reap, its common case in C: pops every completion, and finishes each lone
+ * success of a request noted in `outstanding` as (pending, answers, descriptors) with answers
+ * a bool: deletes it there and from `pending`, and calls pending._finish(value, None), the
+ * value being the completion's result when answers is True, else None. `freed` counts those
+ * requests' descriptors. Every other run (a failure, a checksum_many's, one of an id not
+ * outstanding), and every run after the first such, comes back in `rest`, in order, as
+ * pop_runs gives it (key id, value result, clean status), for the caller's general path:
+ * what is finished here never overtakes an earlier completion of the same id. */
+static PyObject *s_finish;
+
+static PyObject *Queue_pop_finished(QueueObject *self, PyObject *const *a, Py_ssize_t na)
+{
+    if (na != 2 || !PyDict_Check(a[0]) || !PyDict_Check(a[1])) {
+        PyErr_SetString(PyExc_TypeError, "pop_finished(outstanding: dict, pending: dict)");
+        return NULL;
+    }
+    if (check_role(self, 0) < 0)
+        return NULL;
+    if (self->nfields != 5 || self->q.slot_size != 32) {
+        PyErr_SetString(PyExc_TypeError, "pop_finished: not a completion queue");
+        return NULL;
+    }
+    PyObject *outstanding = a[0], *pending = a[1];
+    int64_t avail = trq_available(&self->q);
+    if (avail < 0)
+        return corrupt(self);
+    uint64_t n = (uint64_t)avail, ss = self->q.slot_size;
+    uint8_t small[64 * 32];
+    uint8_t *buf = n * ss <= sizeof small ? small : PyMem_Malloc(n * ss);
+    if (!buf)
+        return PyErr_NoMemory();
+    int64_t got = n ? trq_pop_into(&self->q, buf, n, 1) : 0;
+    if (got < 0) {
+        if (buf != small)
+            PyMem_Free(buf);
+        return corrupt(self);
+    }
+    Py_ssize_t freed = 0;
+    PyObject *rest = PyList_New(0);
+    for (int64_t i = 0; rest && i < got;) {
+        const uint8_t *first = buf + i * ss;
+        int64_t j = i + 1;
+        if (field_bits(self, first, 1) == 0) { /* a run: successes sharing an id */
+            uint64_t k = field_bits(self, first, 0);
+            while (j < got && field_bits(self, buf + j * ss, 0) == k && field_bits(self, buf + j * ss, 1) == 0)
+                j++;
+        }
+        if (j - i == 1 && field_bits(self, first, 1) == 0 && PyList_GET_SIZE(rest) == 0) {
+            PyObject *rid = PyLong_FromUnsignedLongLong(field_bits(self, first, 0));
+            PyObject *entry = rid ? PyDict_GetItemWithError(outstanding, rid) : NULL;
+            if (entry && PyTuple_CheckExact(entry) && PyTuple_GET_SIZE(entry) == 3 &&
+                PyBool_Check(PyTuple_GET_ITEM(entry, 1))) {
+                PyObject *p = Py_NewRef(PyTuple_GET_ITEM(entry, 0));
+                int valued = PyTuple_GET_ITEM(entry, 1) == Py_True;
+                Py_ssize_t took = PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 2));
+                PyObject *value = valued ? PyLong_FromUnsignedLongLong(field_bits(self, first, 2)) : Py_NewRef(Py_None);
+                PyObject *r = NULL;
+                if (value && took >= 0 && PyDict_DelItem(outstanding, rid) == 0) {
+                    /* (pending.pop(rid, None): a request failed locally may be gone already) */
+                    int has = PyDict_Contains(pending, rid);
+                    if (has >= 0 && (!has || PyDict_DelItem(pending, rid) == 0))
+                        r = PyObject_CallMethodObjArgs(p, s_finish, value, Py_None, NULL);
+                }
+                Py_XDECREF(r);
+                Py_XDECREF(value);
+                Py_DECREF(p);
+                Py_DECREF(rid);
+                if (!r) {
+                    Py_CLEAR(rest);
+                    break;
+                }
+                freed += took;
+                i = j;
+                continue;
+            }
+            Py_XDECREF(rid);
+            if (PyErr_Occurred()) {
+                Py_CLEAR(rest);
+                break;
+            }
+        }
+        PyObject *t = unpack(self, first), *item = t ? PyTuple_New(self->nfields + 2) : NULL;
+        PyObject *count = item ? PyLong_FromLongLong(j - i) : NULL, *words = NULL;
+        if (count) {
+            if (j - i == 1) {
+                words = Py_NewRef(Py_None);
+            } else if ((words = PyBytes_FromStringAndSize(NULL, 8 * (j - i)))) {
+                char *w = PyBytes_AS_STRING(words);
+                for (int64_t r = i; r < j; r++) {
+                    uint64_t v = field_bits(self, buf + r * ss, 2);
+                    memcpy(w + 8 * (r - i), &v, 8);
+                }
+            }
+        }
+        if (!words) {
+            Py_XDECREF(t);
+            Py_XDECREF(item);
+            Py_XDECREF(count);
+            Py_CLEAR(rest);
+            break;
+        }
+        for (int f = 0; f < self->nfields; f++)
+            PyTuple_SET_ITEM(item, f, Py_NewRef(PyTuple_GET_ITEM(t, f)));
+        PyTuple_SET_ITEM(item, self->nfields, count);
+        PyTuple_SET_ITEM(item, self->nfields + 1, words);
+        Py_DECREF(t);
+        if (PyList_Append(rest, item) < 0)
+            Py_CLEAR(rest);
+        Py_DECREF(item);
+        i = j;
+    }
+    if (buf != small)
+        PyMem_Free(buf);
+    if (!rest)
+        return NULL;
+    return Py_BuildValue("(LnN)", (long long)got, freed, rest);
+}
+
 static PyObject *Queue_pop_into(QueueObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"out", "max", "wake", NULL};
@@ -574,12 +694,15 @@ static PyObject *Queue_get_closed(QueueObject *self, void *c)
 }
 
 static PyObject *Queue_push_requests(QueueObject *self, PyObject *const *a, Py_ssize_t na);
+static PyObject *Queue_pop_finished(QueueObject *self, PyObject *const *a, Py_ssize_t na);
 
 static PyMethodDef Queue_methods[] = {
     {"push", (PyCFunction)(void (*)(void))Queue_push, METH_VARARGS | METH_KEYWORDS,
      "push(desc, wake=True) -> bool: publish one descriptor tuple; False if full."},
     {"push_requests", (PyCFunction)(void (*)(void))Queue_push_requests, METH_FASTCALL,
      "push_requests(reqs, start, kinds, room, after, pending, outstanding, sums) -> (taken, used, published)"},
+    {"pop_finished", (PyCFunction)(void (*)(void))Queue_pop_finished, METH_FASTCALL,
+     "pop_finished(outstanding, pending) -> (completions, freed, rest): the client's reap, lone successes finished here"},
     {"push_buffer", (PyCFunction)(void (*)(void))Queue_push_buffer, METH_VARARGS | METH_KEYWORDS,
      "push_buffer(data, count, wake=True) -> int: publish up to count slots with one release store."},
     {"pop", (PyCFunction)(void (*)(void))Queue_pop, METH_VARARGS | METH_KEYWORDS,
@@ -1133,6 +1256,7 @@ static int intern_names(void)
 #define N(v, t) if (!(v = PyUnicode_InternFromString(t))) return -1
     N(s_id, "id"); N(s_stream, "stream"); N(s_dst, "dst"); N(s_src, "src"); N(s_nbytes, "nbytes");
     N(s_value, "value"); N(s_graph, "graph"); N(s_inputs, "inputs"); N(s_outputs, "outputs");
+    N(s_finish, "_finish");
 #undef N
     return 0;
 }

@@ -7,6 +7,7 @@ file as a script in spawned processes (see ``_worker`` at the bottom).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -36,7 +37,12 @@ from transfer._ring import (
     RingCorrupted,
     RingError,
 )
-from transfer.client._ringlink import _KINDS, _py_push_requests, descriptors_of
+from transfer.client._ringlink import (
+    _KINDS,
+    _py_pop_finished,
+    _py_push_requests,
+    descriptors_of,
+)
 
 IMPLS = [
     pytest.param("native", marks=pytest.mark.skipif(_ring._native is None, reason="extension not built")),
@@ -730,6 +736,57 @@ def test_push_requests_native_matches_python(reqs: list[P.Request], room: int, a
     assert set(noted) == {r.id for r in reqs[:taken] if type(r) is not P.Wait}
 
 
+class _Finished:
+    """A pending request that records how it was finished."""
+
+    log: list[tuple[int, Any, Any]] = []
+
+    def __init__(self, rid: int) -> None:
+        self.rid = rid
+
+    def _finish(self, value: Any, error: Any) -> None:
+        self.log.append((self.rid, value, error))
+
+
+_completion = st.tuples(st.integers(1, 6), st.sampled_from([0, 0, 0, -3, 5]), _U64, st.integers(0, 3))
+
+
+@pytest.mark.skipif(_ring._native is None, reason="extension not built")
+@given(st.lists(_completion, max_size=40), st.dictionaries(st.integers(1, 6), st.tuples(st.sampled_from([True, False, "sums"]), st.integers(1, 4))),
+       st.sets(st.integers(1, 6)))
+def test_pop_finished_native_matches_python(comps: list[tuple[int, int, int, int]], noted: dict[int, tuple[Any, int]], gone: set[int]) -> None:
+    """The native reap (`Queue.pop_finished`) and its pure-Python twin finish the same lone
+    successes, in the same order, with the same values, free the same descriptors, and hand
+    back the same runs for everything else (failures, checksum_many runs, ids not outstanding)."""
+    results = []
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        for impl in ("native", "python"):
+            srv = Ring.create(Path(d) / impl, 64, 64, impl="native")
+            cli = Ring.attach(Path(d) / impl, impl="native")
+            try:
+                arr = np.zeros(len(comps), COMPLETION_DTYPE)
+                for i, (rid, status, result, flags) in enumerate(comps):
+                    arr[i] = (rid, status, result, flags, 0)
+                assert srv.push_many(arr) == len(comps)
+                sums = _Sums()
+                outstanding: dict[int, Any] = {rid: (_Finished(rid), sums if a == "sums" else a, k) for rid, (a, k) in noted.items()}
+                pending: dict[int, Any] = {rid: e[0] for rid, e in outstanding.items() if rid not in gone}
+                _Finished.log = []
+                args = (outstanding, pending)
+                total, freed, rest = cli.inbox.pop_finished(*args) if impl == "native" else _py_pop_finished(cli.inbox, *args)
+                results.append((total, freed, rest, _Finished.log, sorted(outstanding), sorted(pending)))
+            finally:
+                cli.close()
+                srv.close()
+    assert results[0] == results[1]
+    total, freed, rest, log, left, _ = results[0]
+    assert total == len(comps) and sum(run[5] for run in rest) + len(log) == total
+    for rid, value, error in log:  # each finished once, as a success, with its value if it answers one
+        assert error is None and rid not in left and noted[rid][0] in (True, False)
+        assert (value is None) == (noted[rid][0] is False)
+    assert freed == sum(noted[rid][1] for rid, _, _ in log)
+
+
 # --- checksum64: the extension's sum and NumPy's ---------------------------------------------
 @pytest.mark.skipif(_ring._native is None, reason="extension not built")
 @given(st.binary(max_size=4200), st.integers(0, 15), st.sampled_from(["bytes", "u8", "u4", "strided"]))
@@ -796,6 +853,8 @@ def test_reap_matches_completion_by_completion(data: st.DataObject) -> None:
     link, pending = fresh()
     made = dict(pending)  # (reap takes the finished ones out of `pending`)
     link._inbox = _Inbox([list(r) for r in reaps])
+    # (The pure-Python reap over the scripted runs: the native one is held to it above.)
+    link._pop_finished = functools.partial(_py_pop_finished, link._inbox)
     unobserved: list[Pending] = []
     assert sum(link.reap(pending, unobserved) for _ in reaps) == len(comps)
 

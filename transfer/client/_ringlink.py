@@ -144,6 +144,27 @@ def _py_push_requests(outbox: Any, reqs: list[P.Request], start: int, kinds: dic
     return end - start, used, published
 
 
+def _py_pop_finished(inbox: Any, outstanding: dict[int, Any], pending: dict[int, Pending]) -> tuple[int, int, list[Any]]:
+    """`Queue.pop_finished` for the pure-Python queue: pop every completion, finish each lone
+    success of an outstanding request whose answer is a bool (its value, or None) until the
+    first run that is not one, and hand back (completions, descriptors freed, the other runs
+    in order)."""
+    total, freed, rest = 0, 0, []
+    for run in inbox.pop_runs(0, 2, 1):
+        rid, status, result, _, _, count, _ = run
+        total += count
+        entry = outstanding.get(rid) if count == 1 and status == 0 and not rest else None
+        if entry is not None and type(entry[1]) is bool:
+            p, valued, took = entry
+            del outstanding[rid]
+            pending.pop(rid, None)
+            p._finish(result if valued else None, None)
+            freed += took
+        else:
+            rest.append(run)
+    return total, freed, rest
+
+
 class RingLink:
     """One session's ring, mapped here: descriptors out, completions in."""
 
@@ -198,10 +219,12 @@ class RingLink:
         #: The queues themselves: the native push takes our packed bytes as they are, and
         #: pop_runs hands over every completion in as tuples, a run of one id as one (no NumPy for a few).
         self._outbox, self._inbox = self.ring.outbox, self.ring.inbox
-        #: Pack, publish and note a call's requests in one native call (the pure-Python queue:
-        #: the same in Python).
+        #: Pack, publish and note a call's requests in one native call; pop the completions
+        #: and finish the lone successes in another (the pure-Python queue: the same in Python).
         self._push_requests: Callable[..., tuple[int, int, int]] = getattr(
             self._outbox, "push_requests", functools.partial(_py_push_requests, self._outbox))
+        self._pop_finished: Callable[..., tuple[int, int, list[Any]]] = getattr(
+            self._inbox, "pop_finished", functools.partial(_py_pop_finished, self._inbox))
 
     @property
     def room(self) -> int:
@@ -275,15 +298,13 @@ class RingLink:
 
     def reap(self, pending: dict[int, Pending], unobserved: list[Pending]) -> int:
         """Finish the requests whose completions are in; return how many completions there were."""
-        # id, status, result, flags, aux, then how many completions in a row share that id
-        # (all successes, or a single one) and their results as packed words.
-        runs = self._inbox.pop_runs(0, 2, 1)
-        if not runs:
-            return 0
+        # Lone successes are finished by pop_finished itself. Every other run comes back: id,
+        # status, result, flags, aux, then how many completions in a row share that id (all
+        # successes, or a single one) and their results as packed words.
+        total, freed, runs = self._pop_finished(self.outstanding, pending)
+        self.in_flight -= freed
         out = self.outstanding
-        total = 0
         for rid, status, result, flags, _, count, words in runs:
-            total += count
             entry = out.get(rid)
             if entry is None:
                 for _ in range(count):

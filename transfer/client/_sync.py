@@ -143,26 +143,30 @@ class Client(Session):
         return RingLink(info, self._core.shm_dir, self._core.collect)
 
     def _ring_wait(self, done: Any, timeout: float | None) -> None:
-        """Spin, then sleep on the completion futex, until done(); the socket is looked at between sleeps."""
+        """Spin, then sleep on the completion futex, until done() after a reap; the socket
+        is looked at between sleeps. (The ring's wait returns at once with completions in:
+        the loop reaps only when there is something to reap.)"""
         link, core = self._core.ring, self._core
         assert link is not None
         deadline = None if timeout is None else time.monotonic() + timeout
+        step = core.heartbeat_s
         while True:
-            core.reap_ring()
-            if done():
-                return
-            core.check_usable()
-            step = core.heartbeat_s
             if deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise E.RequestTimeout(f"no completion within {timeout}s")
-                step = min(step, left)
-            if link.ring.wait(timeout=step) == 0:
-                if link.ring.peer_closed:
-                    core.ring_closed()
-                else:
-                    self._poll_once(0)
+                step = min(core.heartbeat_s, left)
+            if link.ring.wait(timeout=step):
+                core.reap_ring()
+                if done():
+                    return
+            elif link.ring.peer_closed:
+                core.ring_closed()
+            else:
+                self._poll_once(0)
+            if done():  # (the session failing finishes every request)
+                return
+            core.check_usable()
 
     def _wait_for(self, pending: Pending, timeout: float | None) -> None:
         if pending.id == 0:  # a local signal (a pool's release): set by another thread
