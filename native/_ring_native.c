@@ -948,6 +948,13 @@ typedef struct {
     QueueObject *requests, *completions;
 } WorkerObject;
 
+/* A worker's spin in nanoseconds: at most 10 ms (a worker polls between requests, it does
+ * not own a core). */
+static uint64_t spin_ns_of(double spin)
+{
+    return spin <= 0 ? 0 : spin >= 0.01 ? 10000000ull : (uint64_t)(spin * 1e9);
+}
+
 static int Worker_init(WorkerObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"table", "requests", "completions", "session", "bell_fd", "cbell_fd", "spin", "bounds", NULL};
@@ -1000,7 +1007,7 @@ static int Worker_init(WorkerObject *self, PyObject *args, PyObject *kwds)
     w->session = session;
     w->bell_fd = bell;
     w->cbell_fd = cbell;
-    w->spin_ns = spin <= 0 ? 0 : spin >= 0.01 ? 10000000ull : (uint64_t)(spin * 1e9);
+    atomic_store(&w->spin_ns, spin_ns_of(spin));
     memcpy(w->hbounds_ns, hb, nb * sizeof *hb);
     w->nbounds = nb;
     int rc = tdp_worker_start(w);
@@ -1148,6 +1155,23 @@ static PyObject *Worker_get_why(WorkerObject *self, void *c)
     return PyUnicode_FromString(why >= 0 && why < TDP_WHY_COUNT ? names[why] : "?");
 }
 
+static PyObject *Worker_get_spin(WorkerObject *self, void *c)
+{
+    return PyFloat_FromDouble(atomic_load_explicit(&self->w.spin_ns, memory_order_relaxed) / 1e9);
+}
+
+static int Worker_set_spin(WorkerObject *self, PyObject *v, void *c)
+{
+    double spin = v ? PyFloat_AsDouble(v) : -1.0;
+    if (!v || (spin == -1.0 && PyErr_Occurred())) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "spin: seconds, a number");
+        return -1;
+    }
+    atomic_store_explicit(&self->w.spin_ns, spin_ns_of(spin), memory_order_relaxed); /* read at its next wait */
+    return 0;
+}
+
 static PyObject *Worker_get_done(WorkerObject *self, void *c)
 {
     return PyLong_FromUnsignedLongLong(atomic_load_explicit(&self->w.done, memory_order_seq_cst));
@@ -1171,6 +1195,7 @@ static PyGetSetDef Worker_getset[] = {
     {"mode", (getter)Worker_get_mode, NULL, "0 native (the worker owns the ring), 1 python, 2 broken", NULL},
     {"why", (getter)Worker_get_why, NULL, "why it last handed the ring to Python", NULL},
     {"done", (getter)Worker_get_done, NULL, "request index below which all is executed and completed", NULL},
+    {"spin", (getter)Worker_get_spin, (setter)Worker_set_spin, "seconds it polls an empty ring before it sleeps (at most 0.01)", NULL},
     {NULL}};
 
 static PyTypeObject WorkerType = {

@@ -354,7 +354,7 @@ typedef struct {
     uint64_t session;
     int bell_fd;               /* the daemon's doorbell FIFO: wakes the Python loop */
     int cbell_fd;              /* the session's completion pipe (trio clients), or -1 */
-    uint64_t spin_ns;
+    _Atomic uint64_t spin_ns;  /* how long an idle worker polls before it sleeps (set while it runs) */
     uint32_t batch_cap;        /* descriptors peeked at once (>= a whole chain when the ring allows) */
     tdp_desc_t *batch;
     tdp_comp_t *comps;
@@ -780,10 +780,11 @@ static void *tdp_run(void *arg)
             continue;
         }
         /* A completion slot first (serving needs one), then descriptors. */
+        uint64_t spin = atomic_load_explicit(&w->spin_ns, memory_order_relaxed);
         int64_t f = trq_free(w->cq);
         if (f == 0)
-            f = trq_wait(w->cq, TRQ_WAIT_SPACE, 1, TRQ_SLICE_NS, w->spin_ns, &w->interrupt);
-        int64_t a = f > 0 ? trq_wait_armed(w->rq, TRQ_WAIT_DATA, need, TRQ_SLICE_NS, w->spin_ns,
+            f = trq_wait(w->cq, TRQ_WAIT_SPACE, 1, TRQ_SLICE_NS, spin, &w->interrupt);
+        int64_t a = f > 0 ? trq_wait_armed(w->rq, TRQ_WAIT_DATA, need, TRQ_SLICE_NS, spin,
                                            &w->interrupt, TDP_ARMED)
                           : 0;
         if (f < 0 || a < 0) {

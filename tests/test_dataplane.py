@@ -357,3 +357,44 @@ def test_ring_only_traffic_keeps_a_session_alive(daemon: DaemonProcess) -> None:
             time.sleep(0.01)
         assert c.stats()["daemon"]["sessions"] == 1
 
+
+
+def test_workers_poll_longer_while_cores_are_spare(tmp_path: Path) -> None:
+    """A worker's spin can be changed while it runs (clamped to 10 ms), and the daemon gives
+    its workers the spare-core spin exactly while every worker and its client can have a core."""
+    from transfer._ring import Ring
+    from transfer.server import _dataplane
+    from transfer.server._config import DaemonConfig
+
+    native = native_module()
+    srv = Ring.create(tmp_path / "r", 16, impl="native")
+    cli = Ring.attach(tmp_path / "r", impl="native")
+    worker = native.Worker(native.Table(), srv.inbox, srv.outbox, 1, -1, -1, 50e-6, (1e-5,))
+    try:
+        assert worker.spin == pytest.approx(50e-6)
+        worker.spin = 0.0005
+        assert worker.spin == pytest.approx(0.0005)
+        worker.spin = 5.0
+        assert worker.spin == pytest.approx(0.01)
+        with pytest.raises(TypeError):
+            worker.spin = "fast"
+        cli.push((4, 7))  # it still serves: a fence, completed by the worker
+        assert cli.wait(timeout=5.0) == 1 and cli.pop()[0] == 7
+    finally:
+        worker.stop()
+        cli.close()
+        srv.close()
+
+    class Fake:
+        spin = 0.0
+
+    plane = _dataplane.DataPlane(DaemonConfig(worker_spin_s=40e-6, worker_spin_spare_s=400e-6), None)  # type: ignore[arg-type]
+    cores = _dataplane._CPUS
+    for n in (1, cores // 2, cores // 2 + 1, cores):
+        plane._live = [Fake() for _ in range(n)]
+        plane._respin()
+        want = 400e-6 if 2 * n <= cores else 40e-6
+        assert all(w.spin == want for w in plane._live), (n, cores)
+    plane.config = DaemonConfig(worker_spin_s=40e-6, worker_spin_spare_s=0)
+    plane._respin()
+    assert all(w.spin == 40e-6 for w in plane._live)

@@ -149,7 +149,8 @@ def _py_pop_finished(inbox: Any, outstanding: dict[int, Any], pending: dict[int,
     success of an outstanding request whose answer is a bool (its value, or None) until the
     first run that is not one, and hand back (completions, descriptors freed, the other runs
     in order)."""
-    total, freed, rest = 0, 0, []
+    total = freed = 0
+    rest: list[Any] = []
     for run in inbox.pop_runs(0, 2, 1):
         rid, status, result, _, _, count, _ = run
         total += count
@@ -199,6 +200,9 @@ class RingLink:
         self.credits = min(self.ring.request_capacity, self.ring.completion_capacity)
         #: The longest CopyV chain it carries (the daemon joins at most MAX_CHAIN).
         self.max_chain = min(MAX_CHAIN, self.credits)
+        #: The most ranges a vector request may have here (one descriptor each; a CopyV's
+        #: chain is also bounded by what the daemon joins).
+        self.longest: dict[type, int] = {P.CopyV: self.max_chain, P.ChecksumV: self.credits}
         #: Whether the daemon runs graphs off the ring (RUN_GRAPH); else they take the socket.
         self.graphs = info.get("graphs") is True
         #: Whether the daemon orders descriptors after socket frames (`FLAG_AFTER`); else the
@@ -236,9 +240,9 @@ class RingLink:
         t = type(req)
         if t in _PLAIN:  # (most requests: one set lookup)
             return True
-        if t in _VECTORS:  # one descriptor per range (a CopyV's chain is also bounded)
-            n = len(req.nbytes)  # type: ignore[attr-defined]
-            return 0 < n <= (self.max_chain if t is P.CopyV else self.credits)
+        longest = self.longest.get(t)
+        if longest is not None:  # a vector: one descriptor per range
+            return 0 < len(req.nbytes) <= longest  # type: ignore[attr-defined]
         if t is P.RunGraph:  # one descriptor: one input, one output, and no profile to carry back
             return self.graphs and len(req.inputs) == 1 and len(req.outputs) == 1 and not req.profile  # type: ignore[attr-defined]
         return False
@@ -249,7 +253,11 @@ class RingLink:
         of the cost of a call each)."""
         if len(reqs) <= 4:
             for r in reqs:
-                if type(r) not in _PLAIN and not self.takes(r):
+                t = type(r)
+                if t in _PLAIN:
+                    continue
+                longest = self.longest.get(t)  # (a vector's rule, here without a call)
+                if not (0 < len(r.nbytes) <= longest if longest is not None else self.takes(r)):  # type: ignore[attr-defined]
                     return False
             return True
         kinds = {type(r) for r in reqs}

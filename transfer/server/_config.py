@@ -87,6 +87,9 @@ class DaemonConfig:
     ring_workers: bool = True
     #: How long a ring's worker spins for the next descriptor before it sleeps on the futex.
     worker_spin_s: float = 50e-6
+    #: The same while every worker and its client can have a core (2 x workers <= cores):
+    #: polling then costs no one a core, and saves each submission a futex wake.
+    worker_spin_spare_s: float = 500e-6
     #: Prometheus metrics over HTTP (`transfer.server._metrics`); 0 = off.
     metrics_port: int = 0
     metrics_addr: str = "127.0.0.1"

@@ -20,6 +20,7 @@ descriptor (tests/test_dataplane.py).
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from .._native import native_module
@@ -39,6 +40,10 @@ NATIVE, PYTHON, BROKEN = 0, 1, 2
 _COUNTED = ("copy", "fill", "checksum", "fused", "fence", "bytes", "handovers")
 
 
+#: The cores this daemon may run on (its workers and, on this host, its clients).
+_CPUS = len(os.sched_getaffinity(0))
+
+
 class DataPlane:
     """The native table and the sessions' workers (absent without the extension, or when off)."""
 
@@ -46,7 +51,12 @@ class DataPlane:
         self.config = config
         self.accounting = accounting
         self.table: Any = _native.Table() if config.ring_workers and _native is not None else None
-        self.workers = 0
+        self._live: list[Any] = []  # the running workers, whose spin _respin sets
+
+    @property
+    def workers(self) -> int:
+        """Running native workers."""
+        return len(self._live)
 
     @property
     def enabled(self) -> bool:
@@ -90,7 +100,8 @@ class DataPlane:
             self.table, ring.inbox, ring.outbox, session.id, bell_fd, cbell_fd,
             self.config.worker_spin_s, self.accounting.metrics.latency_bounds(),
         )
-        self.workers += 1
+        self._live.append(worker)
+        self._respin()
         session.info["native_seen"] = ({k: 0 for k in _COUNTED}, {})
         return worker
 
@@ -102,7 +113,20 @@ class DataPlane:
         self.fold(session)
         worker.stop()
         session.worker = None
-        self.workers -= 1
+        self._live.remove(worker)
+        self._respin()
+
+    def _respin(self) -> None:
+        """How long idle workers poll before they sleep on the futex. A sleeping worker costs
+        its client a wake syscall per submission and the scheduler's wake-up latency; a
+        polling one costs a core. While every worker and its client (a process each) can have
+        a core, they poll for `worker_spin_spare_s`; with more, for `worker_spin_s`, so that
+        polling never takes the core a client needs."""
+        spin = self.config.worker_spin_s
+        if self.config.worker_spin_spare_s and 2 * len(self._live) <= _CPUS:
+            spin = self.config.worker_spin_spare_s
+        for worker in self._live:
+            worker.spin = spin
 
     def fold(self, session: Session) -> None:
         """Add what the worker did since the last fold to the one accounting."""
