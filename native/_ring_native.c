@@ -381,6 +381,67 @@ static inline uint64_t field_bits(const QueueObject *self, const uint8_t *slot, 
  * `value` (8 bytes) of every slot of the run as packed little-endian words (None for a run of
  * one). A slot whose `clean` field is not zero is always a run of one. A checksum_many's
  * completions (one per range, under one id) come to the client as one tuple this way. */
+/* Where the run that starts at slot i of buf ends: consecutive slots sharing field `key`,
+ * all with field `clean` zero (a slot with `clean` set is a run of its own). */
+static int64_t run_end(const QueueObject *self, const uint8_t *buf, int64_t i, int64_t got, int key, int clean)
+{
+    uint64_t ss = self->q.slot_size;
+    const uint8_t *first = buf + i * ss;
+    int64_t j = i + 1;
+    if (field_bits(self, first, clean) == 0) {
+        uint64_t k = field_bits(self, first, key);
+        while (j < got && field_bits(self, buf + j * ss, key) == k && field_bits(self, buf + j * ss, clean) == 0)
+            j++;
+    }
+    return j;
+}
+
+/* The run of slots [i, j) as pop_runs hands it over: the first slot's fields, the run's
+ * length, and field `value` of every slot as little-endian words (None for a run of one). */
+static PyObject *run_item(QueueObject *self, const uint8_t *buf, int64_t i, int64_t j, int value)
+{
+    uint64_t ss = self->q.slot_size;
+    PyObject *t = unpack(self, buf + i * ss), *item = t ? PyTuple_New(self->nfields + 2) : NULL;
+    PyObject *count = item ? PyLong_FromLongLong(j - i) : NULL, *words = NULL;
+    if (count) {
+        if (j - i == 1) {
+            words = Py_NewRef(Py_None);
+        } else if ((words = PyBytes_FromStringAndSize(NULL, 8 * (j - i)))) {
+            char *w = PyBytes_AS_STRING(words);
+            for (int64_t r = i; r < j; r++) {
+                uint64_t v = field_bits(self, buf + r * ss, value);
+                memcpy(w + 8 * (r - i), &v, 8); /* little-endian, as the ring's words are */
+            }
+        }
+    }
+    if (!words) {
+        Py_XDECREF(t);
+        Py_XDECREF(item);
+        Py_XDECREF(count);
+        return NULL;
+    }
+    for (int f = 0; f < self->nfields; f++)
+        PyTuple_SET_ITEM(item, f, Py_NewRef(PyTuple_GET_ITEM(t, f)));
+    PyTuple_SET_ITEM(item, self->nfields, count);
+    PyTuple_SET_ITEM(item, self->nfields + 1, words);
+    Py_DECREF(t);
+    return item;
+}
+
+/* Every available slot into a private buffer (`small` when it fits, else a PyMem block the
+ * caller frees); the count popped, or TRQ_CORRUPT (buf NULL on no memory). */
+static int64_t pop_all(QueueObject *self, uint8_t *small, size_t small_size, uint8_t **buf, int wake)
+{
+    int64_t avail = trq_available(&self->q);
+    *buf = small;
+    if (avail <= 0)
+        return avail;
+    uint64_t n = (uint64_t)avail, ss = self->q.slot_size;
+    if (n * ss > small_size && !(*buf = PyMem_Malloc(n * ss)))
+        return 0;
+    return trq_pop_into(&self->q, *buf, n, wake);
+}
+
 static PyObject *Queue_pop_runs(QueueObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"key", "value", "clean", "wake", NULL};
@@ -394,52 +455,17 @@ static PyObject *Queue_pop_runs(QueueObject *self, PyObject *args, PyObject *kwd
         PyErr_SetString(PyExc_ValueError, "key, value and clean must be fields (value an 8-byte one)");
         return NULL;
     }
-    int64_t avail = trq_available(&self->q);
-    if (avail < 0)
-        return corrupt(self);
-    uint64_t n = (uint64_t)avail, ss = self->q.slot_size;
-    uint8_t small[64 * 32];
-    uint8_t *buf = n * ss <= sizeof small ? small : PyMem_Malloc(n * ss);
+    uint8_t small[64 * 32], *buf;
+    int64_t got = pop_all(self, small, sizeof small, &buf, wake);
     if (!buf)
         return PyErr_NoMemory();
-    int64_t got = n ? trq_pop_into(&self->q, buf, n, wake) : 0;
     PyObject *list = got < 0 ? NULL : PyList_New(0);
     for (int64_t i = 0; list && i < got;) {
-        const uint8_t *first = buf + i * ss;
-        int64_t j = i + 1;
-        if (field_bits(self, first, clean) == 0) {
-            uint64_t k = field_bits(self, first, key);
-            while (j < got && field_bits(self, buf + j * ss, key) == k && field_bits(self, buf + j * ss, clean) == 0)
-                j++;
-        }
-        PyObject *t = unpack(self, first), *item = t ? PyTuple_New(self->nfields + 2) : NULL;
-        PyObject *count = item ? PyLong_FromLongLong(j - i) : NULL, *words = NULL;
-        if (count) {
-            if (j - i == 1) {
-                words = Py_NewRef(Py_None);
-            } else if ((words = PyBytes_FromStringAndSize(NULL, 8 * (j - i)))) {
-                char *w = PyBytes_AS_STRING(words);
-                for (int64_t r = i; r < j; r++) {
-                    uint64_t v = field_bits(self, buf + r * ss, value);
-                    memcpy(w + 8 * (r - i), &v, 8); /* little-endian, as the ring's words are */
-                }
-            }
-        }
-        if (!words) {
-            Py_XDECREF(t);
-            Py_XDECREF(item);
-            Py_XDECREF(count);
+        int64_t j = run_end(self, buf, i, got, key, clean);
+        PyObject *item = run_item(self, buf, i, j, value);
+        if (!item || PyList_Append(list, item) < 0)
             Py_CLEAR(list);
-            break;
-        }
-        for (int f = 0; f < self->nfields; f++)
-            PyTuple_SET_ITEM(item, f, Py_NewRef(PyTuple_GET_ITEM(t, f)));
-        PyTuple_SET_ITEM(item, self->nfields, count);
-        PyTuple_SET_ITEM(item, self->nfields + 1, words);
-        Py_DECREF(t);
-        if (PyList_Append(list, item) < 0)
-            Py_CLEAR(list);
-        Py_DECREF(item);
+        Py_XDECREF(item);
         i = j;
     }
     if (buf != small)
@@ -461,6 +487,38 @@ static PyObject *Queue_pop_runs(QueueObject *self, PyObject *args, PyObject *kwd
  * what is finished here never overtakes an earlier completion of the same id. */
 static PyObject *s_finish;
 
+/* A lone success finished here: 1; not one for here: 0 (it goes to rest); an error: -1. */
+static int finish_lone(QueueObject *self, const uint8_t *slot, PyObject *outstanding, PyObject *pending, Py_ssize_t *freed)
+{
+    PyObject *rid = PyLong_FromUnsignedLongLong(field_bits(self, slot, 0));
+    if (!rid)
+        return -1;
+    PyObject *entry = PyDict_GetItemWithError(outstanding, rid);
+    if (!entry || !PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3 || !PyBool_Check(PyTuple_GET_ITEM(entry, 1))) {
+        Py_DECREF(rid);
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    PyObject *p = Py_NewRef(PyTuple_GET_ITEM(entry, 0));
+    int valued = PyTuple_GET_ITEM(entry, 1) == Py_True;
+    Py_ssize_t took = PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 2));
+    PyObject *value = valued ? PyLong_FromUnsignedLongLong(field_bits(self, slot, 2)) : Py_NewRef(Py_None);
+    PyObject *r = NULL;
+    if (value && took >= 0 && PyDict_DelItem(outstanding, rid) == 0) {
+        /* (pending.pop(rid, None): a request failed locally may be gone already) */
+        int has = PyDict_Contains(pending, rid);
+        if (has >= 0 && (!has || PyDict_DelItem(pending, rid) == 0))
+            r = PyObject_CallMethodObjArgs(p, s_finish, value, Py_None, NULL);
+    }
+    Py_XDECREF(r);
+    Py_XDECREF(value);
+    Py_DECREF(p);
+    Py_DECREF(rid);
+    if (!r)
+        return -1;
+    *freed += took;
+    return 1;
+}
+
 static PyObject *Queue_pop_finished(QueueObject *self, PyObject *const *a, Py_ssize_t na)
 {
     if (na != 2 || !PyDict_Check(a[0]) || !PyDict_Check(a[1])) {
@@ -473,16 +531,10 @@ static PyObject *Queue_pop_finished(QueueObject *self, PyObject *const *a, Py_ss
         PyErr_SetString(PyExc_TypeError, "pop_finished: not a completion queue");
         return NULL;
     }
-    PyObject *outstanding = a[0], *pending = a[1];
-    int64_t avail = trq_available(&self->q);
-    if (avail < 0)
-        return corrupt(self);
-    uint64_t n = (uint64_t)avail, ss = self->q.slot_size;
-    uint8_t small[64 * 32];
-    uint8_t *buf = n * ss <= sizeof small ? small : PyMem_Malloc(n * ss);
+    uint8_t small[64 * 32], *buf;
+    int64_t got = pop_all(self, small, sizeof small, &buf, 1);
     if (!buf)
         return PyErr_NoMemory();
-    int64_t got = n ? trq_pop_into(&self->q, buf, n, 1) : 0;
     if (got < 0) {
         if (buf != small)
             PyMem_Free(buf);
@@ -491,75 +543,23 @@ static PyObject *Queue_pop_finished(QueueObject *self, PyObject *const *a, Py_ss
     Py_ssize_t freed = 0;
     PyObject *rest = PyList_New(0);
     for (int64_t i = 0; rest && i < got;) {
-        const uint8_t *first = buf + i * ss;
-        int64_t j = i + 1;
-        if (field_bits(self, first, 1) == 0) { /* a run: successes sharing an id */
-            uint64_t k = field_bits(self, first, 0);
-            while (j < got && field_bits(self, buf + j * ss, 0) == k && field_bits(self, buf + j * ss, 1) == 0)
-                j++;
-        }
+        const uint8_t *first = buf + i * self->q.slot_size;
+        int64_t j = run_end(self, buf, i, got, 0, 1); /* successes sharing an id */
         if (j - i == 1 && field_bits(self, first, 1) == 0 && PyList_GET_SIZE(rest) == 0) {
-            PyObject *rid = PyLong_FromUnsignedLongLong(field_bits(self, first, 0));
-            PyObject *entry = rid ? PyDict_GetItemWithError(outstanding, rid) : NULL;
-            if (entry && PyTuple_CheckExact(entry) && PyTuple_GET_SIZE(entry) == 3 &&
-                PyBool_Check(PyTuple_GET_ITEM(entry, 1))) {
-                PyObject *p = Py_NewRef(PyTuple_GET_ITEM(entry, 0));
-                int valued = PyTuple_GET_ITEM(entry, 1) == Py_True;
-                Py_ssize_t took = PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 2));
-                PyObject *value = valued ? PyLong_FromUnsignedLongLong(field_bits(self, first, 2)) : Py_NewRef(Py_None);
-                PyObject *r = NULL;
-                if (value && took >= 0 && PyDict_DelItem(outstanding, rid) == 0) {
-                    /* (pending.pop(rid, None): a request failed locally may be gone already) */
-                    int has = PyDict_Contains(pending, rid);
-                    if (has >= 0 && (!has || PyDict_DelItem(pending, rid) == 0))
-                        r = PyObject_CallMethodObjArgs(p, s_finish, value, Py_None, NULL);
-                }
-                Py_XDECREF(r);
-                Py_XDECREF(value);
-                Py_DECREF(p);
-                Py_DECREF(rid);
-                if (!r) {
-                    Py_CLEAR(rest);
-                    break;
-                }
-                freed += took;
-                i = j;
-                continue;
-            }
-            Py_XDECREF(rid);
-            if (PyErr_Occurred()) {
+            int done = finish_lone(self, first, a[0], a[1], &freed);
+            if (done < 0) {
                 Py_CLEAR(rest);
                 break;
             }
-        }
-        PyObject *t = unpack(self, first), *item = t ? PyTuple_New(self->nfields + 2) : NULL;
-        PyObject *count = item ? PyLong_FromLongLong(j - i) : NULL, *words = NULL;
-        if (count) {
-            if (j - i == 1) {
-                words = Py_NewRef(Py_None);
-            } else if ((words = PyBytes_FromStringAndSize(NULL, 8 * (j - i)))) {
-                char *w = PyBytes_AS_STRING(words);
-                for (int64_t r = i; r < j; r++) {
-                    uint64_t v = field_bits(self, buf + r * ss, 2);
-                    memcpy(w + 8 * (r - i), &v, 8);
-                }
+            if (done) {
+                i = j;
+                continue;
             }
         }
-        if (!words) {
-            Py_XDECREF(t);
-            Py_XDECREF(item);
-            Py_XDECREF(count);
+        PyObject *item = run_item(self, buf, i, j, 2);
+        if (!item || PyList_Append(rest, item) < 0)
             Py_CLEAR(rest);
-            break;
-        }
-        for (int f = 0; f < self->nfields; f++)
-            PyTuple_SET_ITEM(item, f, Py_NewRef(PyTuple_GET_ITEM(t, f)));
-        PyTuple_SET_ITEM(item, self->nfields, count);
-        PyTuple_SET_ITEM(item, self->nfields + 1, words);
-        Py_DECREF(t);
-        if (PyList_Append(rest, item) < 0)
-            Py_CLEAR(rest);
-        Py_DECREF(item);
+        Py_XDECREF(item);
         i = j;
     }
     if (buf != small)
