@@ -507,3 +507,32 @@ def test_one_accounting_whatever_the_path(daemon_factory, ring: bool) -> None:  
     assert d1["bytes_moved"] - d0["bytes_moved"] == moved
     assert s1["errors"] - s0["errors"] == 1
     assert s1["requests"] - s0["requests"] >= 23  # + the fence and the stats request
+
+
+def test_a_field_no_descriptor_holds_fails_its_call_and_nothing_else(ringd: Any) -> None:
+    """Requests whose fields a descriptor cannot hold (made past the client's checks) fail
+    with InvalidField before anything of their call is published: raised to a blocking
+    caller, or (event-loop clients, whose caller has returned) finished and left for
+    fence(). Nothing of them stays pending, and the session serves on."""
+    with transfer.connect(ringd.endpoint) as c:
+        seg = c.segment(4096)
+        seg.buffer[:64] = 7
+        core, link = c._core, c._ring
+        assert link is not None and link.ring.implementation == os.environ["TRANSFER_RING"]
+        for failed in (None, []):
+            with c._lock:
+                good, pg = core.new(P.Copy, seg.va + 64, seg.va, 64, 0)
+                bad, pb = core.new(P.Copy, 1 << 64, seg.va, 64, 0)  # a VA past any descriptor
+                pushed = link.pushed
+                if failed is None:
+                    with pytest.raises(E.InvalidField):
+                        link.push([good, bad], core.pending, c._wait_room, 0)
+                    assert not pg.done() and not pb.done()
+                else:
+                    link.push([good, bad], core.pending, c._wait_room, 0, failed)
+                    assert failed == [pg, pb] and all(isinstance(p.exception(), E.InvalidField) for p in failed)
+                assert link.pushed == pushed and good.id not in core.pending and bad.id not in core.pending
+                assert good.id not in link.outstanding and bad.id not in link.outstanding
+        c.copy(seg.va + 128, seg.va, 64).result()
+        c.fence()
+        assert bytes(seg.buffer[128:192]) == bytes([7]) * 64 and not core.pending
