@@ -1435,54 +1435,46 @@ static PyObject *Queue_push_requests(QueueObject *self, PyObject *const *a, Py_s
         PyErr_SetString(PyExc_IndexError, "push_requests: start out of range");
         return NULL;
     }
-    /* Pass 1: what fits. */
+    /* Pass 1: what fits, each request's kind and descriptors noted once. */
+    struct { int kind; Py_ssize_t k; } small[64], *info = small;
+    if (n - start > 64 && !(info = PyMem_Malloc((size_t)(n - start) * sizeof *info)))
+        return PyErr_NoMemory();
+    uint64_t stackbuf[16 * DESC_WORDS], *buf = stackbuf;
+    PyObject *out = NULL;
     Py_ssize_t end = start, used = 0;
-    int kind_at[64];
-    Py_ssize_t k_at[64];
     for (; end < n; end++) {
         PyObject *r = PyList_GET_ITEM(reqs, end);
         PyObject *ko = PyDict_GetItemWithError(kinds, (PyObject *)Py_TYPE(r));
         if (!ko) {
             if (!PyErr_Occurred())
                 PyErr_Format(PyExc_TypeError, "a %s cannot take the ring", Py_TYPE(r)->tp_name);
-            return NULL;
+            goto done;
         }
         long kind = PyLong_AsLong(ko);
         if (kind < 0 || kind >= K_COUNT) {
             if (!PyErr_Occurred())
                 PyErr_SetString(PyExc_ValueError, "push_requests: unknown kind code");
-            return NULL;
+            goto done;
         }
         Py_ssize_t k = descriptors_for(r, (int)kind);
         if (k < 0)
-            return NULL;
+            goto done;
         if (used + k > room)
             break;
-        if (end - start < 64) {
-            kind_at[end - start] = (int)kind;
-            k_at[end - start] = k;
-        }
+        info[end - start].kind = (int)kind;
+        info[end - start].k = k;
         used += k;
     }
     /* Pass 2: pack (nothing is published if a field does not fit). */
-    uint64_t stackbuf[16 * DESC_WORDS];
-    uint64_t *buf = used <= 16 ? stackbuf : PyMem_Malloc((size_t)used * DESC_WORDS * 8);
-    if (!buf)
-        return PyErr_NoMemory();
+    if (used > 16 && !(buf = PyMem_Malloc((size_t)used * DESC_WORDS * 8))) {
+        PyErr_NoMemory();
+        goto done;
+    }
     uint64_t *w = buf;
     for (Py_ssize_t i = start; i < end; i++) {
-        PyObject *r = PyList_GET_ITEM(reqs, i);
-        int kind;
-        Py_ssize_t k;
-        if (i - start < 64) {
-            kind = kind_at[i - start];
-            k = k_at[i - start];
-        } else {
-            kind = (int)PyLong_AsLong(PyDict_GetItem(kinds, (PyObject *)Py_TYPE(r)));
-            k = descriptors_for(r, kind);
-        }
-        if (k && pack_request(r, kind, k, w) < 0)
-            goto fail;
+        Py_ssize_t k = info[i - start].k;
+        if (k && pack_request(PyList_GET_ITEM(reqs, i), info[i - start].kind, k, w) < 0)
+            goto done;
         w += k * DESC_WORDS;
     }
     if (after && used) {
@@ -1490,43 +1482,42 @@ static PyObject *Queue_push_requests(QueueObject *self, PyObject *const *a, Py_s
         buf[7] = after;
     }
     int64_t published = used ? trq_push_from(&self->q, buf, (uint64_t)used, 0) : 0;
-    if (buf != stackbuf)
-        PyMem_Free(buf);
-    buf = NULL;
-    if (published < 0)
-        return corrupt(self);
+    if (published < 0) {
+        corrupt(self);
+        goto done;
+    }
     if (published)
         ring_peer(self);
     /* Note what each answers. */
     for (Py_ssize_t i = start; i < end; i++) {
-        PyObject *r = PyList_GET_ITEM(reqs, i);
-        int kind = (int)PyLong_AsLong(PyDict_GetItem(kinds, (PyObject *)Py_TYPE(r)));
+        int kind = info[i - start].kind;
         if (kind == K_WAIT)
             continue;
-        Py_ssize_t k = i - start < 64 ? k_at[i - start] : descriptors_for(r, kind);
-        PyObject *rid = PyObject_GetAttr(r, s_id);
+        PyObject *rid = PyObject_GetAttr(PyList_GET_ITEM(reqs, i), s_id);
         if (!rid)
-            return NULL;
+            goto done;
         PyObject *p = PyDict_GetItemWithError(pending, rid);
         if (!p) {
             if (!PyErr_Occurred())
                 PyErr_SetObject(PyExc_KeyError, rid);
             Py_DECREF(rid);
-            return NULL;
+            goto done;
         }
         PyObject *answers = kind == K_CHECKSUMV ? PyObject_CallNoArgs(sums) : Py_NewRef(kind == K_CHECKSUM ? Py_True : Py_False);
-        PyObject *entry = answers ? Py_BuildValue("(ONn)", p, answers, k) : NULL;
+        PyObject *entry = answers ? Py_BuildValue("(ONn)", p, answers, info[i - start].k) : NULL;
         int rc = entry ? PyDict_SetItem(outstanding, rid, entry) : -1;
         Py_XDECREF(entry);
         Py_DECREF(rid);
         if (rc < 0)
-            return NULL;
+            goto done;
     }
-    return Py_BuildValue("(nnL)", end - start, used, (long long)published);
-fail:
+    out = Py_BuildValue("(nnL)", end - start, used, (long long)published);
+done:
     if (buf != stackbuf)
         PyMem_Free(buf);
-    return NULL;
+    if (info != small)
+        PyMem_Free(info);
+    return out;
 }
 
 /* checksum64 (transfer/_checksum.py) of a C-contiguous buffer: the word sum the workers use
