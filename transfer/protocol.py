@@ -69,6 +69,7 @@ from ._fields import (  # noqa: F401 - the wire's field types, validators and li
     u32,
     u64,
 )
+from ._native import native_module
 from .kernels import MAX_GRAPH_NODES, MAX_GRAPH_TENSORS, TensorRef  # noqa: F401 - graph limits are the protocol's
 
 __all__ = [
@@ -743,6 +744,9 @@ def decode_replies(data: bytes, limits: Limits = DEFAULT_LIMITS) -> list[Reply]:
 
 # --- submission-side checks -----------------------------------------------------
 _INT_BOUNDS: dict[type, tuple[tuple[int, str, int, int], ...]] = {}
+#: check_ints's common case in C, where built: True when every field is an exact int in range
+#: (a NumPy integer, or anything wrong, is left to the loop below, which names it).
+_ints_within: Callable[[tuple[Any, ...], tuple[tuple[int, str, int, int], ...]], bool] | None = getattr(native_module(), "ints_within", None)
 
 
 def int_bounds(cls: type) -> tuple[tuple[int, str, int, int], ...]:
@@ -769,8 +773,11 @@ def check_ints(cls: type, args: tuple[Any, ...]) -> None:
     `args` are the request's fields after the id, in order (trailing defaults may be left
     out); only integer fields are checked.
     """
+    bounds = _INT_BOUNDS.get(cls) or int_bounds(cls)
+    if _ints_within is not None and type(args) is tuple and _ints_within(args, bounds):
+        return  # every field an exact int in range: one native call (submission's hot path)
     n = len(args)
-    for i, name, lo, hi in _INT_BOUNDS.get(cls) or int_bounds(cls):
+    for i, name, lo, hi in bounds:
         if i >= n:
             break
         v = args[i]

@@ -18,7 +18,6 @@ import numpy as np
 
 from .. import errors as E
 from .. import protocol as P
-from .._native import native_module
 from ..transport._fds import fetch_fd
 from ._deferred import DeferredState
 from ._pending import Pending
@@ -108,17 +107,13 @@ class ClientCore:
         deferred to define) costs two attribute tests before the request is made."""
         if self.broken is not None or _forks[0] != self._fork or not _AT_FORK:
             self.check_usable()
-        bounds = _BOUNDS.get(cls)
-        if bounds is not None and not _ints_within(args, bounds):
-            P.check_ints(cls, args)  # a NumPy integer passes; anything else is named
+        if cls in _CHECKED:
+            P.check_ints(cls, args)
         state = self.deferred
         stale = [o for o in objects if o.sent_version != o.version] if objects else ()
         # (Most calls: nothing deferred to send first, decided by these two tests alone.)
         defs = self._definitions(cls, args, stale) if stale or (state is not None and (state.buffers or state.frees)) else ()
-        rid = self._next_id  # (new(), inline: the hot path's one request)
-        self._next_id = rid + 1
-        req = cls(rid, *args)
-        pending = self.pending[rid] = self._pending_cls(rid, self._waiter)
+        req, pending = self.new(cls, *args)
         if defs:
             reqs = [*defs, req]
             pending._deps = [self.pending[d.id] for d in defs if d.id in self.pending]
@@ -202,6 +197,13 @@ class ClientCore:
         if len(self.pending) - len(link.outstanding) == unsent:
             return 0
         return frames if link.after else None
+
+    def unsent(self, reqs: Sequence[P.Request], batch: Sequence[P.Request] | None) -> int:
+        """Requests created but not handed to a transport yet: those of `reqs` in the pending
+        table (pings and Wait markers are not), and what a batch() holds. (One request: one
+        lookup.)"""
+        pending = self.pending
+        return (reqs[0].id in pending if len(reqs) == 1 else sum(1 for r in reqs if r.id in pending)) + len(batch or ())
 
     def socket_room(self, unsent: int) -> int:
         """How many more requests the socket may carry within the daemon's credits."""
@@ -316,11 +318,8 @@ class ClientCore:
 
 
 #: Requests that may take the ring: their integer fields are checked at submission (a
-#: vector's arrays are uint64 already), against these bounds.
-_BOUNDS: dict[type, tuple[tuple[int, str, int, int], ...]] = {cls: P.int_bounds(cls) for cls in (P.Copy, P.Fill, P.Checksum, P.CopyV, P.ChecksumV)}
-#: Whether every integer field is an exact int within its bounds: the check's common case in
-#: one native call where the extension is built (else P.check_ints decides every time).
-_ints_within: Callable[[tuple[Any, ...], tuple[tuple[int, str, int, int], ...]], bool] = getattr(native_module(), "ints_within", lambda args, bounds: False)
+#: vector's arrays are uint64 already).
+_CHECKED = frozenset((P.Copy, P.Fill, P.Checksum, P.CopyV, P.ChecksumV))
 
 
 def _sums(result: Any, error: E.TransferError | None, n: int) -> tuple[Any, E.TransferError | None]:

@@ -170,10 +170,7 @@ class LoopSession(Session):
         held, core = self._held, self._core
         if not held:
             return
-        pending = core.pending
-        # Created, not handed to a transport yet: the held requests (pings and Wait markers
-        # are not in `pending`), and what a batch() holds. (One request: one lookup.)
-        unsent = (held[0].id in pending if len(held) == 1 else sum(1 for r in held if r.id in pending)) + len(self._batch or ())
+        unsent = core.unsent(held, self._batch)
         while held:
             link = core.ring
             after = None if link is None else core.ring_route([held[0]], unsent, self.frames_sent)
@@ -199,7 +196,7 @@ class LoopSession(Session):
                     self._pump.send_nowait([frame])
                     self.frames_sent += 1
             if held:
-                unsent -= sum(1 for r in chunk if r.id in pending)
+                unsent -= core.unsent(chunk, None)
 
     @staticmethod
     def _no_credits(need: int) -> None:

@@ -34,9 +34,6 @@ class Pending:
         return self._done
 
     def result(self, timeout: float | None = None) -> Any:
-        if self._done and self._error is None and self._deps is None:  # (most: done and well)
-            self._observed = True
-            return self._value
         err = self.exception(timeout)
         if err is not None:
             raise err

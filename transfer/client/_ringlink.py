@@ -253,11 +253,7 @@ class RingLink:
         of the cost of a call each)."""
         if len(reqs) <= 4:
             for r in reqs:
-                t = type(r)
-                if t in _PLAIN:
-                    continue
-                longest = self.longest.get(t)  # (a vector's rule, here without a call)
-                if not (0 < len(r.nbytes) <= longest if longest is not None else self.takes(r)):  # type: ignore[attr-defined]
+                if type(r) not in _PLAIN and not self.takes(r):
                     return False
             return True
         kinds = {type(r) for r in reqs}

@@ -228,12 +228,9 @@ class Client(Session):
         core = self._core
         link = core.ring
         if link is not None:
-            pending = core.pending
-            # Created, not sent yet: these requests, and what a batch() holds.
-            unsent = (reqs[0].id in pending if len(reqs) == 1 else sum(1 for r in reqs if r.id in pending)) + len(self._batch or ())
-            after = core.ring_route(reqs, unsent, self.frames_sent)
+            after = core.ring_route(reqs, core.unsent(reqs, self._batch), self.frames_sent)
             if after is not None:
-                link.push(reqs, pending, self._wait_room, after)
+                link.push(reqs, core.pending, self._wait_room, after)
                 return
         step = max(1, core.max_inflight // 2)
         for i in range(0, len(reqs), step):
