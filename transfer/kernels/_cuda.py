@@ -26,7 +26,7 @@ import numpy as np
 
 from ._tensors import DTYPES
 
-__all__ = ["CType", "ctype", "storage", "CONVERSIONS", "elementwise_source", "gemm_source", "sources", "gemm",
+__all__ = ["CType", "ctype", "storage", "constant", "CONVERSIONS", "elementwise_source", "gemm_source", "sources", "gemm",
            "unary", "cast", "normalize", "reduce_sum", "softmax", "layer_norm", "fill"]
 
 
@@ -53,6 +53,30 @@ _CTYPES: dict[str, CType] = {
 
 def ctype(dtype: str) -> CType:
     return _CTYPES[dtype]
+
+
+def constant(table: np.ndarray, cp: Any) -> Any:
+    """A small read-only table (normalize's per-channel factors, a batched GEMM's offsets) on
+    the current device, uploaded once per distinct contents and kept.
+
+    `cp.asarray` of host memory blocks the issuing thread (a pinned staging buffer, then a
+    copy on the current stream); per launch it cost the GPU path its pipelining. The first
+    upload waits for its copy, so any stream may read the table from then on. Tables over
+    `CONSTANT_BYTES` (a GEMM batched a million ways) are uploaded each time, not kept."""
+    if table.nbytes > CONSTANT_BYTES:
+        return cp.asarray(table)
+    return _constant(cp, cp.cuda.runtime.getDevice(), table.dtype.str, table.shape, table.tobytes())
+
+
+#: The largest table `constant` keeps (256 of them at most: 16 MiB per device).
+CONSTANT_BYTES = 64 << 10
+
+
+@functools.lru_cache(maxsize=256)
+def _constant(cp: Any, device: int, dtype: str, shape: tuple[int, ...], data: bytes) -> Any:
+    arr = cp.asarray(np.frombuffer(data, dtype=dtype).reshape(shape))
+    cp.cuda.get_current_stream().synchronize()
+    return arr
 
 
 def storage(arr: Any, dtype: str, cp: Any) -> Any:
@@ -318,7 +342,7 @@ def gemm(a: Any, b: Any, bias: Any, c: Any, sig: tuple[str, ...], cp: Any) -> No
         offs: np.ndarray = (np.asarray(st, dtype=np.int64).reshape(-1, 1) * idx).sum(axis=0, dtype=np.int64).reshape(-1)
         return offs
 
-    offs = [cp.asarray(offsets(arr)) for arr in (a, b, c)]
+    offs = [constant(offsets(arr), cp) for arr in (a, b, c)]
     nb = len(offs[0])
     sam, sak = _elements(a)[-2:]
     sbk, sbn = _elements(b)[-2:]

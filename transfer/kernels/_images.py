@@ -134,7 +134,7 @@ def _normalize(x: list[Any], y: list[Any], p: Mapping[str, Any], xp: Any) -> Non
 def _normalize_cuda(x: list[Any], y: list[Any], p: Mapping[str, Any], cp: Any, sig: Sig) -> None:
     v, dst = _view(x[0], p)
     a, b = _tables(p, dst, v.shape[dst.index("C")])
-    _cuda.normalize(v, cp.asarray(a), cp.asarray(b), y[0], sig[1], cp)
+    _cuda.normalize(v, _cuda.constant(a, cp), _cuda.constant(b, cp), y[0], sig[1], cp)
 
 
 light(Operator(
