@@ -157,13 +157,17 @@ def test_close_leaves_nothing_behind(shm_dir: Path) -> None:
     assert threading.active_count() <= threads  # the embedded daemon's thread is gone too
 
 
-def test_gpu_path_through_the_stream_simulation() -> None:
+@pytest.mark.parametrize("backend", ["streamsim", pytest.param("cupy", marks=pytest.mark.gpu)])
+def test_device_batches_by_dlpack(backend: str) -> None:
     """device='cuda': the daemon copies each slot into a device buffer; the batch comes by DLPack.
     The simulated GPU's memory is host RAM, so its tensors are CPU tensors; on a real GPU, cuda ones."""
-    with transfer.serve_in_process(backend="streamsim") as d:
+    want = "cuda" if backend == "cupy" else "cpu"
+    with transfer.serve_in_process(backend=backend) as d:
         with TransferLoader(Pairs(), batch_size=8, num_workers=2, daemon=d, device="cuda") as loader:
             assert loader.mode == "device"
-            _same([_clone(b) for b in loader], list(DataLoader(Pairs(), batch_size=8)))
+            got = [_clone(b) for b in loader]
+    assert {t.device.type for b in got for t in b} == {want}
+    _same([[t.cpu() for t in b] for b in got], list(DataLoader(Pairs(), batch_size=8)))
 
 
 def test_guide_section_runs() -> None:
