@@ -92,10 +92,12 @@ class Runner:
             if self.need_daemon:
                 from transfer.testing import loopback_endpoint, run_daemon
 
-                args: list[str] = []
+                # Every baseline of these modes copies host to host, so transfer does too: on a GPU
+                # host `--backend auto` would place its destination (`alloc`) on the GPU, the gpu mode's work.
+                args: list[str] = ["--backend", "numpy"]
                 if self.tcp:
                     self.tcp_endpoint = loopback_endpoint()
-                    args = ["--endpoint", self.tcp_endpoint, "--allow-insecure-tcp"]  # loopback only
+                    args += ["--endpoint", self.tcp_endpoint, "--allow-insecure-tcp"]  # loopback only
                 d = self._stack.enter_context(run_daemon(args, **self.daemon_args))
                 self.endpoint = d.endpoint
                 self.daemon_pid = getattr(d, "pid", None)
