@@ -87,7 +87,7 @@ def main() -> None:
     for _ in range(args.runs):
         for name, root in trees.items():
             out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--one", "--n", str(args.n), "--rounds", str(args.rounds)],
-                                 cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, check=True)
+                                 cwd=root, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH"))))}, capture_output=True, text=True, check=True)
             row = json.loads(out.stdout.strip().splitlines()[-1])
             runs[name].append(row)
             print(f"{name:9s}", "  ".join(f"{k} {v:6.2f}" for k, v in row.items()), flush=True)
