@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -85,6 +86,12 @@ class FakeCupy:
 
     def __init__(self) -> None:
         self.built: list[_Built] = []
+        self.uploads = self.syncs = 0
+        stream = SimpleNamespace(synchronize=self._sync)
+        self.cuda = SimpleNamespace(runtime=SimpleNamespace(getDevice=lambda: 0), get_current_stream=lambda: stream)
+
+    def _sync(self) -> None:
+        self.syncs += 1
 
     def ElementwiseKernel(self, *a: Any, **k: Any) -> _Built:  # noqa: N802 (CuPy's name)
         return _Built(self, "elementwise", a, k)
@@ -96,7 +103,23 @@ class FakeCupy:
         return _Built(self, "raw", a, k)
 
     def asarray(self, a: Any) -> Any:
-        return np.asarray(a)
+        self.uploads += 1
+        return np.array(a)
+
+
+def test_constant_tables_are_uploaded_once_per_contents() -> None:
+    """normalize's factors and a GEMM's offsets go up once per distinct contents, waited for
+    once (any stream may read them after); a table past CONSTANT_BYTES is not kept."""
+    cp = FakeCupy()
+    a = np.arange(4, dtype=np.float32)
+    first = _cuda.constant(a, cp)
+    assert np.array_equal(first, a) and (cp.uploads, cp.syncs) == (1, 1)
+    assert _cuda.constant(a.copy(), cp) is first and (cp.uploads, cp.syncs) == (1, 1)
+    assert np.array_equal(_cuda.constant(a + 1, cp), a + 1) and cp.uploads == 2
+    big = np.zeros(_cuda.CONSTANT_BYTES // 8 + 1, np.int64)
+    _cuda.constant(big, cp)
+    _cuda.constant(big, cp)
+    assert cp.uploads == 4 and cp.syncs == 2
 
 
 def test_kernels_are_built_once_per_dtype_and_reused() -> None:
