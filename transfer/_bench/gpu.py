@@ -21,6 +21,11 @@ Two parts, each in one run so the ratios compare like with like:
    them to float32 there with the same kernel (`transfer.kernels`'
    normalize, on CuPy).
 
+3. **Latency**: one 64-byte host-to-device copy at a time, its round trip
+   (p50, p99): `transfer`'s `copy(...).result()` into a device buffer, against
+   `cudaMemcpyAsync` and a stream synchronize in this process. The fixed cost
+   of one request on the GPU path.
+
 After every repetition (untimed, so that no check drains the pipeline the
 baselines keep full), up to `verify_slots` of `transfer`'s slots, spread over
 all of them, are checked: the daemon's checksum of a device slot's first MiB
@@ -39,6 +44,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .common import STAMP_STRIDE_WORDS, BenchFailure, fmt_size
+from . import latency as _lat
 from .report import nvidia_smi
 
 METHODS = ("transfer", "cupy-pinned", "cupy-pageable")
@@ -53,6 +59,8 @@ IMAGE = (4, 64, 64)
 IMAGE_BYTES = 4 * 64 * 64
 #: Bytes of a slot a verification checksums on both sides (from its start).
 VERIFY_BYTES = 1 << 20
+#: The latency part: bytes per copy, round trips per method (after a tenth as many to warm up).
+LATENCY_BYTES, LATENCY_ROUNDS = 64, 2000
 
 
 def available() -> tuple[bool, str]:
@@ -189,6 +197,28 @@ def _transfer_loop(endpoint: str, size: int, depth: int, compute: bool, seconds:
         return rates
 
 
+def _latency(method: str, endpoint: str, rounds: int) -> list[float]:
+    """Round trips (seconds) of one LATENCY_BYTES host-to-device copy at a time."""
+    import cupy as cp
+
+    if method == "transfer":
+        import transfer
+
+        with transfer.connect(endpoint) as c:
+            seg, dev = c.segment(4096), c.alloc(4096)
+            return _lat._timed(lambda: c.copy(dev.va, seg.va, LATENCY_BYTES).result(), rounds, rounds // 10)
+    pinned = cp.cuda.alloc_pinned_memory(4096) if method == "cupy-pinned" else None
+    host = np.frombuffer(pinned, np.uint8, 4096) if pinned is not None else np.zeros(4096, np.uint8)
+    dev_mem = cp.empty(4096, cp.uint8)
+    stream = cp.cuda.Stream(non_blocking=True)
+
+    def one() -> None:
+        cp.cuda.runtime.memcpyAsync(dev_mem.data.ptr, host.ctypes.data, LATENCY_BYTES, 1, stream.ptr)
+        stream.synchronize()
+
+    return _lat._timed(one, rounds, rounds // 10)
+
+
 def _child(method: str, endpoint: str, size: int, depth: int, compute: bool, seconds: float, reps: int,
            verify_slots: int, barrier: Any, conn: Any) -> None:
     try:
@@ -234,7 +264,8 @@ def _run_processes(n: int, method: str, endpoint: str, size: int, depth: int, co
 def run(sizes: list[int], *, depth: int = 8, reps: int = 3, rep_s: float = 0.4, verify_slots: int = 16,
         compute_sizes: list[int] | None = None, line: Callable[[str], None] = print,
         daemon_args: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Both parts; returns rows of {part, method, size, producers, gbps, gbps_reps, vs_pinned}."""
+    """The three parts; rows of {part, method, size, producers, gbps, gbps_reps, vs_pinned}
+    (the latency part: p50_us, p99_us, mean_us, rounds instead of the rates)."""
     import cupy as cp
 
     from ..testing import run_daemon
@@ -257,6 +288,10 @@ def run(sizes: list[int], *, depth: int = 8, reps: int = 3, rep_s: float = 0.4, 
             got = {m: _run_processes(2, m, d.endpoint, size, depth, True, rep_s, reps, verify_slots) for m in METHODS}
             rows += _rows("h2d+normalize", got, size, 2, depth)
             line("gpu h2d+normalize, 2 producers " + _summary(rows[-len(METHODS):]))
+        lat = {m: _lat._stats(_latency(m, d.endpoint, LATENCY_ROUNDS)) for m in METHODS}
+        rows += [{"part": "latency", "method": m, "size": LATENCY_BYTES, "producers": 1, **st,
+                  "vs_pinned": round(lat["cupy-pinned"]["p50_us"] / st["p50_us"], 3)} for m, st in lat.items()]
+        line("gpu latency, 64 B one at a time: " + ", ".join(f"{m} p50 {st['p50_us']:.1f} us p99 {st['p99_us']:.1f}" for m, st in lat.items()))
     config = {"depth": depth, "reps": reps, "rep_seconds": rep_s, "verify_slots": verify_slots,
               "groups": {fmt_size(s): dict(zip(("slots", "group"), plan(s, depth))) for s in sizes}}
     return {"rows": rows, "device": describe(), "config": config}
@@ -304,5 +339,6 @@ def render(result: dict[str, Any]) -> Any:
     for col in ("part", "producers", "size", "method", "GB/s", "vs pinned"):
         t.add_column(col, justify="right" if col in ("producers", "size", "GB/s", "vs pinned") else "left")
     for r in result["rows"]:
-        t.add_row(r["part"], str(r["producers"]), fmt_size(r["size"]), r["method"], f"{r['gbps']:.2f}", f"{r['vs_pinned']:.2f}x")
+        rate = f"{r['gbps']:.2f}" if "gbps" in r else f"p50 {r['p50_us']:.1f} µs"  # the latency part: a round trip
+        t.add_row(r["part"], str(r["producers"]), fmt_size(r["size"]), r["method"], rate, f"{r['vs_pinned']:.2f}x")
     return t
