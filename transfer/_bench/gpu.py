@@ -1,6 +1,6 @@
 """The `gpu` mode: host-to-device from a registered segment, against CuPy's own copies.
 
-Two parts, each in one run so the ratios compare like with like:
+Three parts, each in one run so the ratios compare like with like:
 
 1. **Host to device**, one producer, 64 KiB..256 MiB. Every method sends
    batches in groups of about 8 MiB (`plan`: one batch per group from
