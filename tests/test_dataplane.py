@@ -214,7 +214,9 @@ def test_long_copies_stream_past_the_cache_byte_exact(daemon: DaemonProcess) -> 
         c.copy(dev, seg, 8).result()  # defines the device buffer first
         back = c.segment(2 * n)
         out = back.ndarray((2 * n,), np.uint8)
-        for doff, soff, size in [(0, 0, n), (3, 0, n), (0, 5, n - 7), (13, 1, n + 999)]:
+        # destinations 16-byte aligned, 8 but not 16 (a one-word prologue before the streamed
+        # blocks), and not 8 (the cached fused copy instead)
+        for doff, soff, size in [(0, 0, n), (3, 0, n), (0, 5, n - 7), (13, 1, n + 999), (8, 0, n), (8, 3, n + 5), (24, 7, n - 1)]:
             out[:] = 0
             c.fill(dev, 2 * n).result()
             with c.batch():
