@@ -68,6 +68,36 @@ def test_compute_runs_on_the_gpu_and_matches_numpy(gpud: Any) -> None:
         np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_host_input_is_read_on_the_stream_before_later_host_writes(gpud: Any) -> None:
+    """A compute reads a host input by a copy queued on the stream (DMA from the segment, not
+    a snapshot taken when it is queued). A host-to-host copy later in the same batch that
+    overwrites that input must wait for the read; each answer reflects its own input."""
+    shape = (4, 4, 16, 16)
+    n = int(np.prod(shape))
+    mean, std = [10.0, 20.0, 30.0, 40.0], [2.0, 4.0, 5.0, 8.0]
+    rng = np.random.default_rng(4)
+
+    def want(x: np.ndarray) -> np.ndarray:
+        return (x.astype(np.float32) - np.float32(mean).reshape(1, 4, 1, 1)) / np.float32(std).reshape(1, 4, 1, 1)
+
+    with transfer.connect(gpud.endpoint) as c:
+        seg = c.segment(2 * n + 4 * n)
+        a, b = seg.ndarray(shape, np.uint8), seg.ndarray(shape, np.uint8, offset=n)
+        out = c.alloc(4 * n)
+        for _ in range(4):
+            xa, xb = rng.integers(0, 256, shape, dtype=np.uint8), rng.integers(0, 256, shape, dtype=np.uint8)
+            a[...], b[...] = xa, xb
+            with c.batch():
+                done = c.compute("normalize", [transfer.TensorRef(seg.va, "uint8", shape)],
+                                 [transfer.TensorRef(out.va, "float32", shape)], {"mean": mean, "std": std})
+                c.copy(seg.va, seg.va + n, n)  # a's bytes become b's, after the compute read them
+                back = c.copy(seg.va + 2 * n, out, 4 * n)
+            done.result(30)
+            back.result(30)
+            np.testing.assert_allclose(seg.ndarray(shape, np.float32, offset=2 * n), want(xa), rtol=1e-5, atol=1e-5)
+            assert np.array_equal(a, xb)
+
+
 def test_pipelined_passes_are_answered_only_once_done(gpud: Any) -> None:
     """Groups of copies in, and back out, through 8 slots: each group's answer means its
     bytes are on the host (the daemon queued the next groups behind it meanwhile)."""
