@@ -280,26 +280,50 @@ static inline tdp_block_t tdp_load_block(const uint8_t *s)
  * the memory traffic; the compiler drops them). The words are the range's own: every block
  * starts a multiple of 64 bytes in.
  *
+ * `stream` (a copy of TDP_STREAM_MIN or more) stores past the cache: non-temporal stores, then
+ * a store fence before its completion is published. Such a copy would only evict the working
+ * set, and skipping each destination line's read-for-ownership makes it faster (standalone on
+ * the same VM: 14.2 against 9.5 GB/s at 64 MiB, 22.3 against 18.0 at 4 MiB; slower below 2 MiB;
+ * summed in the same pass, 8.6 GB/s at 64 MiB where streaming 16 KiB steps and summing them
+ * from L1 gave 7.3, and glibc's memcpy 9.5). Streaming stores need 16-byte alignment, so the
+ * first (16 - d % 16) % 16 bytes are copied apart, and the blocks start there: the sum is the
+ * range's own only when that prologue is whole words, when d is 8-byte aligned (tdp_bytes asks
+ * for a streamed sum only then). The flag is one loop's: -O3 unswitches it (measured: no cost).
+ *
  * Plain vector moves, not a memcpy call: glibc copies 2 KiB-512 KiB with `rep movsb`, which on
  * AMD Zen runs at a third of its speed or less when source and destination share their offset
  * within a page and the lines were touched recently -- and page-aligned segments and slots
  * always share it (measured in a daemon on an EPYC VM: 24 us against 8.3 per 64 KiB copy, and
  * 450 against 53 per verified 1 MiB copy; docs/ring.md "Copies"). */
-static inline uint64_t tdp_copy_sum(uint8_t *restrict d, const uint8_t *restrict s, uint64_t n)
+#define TDP_STREAM_MIN (4ull << 20)
+
+static inline uint64_t tdp_copy_sum(uint8_t *restrict d, const uint8_t *restrict s, uint64_t n, int stream)
 {
     uint64_t o = 0, t = 0;
 #if defined(__SSE2__)
+    if (stream) {
+        o = (16 - ((uintptr_t)d & 15)) & 15;
+        if (o > n)
+            o = n;
+        memcpy(d, s, o);
+        t = tdp_sum64(s, o);
+    }
     __m128i a[4] = {_mm_setzero_si128(), _mm_setzero_si128(), _mm_setzero_si128(), _mm_setzero_si128()};
     for (; o + 64 <= n; o += 64) {
         tdp_block_t b = tdp_load_block(s + o);
         for (int k = 0; k < 4; k++) {
-            _mm_storeu_si128((__m128i *)(d + o + 16 * k), b.v[k]);
+            if (stream)
+                _mm_stream_si128((__m128i *)(d + o + 16 * k), b.v[k]);
+            else
+                _mm_storeu_si128((__m128i *)(d + o + 16 * k), b.v[k]);
             a[k] = _mm_add_epi64(a[k], b.v[k]);
         }
     }
     uint64_t lanes[2];
     _mm_storeu_si128((__m128i *)lanes, _mm_add_epi64(_mm_add_epi64(a[0], a[1]), _mm_add_epi64(a[2], a[3])));
-    t = lanes[0] + lanes[1];
+    t += lanes[0] + lanes[1];
+#else
+    (void)stream;
 #endif
     for (; o + 64 <= n; o += 64) {
         memcpy(d + o, s + o, 64);
@@ -309,61 +333,11 @@ static inline uint64_t tdp_copy_sum(uint8_t *restrict d, const uint8_t *restrict
         memcpy(d + o, s + o, n - o);
         t += tdp_sum64(d + o, n - o);
     }
-    return t;
-}
-
-/* tdp_copy_sum without the sum; or, for a copy of TDP_STREAM_MIN or more (`stream`), stores past
- * the cache (non-temporal stores, then a store fence before its completion is published): it
- * would only evict the working set, and skipping each destination line's read-for-ownership
- * makes it faster (standalone on the same VM: 14.2 against 9.5 GB/s at 64 MiB, 22.3 against
- * 18.0 at 4 MiB; slower below 2 MiB). */
-#define TDP_STREAM_MIN (4ull << 20)
-
 #if defined(__SSE2__)
-/* The streamed copy, summing each block as it is loaded (one pass: standalone on the EPYC VM at
- * 64 MiB, 8.6 GB/s against 7.3 for streaming 16 KiB steps and summing them from L1, and 9.5
- * for glibc's memcpy). Streaming stores need 16-byte alignment, so the first (16 - d % 16) % 16
- * bytes are copied apart: the sum is the checksum64 word sum of the range only when that
- * prologue is whole words, that is when d is 8-byte aligned (tdp_bytes falls back to
- * tdp_copy_sum otherwise). */
-static inline uint64_t tdp_stream_sum(uint8_t *restrict d, const uint8_t *restrict s, uint64_t n)
-{
-    uint64_t o = (16 - ((uintptr_t)d & 15)) & 15, t = 0;
-    if (o > n)
-        o = n;
-    memcpy(d, s, o);
-    t += tdp_sum64(s, o);
-    __m128i a[4] = {_mm_setzero_si128(), _mm_setzero_si128(), _mm_setzero_si128(), _mm_setzero_si128()};
-    for (; o + 64 <= n; o += 64) {
-        tdp_block_t b = tdp_load_block(s + o);
-        for (int k = 0; k < 4; k++) {
-            _mm_stream_si128((__m128i *)(d + o + 16 * k), b.v[k]);
-            a[k] = _mm_add_epi64(a[k], b.v[k]);
-        }
-    }
-    uint64_t lanes[2];
-    _mm_storeu_si128((__m128i *)lanes, _mm_add_epi64(_mm_add_epi64(a[0], a[1]), _mm_add_epi64(a[2], a[3])));
-    t += lanes[0] + lanes[1];
-    if (o < n) {
-        memcpy(d + o, s + o, n - o);
-        t += tdp_sum64(s + o, n - o);
-    }
-    _mm_sfence();
+    if (stream)
+        _mm_sfence();
+#endif
     return t;
-}
-#endif
-
-static inline void tdp_copy(uint8_t *restrict d, const uint8_t *restrict s, uint64_t n, int stream)
-{
-#if defined(__SSE2__)
-    if (stream) {
-        (void)tdp_stream_sum(d, s, n);
-        return;
-    }
-#else
-    (void)stream;
-#endif
-    (void)tdp_copy_sum(d, s, n);
 }
 
 /* ---- the worker -------------------------------------------------------------- */
@@ -533,17 +507,12 @@ static inline int tdp_bytes(tdp_worker_t *w, int op, uint64_t dva, uint64_t sva,
             }
             if (fuse && d < s + len && s < d + len)
                 fuse = 0;
-            if (fuse) {
-#if defined(__SSE2__)
-                /* streamed and summed in one pass where the sum comes out right (tdp_stream_sum) */
-                fsum += stream && !((uintptr_t)d & 7) ? tdp_stream_sum(d, s, len) : tdp_copy_sum(d, s, len);
-#else
-                fsum += tdp_copy_sum(d, s, len);
-#endif
-            } else if (d < s + len && s < d + len)
+            if (fuse) /* streamed only where its sum is the range's own (tdp_copy_sum) */
+                fsum += tdp_copy_sum(d, s, len, stream && !((uintptr_t)d & 7));
+            else if (d < s + len && s < d + len)
                 memmove(d, s, len);
             else
-                tdp_copy(d, s, len, stream);
+                (void)tdp_copy_sum(d, s, len, stream);
         } else if (op == TDP_FILL)
             memset(d, value, len);
         else
