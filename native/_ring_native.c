@@ -376,11 +376,6 @@ static inline uint64_t field_bits(const QueueObject *self, const uint8_t *slot, 
     return v;
 }
 
-/* pop_list, with each run of consecutive slots that share field `key` and have field `clean`
- * zero handed over as ONE tuple: the run's first slot's fields, then its length, then field
- * `value` (8 bytes) of every slot of the run as packed little-endian words (None for a run of
- * one). A slot whose `clean` field is not zero is always a run of one. A checksum_many's
- * completions (one per range, under one id) come to the client as one tuple this way. */
 /* Where the run that starts at slot i of buf ends: consecutive slots sharing field `key`,
  * all with field `clean` zero (a slot with `clean` set is a run of its own). */
 static int64_t run_end(const QueueObject *self, const uint8_t *buf, int64_t i, int64_t got, int key, int clean)
@@ -428,6 +423,15 @@ static PyObject *run_item(QueueObject *self, const uint8_t *buf, int64_t i, int6
     return item;
 }
 
+/* The run [i, j) appended to `list` (run_item's tuple): 0, or -1 with an exception set. */
+static int append_run(PyObject *list, QueueObject *self, const uint8_t *buf, int64_t i, int64_t j, int value)
+{
+    PyObject *item = run_item(self, buf, i, j, value);
+    int rc = item ? PyList_Append(list, item) : -1;
+    Py_XDECREF(item);
+    return rc;
+}
+
 /* Every available slot into a private buffer (`small` when it fits, else a PyMem block the
  * caller frees); the count popped, or TRQ_CORRUPT (buf NULL on no memory). */
 static int64_t pop_all(QueueObject *self, uint8_t *small, size_t small_size, uint8_t **buf, int wake)
@@ -442,6 +446,11 @@ static int64_t pop_all(QueueObject *self, uint8_t *small, size_t small_size, uin
     return trq_pop_into(&self->q, *buf, n, wake);
 }
 
+/* pop_list, with each run of consecutive slots that share field `key` and have field `clean`
+ * zero handed over as ONE tuple: the run's first slot's fields, then its length, then field
+ * `value` (8 bytes) of every slot of the run as packed little-endian words (None for a run of
+ * one). A slot whose `clean` field is not zero is always a run of one. A checksum_many's
+ * completions (one per range, under one id) come to the client as one tuple this way. */
 static PyObject *Queue_pop_runs(QueueObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"key", "value", "clean", "wake", NULL};
@@ -462,10 +471,8 @@ static PyObject *Queue_pop_runs(QueueObject *self, PyObject *args, PyObject *kwd
     PyObject *list = got < 0 ? NULL : PyList_New(0);
     for (int64_t i = 0; list && i < got;) {
         int64_t j = run_end(self, buf, i, got, key, clean);
-        PyObject *item = run_item(self, buf, i, j, value);
-        if (!item || PyList_Append(list, item) < 0)
+        if (append_run(list, self, buf, i, j, value) < 0)
             Py_CLEAR(list);
-        Py_XDECREF(item);
         i = j;
     }
     if (buf != small)
@@ -556,10 +563,8 @@ static PyObject *Queue_pop_finished(QueueObject *self, PyObject *const *a, Py_ss
                 continue;
             }
         }
-        PyObject *item = run_item(self, buf, i, j, 2);
-        if (!item || PyList_Append(rest, item) < 0)
+        if (append_run(rest, self, buf, i, j, 2) < 0)
             Py_CLEAR(rest);
-        Py_XDECREF(item);
         i = j;
     }
     if (buf != small)
