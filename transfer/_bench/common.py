@@ -30,6 +30,11 @@ MODES_ALL = ("local", "compute", "remote", "gpu", "latency")
 #: Methods that run in every mode but ``remote``; ``remote`` has its own baseline.
 METHODS_REMOTE = ("transfer", "nixl-raw")
 
+#: The daemon of every mode but ``gpu``: every baseline there copies host to host, so
+#: ``transfer`` does too. On a GPU host ``--backend auto`` would place its destination
+#: (``alloc``) on the GPU, which is the gpu mode's work.
+HOST_DAEMON_ARGS = ("--backend", "numpy")
+
 
 def method_runs_in(method: str, mode: str) -> bool:
     """Whether ``method`` has a meaningful ``mode`` cell.

@@ -59,8 +59,9 @@ IMAGE = (4, 64, 64)
 IMAGE_BYTES = 4 * 64 * 64
 #: Bytes of a slot a verification checksums on both sides (from its start).
 VERIFY_BYTES = 1 << 20
-#: The latency part: bytes per copy, round trips per method (after a tenth as many to warm up).
-LATENCY_BYTES, LATENCY_ROUNDS = 64, 2000
+#: The latency part: round trips per method (after a tenth as many to warm up), of the latency
+#: mode's copy size.
+LATENCY_ROUNDS = 2000
 
 
 def available() -> tuple[bool, str]:
@@ -198,22 +199,20 @@ def _transfer_loop(endpoint: str, size: int, depth: int, compute: bool, seconds:
 
 
 def _latency(method: str, endpoint: str, rounds: int) -> list[float]:
-    """Round trips (seconds) of one LATENCY_BYTES host-to-device copy at a time."""
+    """Round trips (seconds) of one host-to-device copy of the latency mode's size at a time:
+    `transfer` is the latency mode's own loop (its daemon here runs CuPy, so `alloc` is GPU
+    memory, checked after the loop), the baselines a copy and a synchronize here."""
     import cupy as cp
 
     if method == "transfer":
-        import transfer
-
-        with transfer.connect(endpoint) as c:
-            seg, dev = c.segment(4096), c.alloc(4096)
-            return _lat._timed(lambda: c.copy(dev.va, seg.va, LATENCY_BYTES).result(), rounds, rounds // 10)
+        return _lat._transfer(endpoint, None, rounds, rounds // 10)
     pinned = cp.cuda.alloc_pinned_memory(4096) if method == "cupy-pinned" else None
     host = np.frombuffer(pinned, np.uint8, 4096) if pinned is not None else np.zeros(4096, np.uint8)
     dev_mem = cp.empty(4096, cp.uint8)
     stream = cp.cuda.Stream(non_blocking=True)
 
     def one() -> None:
-        cp.cuda.runtime.memcpyAsync(dev_mem.data.ptr, host.ctypes.data, LATENCY_BYTES, 1, stream.ptr)
+        cp.cuda.runtime.memcpyAsync(dev_mem.data.ptr, host.ctypes.data, _lat.NBYTES, 1, stream.ptr)
         stream.synchronize()
 
     return _lat._timed(one, rounds, rounds // 10)
@@ -289,9 +288,9 @@ def run(sizes: list[int], *, depth: int = 8, reps: int = 3, rep_s: float = 0.4, 
             rows += _rows("h2d+normalize", got, size, 2, depth)
             line("gpu h2d+normalize, 2 producers " + _summary(rows[-len(METHODS):]))
         lat = {m: _lat._stats(_latency(m, d.endpoint, LATENCY_ROUNDS)) for m in METHODS}
-        rows += [{"part": "latency", "method": m, "size": LATENCY_BYTES, "producers": 1, **st,
+        rows += [{"part": "latency", "method": m, "size": _lat.NBYTES, "producers": 1, **st,
                   "vs_pinned": round(lat["cupy-pinned"]["p50_us"] / st["p50_us"], 3)} for m, st in lat.items()]
-        line("gpu latency, 64 B one at a time: " + ", ".join(f"{m} p50 {st['p50_us']:.1f} us p99 {st['p99_us']:.1f}" for m, st in lat.items()))
+        line(f"gpu latency, {_lat.NBYTES} B one at a time: " + ", ".join(f"{m} p50 {st['p50_us']:.1f} us p99 {st['p99_us']:.1f}" for m, st in lat.items()))
     config = {"depth": depth, "reps": reps, "rep_seconds": rep_s, "verify_slots": verify_slots,
               "groups": {fmt_size(s): dict(zip(("slots", "group"), plan(s, depth))) for s in sizes}}
     return {"rows": rows, "device": describe(), "config": config}

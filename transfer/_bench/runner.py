@@ -18,7 +18,7 @@ import numpy as np
 
 from ._iceoryx import iox_prefix
 from .channels import make_plumbing
-from .common import BenchFailure, Cell, Record, Spec, now
+from .common import HOST_DAEMON_ARGS, BenchFailure, Cell, Record, Spec, now
 from .workers import consumer_main, producer_main
 
 #: Seconds between sending "rep" and its synchronized start.
@@ -92,9 +92,7 @@ class Runner:
             if self.need_daemon:
                 from transfer.testing import loopback_endpoint, run_daemon
 
-                # Every baseline of these modes copies host to host, so transfer does too: on a GPU
-                # host `--backend auto` would place its destination (`alloc`) on the GPU, the gpu mode's work.
-                args: list[str] = ["--backend", "numpy"]
+                args = list(HOST_DAEMON_ARGS)
                 if self.tcp:
                     self.tcp_endpoint = loopback_endpoint()
                     args += ["--endpoint", self.tcp_endpoint, "--allow-insecure-tcp"]  # loopback only

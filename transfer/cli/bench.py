@@ -212,7 +212,7 @@ def _main(args: argparse.Namespace) -> int:
                 wanted = set(methods) | ({"transfer-trio", "transfer-asyncio"} if "transfer" in methods else set())
                 lat_methods = [m for m in latency.METHODS
                                if (not args.methods or m in wanted) and common.method_available(m)[0]]
-                with run_daemon(["--backend", "numpy"], **daemon_args) as d:  # host to host, as the baselines
+                with run_daemon(common.HOST_DAEMON_ARGS, **daemon_args) as d:
                     lat_result = latency.run(lat_methods, d.endpoint, line=progress.line)
                 notes.extend(lat_result["skipped"])
             if "gpu" in run_modes:
