@@ -1279,13 +1279,13 @@ enum { K_WAIT = 0, K_COPY, K_FILL, K_CHECKSUM, K_FENCE, K_RUN_GRAPH, K_COPYV, K_
 static const uint16_t kind_op[K_COUNT] = {0, TDP_COPY, TDP_FILL, TDP_CHECKSUM, TDP_FENCE, 6, TDP_COPY, TDP_CHECKSUM};
 #define DESC_WORDS 8 /* REQUEST_DTYPE: 64 bytes */
 
-static PyObject *s_id, *s_stream, *s_dst, *s_src, *s_nbytes, *s_value, *s_graph, *s_inputs, *s_outputs;
+static PyObject *s_id, *s_stream, *s_dst, *s_src, *s_nbytes, *s_value, *s_graph, *s_inputs, *s_outputs, *s_sums;
 
 static int intern_names(void)
 {
 #define N(v, t) if (!(v = PyUnicode_InternFromString(t))) return -1
     N(s_id, "id"); N(s_stream, "stream"); N(s_dst, "dst"); N(s_src, "src"); N(s_nbytes, "nbytes");
-    N(s_value, "value"); N(s_graph, "graph"); N(s_inputs, "inputs"); N(s_outputs, "outputs");
+    N(s_value, "value"); N(s_graph, "graph"); N(s_inputs, "inputs"); N(s_outputs, "outputs"); N(s_sums, "sums");
     N(s_finish, "_finish");
 #undef N
     return 0;
@@ -1316,6 +1316,17 @@ static int u64_of(PyObject *o, uint64_t max, uint64_t *out)
 static int attr_u64(PyObject *r, PyObject *name, uint64_t max, uint64_t *out)
 {
     return u64_of(PyObject_GetAttr(r, name), max, out);
+}
+
+/* Whether a request's boolean field is set: 1, 0, or -1 (an error set). */
+static int attr_true(PyObject *r, PyObject *name)
+{
+    PyObject *o = PyObject_GetAttr(r, name);
+    if (!o)
+        return -1;
+    int t = PyObject_IsTrue(o);
+    Py_DECREF(o);
+    return t;
 }
 
 /* The first VA of a RunGraph's inputs or outputs. */
@@ -1351,6 +1362,12 @@ static int pack_request(PyObject *r, int kind, Py_ssize_t k, uint64_t *w)
     if (attr_u64(r, s_id, UINT64_MAX, &rid) < 0 || attr_u64(r, s_stream, UINT32_MAX, &stream) < 0)
         return -1;
     uint64_t head = (uint64_t)kind_op[kind] | stream << 32;
+    if (kind == K_COPYV) { /* a verified copy_many: FLAG_SUM on every piece */
+        int summed = attr_true(r, s_sums);
+        if (summed < 0)
+            return -1;
+        head |= summed ? (uint64_t)TDP_FLAG_SUM << 16 : 0;
+    }
     if (kind == K_COPYV || kind == K_CHECKSUMV) {
         PyObject *nbo = PyObject_GetAttr(r, s_nbytes), *so = PyObject_GetAttr(r, s_src);
         PyObject *dso = kind == K_COPYV ? PyObject_GetAttr(r, s_dst) : PyLong_FromLong(0);
@@ -1508,7 +1525,13 @@ static PyObject *Queue_push_requests(QueueObject *self, PyObject *const *a, Py_s
             Py_DECREF(rid);
             goto done;
         }
-        PyObject *answers = kind == K_CHECKSUMV ? PyObject_CallNoArgs(sums) : Py_NewRef(kind == K_CHECKSUM ? Py_True : Py_False);
+        PyObject *answers;
+        if (kind == K_CHECKSUMV)
+            answers = PyObject_CallNoArgs(sums);
+        else if (kind == K_COPYV && attr_true(PyList_GET_ITEM(reqs, i), s_sums) > 0)
+            answers = PyObject_CallOneArg(sums, Py_True);
+        else
+            answers = PyErr_Occurred() ? NULL : Py_NewRef(kind == K_CHECKSUM ? Py_True : Py_False);
         PyObject *entry = answers ? Py_BuildValue("(ONn)", p, answers, info[i - start].k) : NULL;
         int rc = entry ? PyDict_SetItem(outstanding, rid, entry) : -1;
         Py_XDECREF(entry);

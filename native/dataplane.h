@@ -64,6 +64,8 @@ enum { TDP_NOP = 0, TDP_COPY = 1, TDP_FILL = 2, TDP_CHECKSUM = 3, TDP_FENCE = 4 
 #define TDP_FLAG_CHAIN 1u
 /* Waits for the control frames its client sent before it: only Python counts those. */
 #define TDP_FLAG_AFTER 2u
+/* A verified CopyV (every piece of its chain has it): one completion per piece, its sum. */
+#define TDP_FLAG_SUM 4u
 #define TDP_MAX_CHAIN 4096u
 #define TDP_OFFSET_BITS 40
 #define TDP_OFFSET_MASK ((1ull << TDP_OFFSET_BITS) - 1)
@@ -375,6 +377,7 @@ typedef struct {
     struct { uint64_t va, n; } want[TDP_MEMO];
     struct { const uint8_t *p; uint64_t n, sum; } memo[TDP_MEMO];
     uint32_t nwant, nmemo;
+    uint64_t cneed; /* completion slots the next serve needs (a verified chain's), 0: one */
     _Atomic uint64_t n_fused;   /* checksums answered from a copy's sum */
     uint64_t t0;                /* when the current batch was peeked */
     pthread_t thread;
@@ -451,7 +454,7 @@ static inline void tdp_memo_drop(tdp_worker_t *w, const uint8_t *d, uint64_t n)
 
 /* Which ranges of a copy [dva | sva, + n) a CHECKSUM later in this batch names exactly:
  * TDP_WANT_SRC and/or TDP_WANT_DST (0: none, the copy is not summed). */
-enum { TDP_WANT_SRC = 1, TDP_WANT_DST = 2 };
+enum { TDP_WANT_SRC = 1, TDP_WANT_DST = 2, TDP_WANT_SUM = 4 /* a verified piece: summed, kept by none */ };
 
 static inline int tdp_wanted(const tdp_worker_t *w, uint64_t dva, uint64_t sva, uint64_t n)
 {
@@ -524,6 +527,19 @@ static inline int tdp_bytes(tdp_worker_t *w, int op, uint64_t dva, uint64_t sva,
             return why;
         off += len;
     } while (off < n);
+    if (op == TDP_COPY && sum) { /* a verified piece: the sum of what it copied */
+        if (fuse)
+            *sum = fsum;
+        else { /* overlapping: summed after the memmove, from the destination */
+            int32_t dev = -1;
+            pthread_rwlock_rdlock(&w->table->lock);
+            const uint8_t *d = tdp_translate(w->table, w->session, dva, n, &dev);
+            *sum = d ? tdp_sum64(d, n) : 0;
+            pthread_rwlock_unlock(&w->table->lock);
+            if (!d)
+                return TDP_WHY_ADDRESS;
+        }
+    }
     if (fuse) {
         if (want & TDP_WANT_SRC)
             tdp_memo_add(w, s0, n, fsum);
@@ -562,12 +578,13 @@ static inline int tdp_chain(tdp_worker_t *w, uint64_t i, uint64_t n, uint64_t *l
 {
     const tdp_desc_t *a = &w->batch[i];
     uint64_t j = i;
+    uint32_t sum = a->flags & TDP_FLAG_SUM;
     while (j < n && (w->batch[j].flags & TDP_FLAG_CHAIN))
         j++;
     if (j == n) /* its end is not in: wait for it, unless it could never fit one batch */
         return i == 0 && (n >= TDP_MAX_CHAIN || n >= w->batch_cap) ? TDP_WHY_CHAIN : -2;
     *len = j - i + 1;
-    if (*len > TDP_MAX_CHAIN)
+    if (*len > TDP_MAX_CHAIN || (sum && *len > w->cq->cap)) /* (a verified chain: a completion per piece) */
         return TDP_WHY_CHAIN;
     if (a->id == 0)
         return TDP_WHY_FIELDS;
@@ -577,7 +594,7 @@ static inline int tdp_chain(tdp_worker_t *w, uint64_t i, uint64_t n, uint64_t *l
     for (uint64_t k = i; k <= j && !why; k++) {
         const tdp_desc_t *d = &w->batch[k];
         if (d->op != TDP_COPY || d->id != a->id || d->stream != a->stream ||
-            (d->flags & ~TDP_FLAG_CHAIN) != 0) {
+            (d->flags & ~TDP_FLAG_CHAIN) != sum) {
             why = TDP_WHY_CHAIN;
             break;
         }
@@ -642,7 +659,7 @@ static inline int64_t tdp_serve(tdp_worker_t *w, uint64_t avail)
         if (d->flags & TDP_FLAG_AFTER) {
             why = TDP_WHY_AFTER;
             break;
-        } else if (d->flags & TDP_FLAG_CHAIN) {
+        } else if (d->flags & (TDP_FLAG_CHAIN | TDP_FLAG_SUM)) {
             int r = tdp_chain(w, i, n, &len);
             if (r == -2) {
                 need = n - i + 1;
@@ -653,7 +670,24 @@ static inline int64_t tdp_serve(tdp_worker_t *w, uint64_t avail)
                 break;
             }
             uint64_t moved = 0;
-            for (uint64_t k = 0; k < len && !why;) {
+            if (d->flags & TDP_FLAG_SUM) { /* verified: piece by piece, each answered with its sum */
+                if (nc + len > (uint64_t)cfree) {
+                    w->cneed = len; /* its completions do not all fit yet: the client reaps first */
+                    break;
+                }
+                for (uint64_t k = 0; k < len && !why; k++) {
+                    const tdp_desc_t *p = &w->batch[i + k];
+                    uint64_t sum = 0;
+                    why = tdp_bytes(w, TDP_COPY, p->dst, p->src, p->nbytes, 0, &sum,
+                                    tdp_wanted(w, p->dst, p->src, p->nbytes) | TDP_WANT_SUM);
+                    w->comps[nc + k] = (tdp_comp_t){p->id, 0, 0, sum + p->nbytes * TDP_GOLDEN, 0};
+                    moved += p->nbytes;
+                }
+                if (why)
+                    break;
+                nc += len - 1; /* (the loop's own nc++ counts the last) */
+            }
+            for (uint64_t k = 0; k < len && !why && !(d->flags & TDP_FLAG_SUM);) {
                 /* A run of pieces contiguous in both dst and src is one memmove, unless the
                  * run's ranges overlap (then piece by piece, as sequential copies would be). */
                 const tdp_desc_t *p = &w->batch[i + k];
@@ -767,11 +801,14 @@ static void *tdp_run(void *arg)
             need = 1;
             continue;
         }
-        /* A completion slot first (serving needs one), then descriptors. */
+        /* A completion slot first (serving needs one; a verified chain, one per piece), then
+         * descriptors. */
         uint64_t spin = atomic_load_explicit(&w->spin_ns, memory_order_relaxed);
+        uint64_t cneed = w->cneed ? w->cneed : 1;
+        w->cneed = 0;
         int64_t f = trq_free(w->cq);
-        if (f == 0)
-            f = trq_wait(w->cq, TRQ_WAIT_SPACE, 1, TRQ_SLICE_NS, spin, &w->interrupt);
+        if (f >= 0 && (uint64_t)f < cneed)
+            f = trq_wait(w->cq, TRQ_WAIT_SPACE, cneed, TRQ_SLICE_NS, spin, &w->interrupt);
         int64_t a = f > 0 ? trq_wait_armed(w->rq, TRQ_WAIT_DATA, need, TRQ_SLICE_NS, spin,
                                            &w->interrupt, TDP_ARMED)
                           : 0;

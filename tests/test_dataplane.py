@@ -56,6 +56,7 @@ _leaf = st.one_of(
     st.tuples(st.just("checksum"), _where, _size),
     st.tuples(st.just("copy_many"), st.lists(st.tuples(_where, _where, st.integers(0, 512)), min_size=1, max_size=12)),
     st.tuples(st.just("checksum_many"), st.lists(st.tuples(_where, st.integers(0, 512)), min_size=1, max_size=12)),
+    st.tuples(st.just("verified_copy_many"), st.lists(st.tuples(_where, _where, st.integers(0, 512)), min_size=1, max_size=12)),
 )
 # A batch leaves in one push, so a worker takes it whole: a checksum of what a copy in the same
 # batch read or wrote is answered from the copy's sum, unless a write in between touched it.
@@ -98,6 +99,9 @@ class _Rig:
             elif op[0] == "copy_many":
                 pieces = op[1]
                 pending.append(c.copy_many([va(d) for d, _, _ in pieces], [va(s) for _, s, _ in pieces], [n for _, _, n in pieces]))
+            elif op[0] == "verified_copy_many":
+                pieces = op[1]
+                pending.append(c.copy_many([va(d) for d, _, _ in pieces], [va(s) for _, s, _ in pieces], [n for _, _, n in pieces], checksum=True))
             elif op[0] == "checksum_many":
                 pending.append(c.checksum_many([va(w) for w, _ in op[1]], [n for _, n in op[1]]))
 
@@ -152,6 +156,10 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Any:
                              ("checksum", (0, 0), 4096), ("checksum", (2, 0), 4096)])])
 @example(program=[("batch", [("copy_many", [((2, 0), (0, 0), 512), ((2, 512), (0, 512), 512)]),
                              ("copy", (0, 256), (1, 0), 64), ("checksum_many", [((0, 0), 512), ((0, 512), 512), ((2, 0), 512)])])])
+# Verified copy_many: a later piece overwrites an earlier piece's destination (each answers
+# what it copied), a piece onto itself shifted (overlapping), and a piece nobody can address.
+@example(program=[("verified_copy_many", [((2, 0), (0, 0), 512), ((2, 256), (1, 0), 512), ((0, 8), (0, 0), 300)])])
+@example(program=[("batch", [("verified_copy_many", [((2, 0), (0, 0), 512), ((3, 0), (0, 0), 8)]), ("checksum", (2, 0), 512)])])
 # ... and a copy onto itself, shifted (overlapping: never summed as it copies).
 @example(program=[("batch", [("copy", (0, 8), (0, 0), 4096), ("checksum", (0, 0), 4096), ("checksum", (0, 8), 4096)])])
 def test_workers_answer_exactly_as_the_python_pass(pair: list[_Rig], program: list[tuple[Any, ...]]) -> None:
@@ -201,6 +209,42 @@ def test_a_verified_copy_reads_its_bytes_once(daemon: DaemonProcess) -> None:
             one = [c.copy(dev, seg, S), c.checksum(seg, S), c.checksum(dev, S)]
         assert [p.result() for p in one] == [None, want[0], want[0]]
         assert c.stats()["daemon"]["fused_checksums"] - before == K + 2
+
+
+@pytest.mark.parametrize("route", ["native", "python", "socket"])
+def test_verified_copy_many_answers_what_each_piece_copied(daemon_factory: Any, route: str) -> None:
+    """copy_many(checksum=True) answers each piece's checksum64 as copied (a later piece that
+    overwrites an earlier one's destination does not change the earlier answer), on a native
+    worker, the Python pass and the socket alike; a failed one (a piece nobody can address)
+    copies nothing and gives its credits back: a ring's worth of them leaves the session
+    serving. The answers are checked against NumPy, not against another path."""
+    d = daemon_factory("--no-ring-workers" if route == "python" else "--ring-workers")
+    with transfer.connect(d.endpoint, ring=route != "socket") as c:
+        S = 4096
+        seg, dev = c.segment(8 * S), c.alloc(8 * S)
+        data = np.random.default_rng(7).integers(0, 256, 8 * S, dtype=np.uint8)
+        seg.ndarray((8 * S,), np.uint8)[:] = data
+        c.copy(dev, seg, 8).result()  # defines the device buffer first
+        d0, s0 = dev.va, seg.va
+        before = c.stats()["daemon"]
+        got = c.copy_many([d0, d0 + S // 2, d0 + 2 * S], [s0, s0 + 3 * S, s0 + 5 * S], [S, S, 3 * S], checksum=True).result()
+        if route == "native":  # the worker served it, not the Python pass
+            after = c.stats()["daemon"]
+            assert after["native_requests"] > before["native_requests"] and after["ring_handovers"] == before["ring_handovers"]
+        want = [transfer.checksum64(data[:S]), transfer.checksum64(data[3 * S:4 * S]), transfer.checksum64(data[5 * S:8 * S])]
+        assert got.dtype == np.uint64 and got.tolist() == want
+        assert c.checksum(d0 + S // 2, S).result() == want[1]  # the later piece's bytes are what stayed
+        c.fill(dev, S, 0).result()
+        for _ in range(20):  # 20 x 64 pieces: more than the ring's 1024 credits, were any kept
+            with pytest.raises(E.UnknownSegment):
+                c.copy_many([d0] * 63 + [_BAD_SEG << 40], [s0] * 64, [64] * 64, checksum=True).result()
+        c.fence()
+        if c._ring is not None:
+            assert c._ring.in_flight == 0 and not c._ring.early and not c._ring.outstanding
+        assert c.checksum(dev, S).result() == transfer.checksum64(np.zeros(S, np.uint8))  # all or nothing
+        assert c.copy_many([d0], [s0], [S], checksum=True).result().tolist() == want[:1]
+        with pytest.raises(ValueError):
+            c.copy_many([], [], [], checksum=True)
 
 
 def test_long_copies_stream_past_the_cache_byte_exact(daemon: DaemonProcess) -> None:

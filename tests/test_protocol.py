@@ -23,7 +23,7 @@ vec = st.lists(u64, max_size=50).map(lambda xs: np.array(xs, dtype=np.uint64))
 def copyv(draw: st.DrawFn) -> P.CopyV:
     n = draw(st.integers(0, 40))
     arr = st.lists(u64, min_size=n, max_size=n).map(lambda xs: np.array(xs, dtype=np.uint64))
-    return P.CopyV(draw(rid), draw(arr), draw(arr), draw(arr), draw(u32))
+    return P.CopyV(draw(rid), draw(arr), draw(arr), draw(arr), draw(u32), draw(st.booleans()))
 
 
 @st.composite
@@ -302,6 +302,7 @@ def test_more_frame_level_errors(frame: bytes, err: type[Exception]) -> None:
         ([21, 1, b"", "x", b"", 0], E.InvalidField, "CopyV.src: expected packed uint64 bytes, got str"),
         ([21, 1, b"\0" * 8, b"", b"", 0], E.InvalidField, "CopyV: its vectors must have the same length"),
         ([27, 1, b"\0" * 8, b"", 0], E.InvalidField, "ChecksumV: its vectors must have the same length"),
+        ([21, 1, b"", b"", b"", 0, 1], E.InvalidField, "CopyV.sums: expected `bool`, got `int`"),
         ([1, 1, 1, "x" * 257, 0, b""], E.InvalidField, "Hello.client: expected `str` of length <= 256"),
         ([17, 1, b"\0" * 65], E.InvalidField, "Attach.token: expected `bytes` of length <= 64"),
         ([25, 1, [[1, 2, 3]], [], []], E.InvalidField, "ComputeRef.plan[0]: expected `array` of length 2, got 3"),

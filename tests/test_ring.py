@@ -31,6 +31,7 @@ from transfer import protocol as P
 from transfer._ring import (
     COMPLETION_DTYPE,
     FLAG_AFTER,
+    FLAG_SUM,
     REQUEST_DTYPE,
     Op,
     Ring,
@@ -680,15 +681,17 @@ def _requests(draw: st.DrawFn) -> list[P.Request]:
             nb = draw(_u64_array)
             k = len(nb)
             src = draw(st.lists(_U64, min_size=k, max_size=k).map(lambda xs: np.array(xs, np.uint64)))
-            if kind == "copyv":
-                out.append(P.CopyV(rid, draw(st.one_of(st.just(np.arange(k, dtype=np.uint64)), st.just(np.full(k, 7, np.uint64)))), src, nb, stream))
+            if kind == "copyv":  # plain, or verified (FLAG_SUM on every piece)
+                out.append(P.CopyV(rid, draw(st.one_of(st.just(np.arange(k, dtype=np.uint64)), st.just(np.full(k, 7, np.uint64)))), src, nb, stream,
+                                   draw(st.booleans())))
             else:
                 out.append(P.ChecksumV(rid, src, nb, stream))
     return out
 
 
 class _Sums:
-    pass
+    def __init__(self, chain: bool = False) -> None:
+        self.chain = chain
 
 
 @pytest.mark.skipif(_ring._native is None, reason="extension not built")
@@ -716,7 +719,7 @@ def test_push_requests_native_matches_python(reqs: list[P.Request], room: int, a
                 except (OverflowError, TypeError, ValueError, struct.error):
                     got = None
                 descs = srv.pop_many().tobytes()
-                results.append((got, descs, {k: (v[0], type(v[1]), v[1] if type(v[1]) is bool else None, v[2]) for k, v in outstanding.items()}))
+                results.append((got, descs, {k: (v[0], type(v[1]), v[1] if type(v[1]) is bool else v[1].chain, v[2]) for k, v in outstanding.items()}))
             finally:
                 cli.close()
                 srv.close()
@@ -734,6 +737,13 @@ def test_push_requests_native_matches_python(reqs: list[P.Request], room: int, a
     if used:
         assert bool(d["flags"][0] & FLAG_AFTER) == bool(after) and (not after or int(d["arg2"][0]) == after)
     assert set(noted) == {r.id for r in reqs[:taken] if type(r) is not P.Wait}
+    at = 0
+    for r in reqs[:taken]:  # a verified copy_many: FLAG_SUM on each of its pieces, noted as a chain of sums
+        k = descriptors_of(r)
+        if type(r) is P.CopyV:
+            assert ((d["flags"][at : at + k] & FLAG_SUM) != 0).tolist() == [r.sums] * k
+            assert noted[r.id][1:3] == ((_Sums, True) if r.sums else (bool, False))
+        at += k
 
 
 class _Finished:
@@ -832,6 +842,8 @@ def test_reap_matches_completion_by_completion(data: st.DataObject) -> None:
     from transfer.client._ringlink import RingLink, _Sums
 
     kinds = data.draw(st.lists(st.one_of(st.just(0), st.integers(1, 6)), min_size=1, max_size=5))  # 0: a checksum; k: k ranges
+    # A verified copy_many's k ranges (a chain of sums): its first failure ends it and frees the rest.
+    chains = [k > 0 and data.draw(st.booleans()) for k in kinds]
     comps = []
     for rid, k in enumerate(kinds, 1):
         for j in range(max(k, 1) + data.draw(st.integers(0, 1))):  # sometimes one completion too many
@@ -846,7 +858,7 @@ def test_reap_matches_completion_by_completion(data: st.DataObject) -> None:
         link.outstanding, link.early = {}, {}
         pending = {rid: Pending(rid, lambda *a: None) for rid in range(1, len(kinds) + 1)}
         for rid, k in enumerate(kinds, 1):
-            link.outstanding[rid] = (pending[rid], _Sums() if k else True, max(k, 1))
+            link.outstanding[rid] = (pending[rid], _Sums(chains[rid - 1]) if k else True, max(k, 1))
         link.in_flight = sum(max(k, 1) for k in kinds)
         return link, pending
 
@@ -866,6 +878,10 @@ def test_reap_matches_completion_by_completion(data: st.DataObject) -> None:
         k = kinds[rid - 1]
         if rid in done:
             continue  # late: nothing outstanding under that id
+        if chains[rid - 1] and status:
+            want_in_flight -= k - len(got.get(rid, []))
+            done[rid] = (None, status, flags)
+            continue
         want_in_flight -= 1
         if not k:
             done[rid] = (result, status, flags)
@@ -892,3 +908,27 @@ def test_reap_matches_completion_by_completion(data: st.DataObject) -> None:
                 assert p._value.dtype == np.uint64 and p._value.tolist() == value
             else:
                 assert p._value == value
+
+
+@pytest.mark.parametrize("chain", [False, True])
+def test_a_socket_error_ahead_of_its_completions_frees_exactly_their_credits(chain: bool) -> None:
+    """A failed checksum_many's or verified copy_many's error may arrive on the socket before
+    its completions: the credits they hold come back as those completions arrive, however
+    many the daemon sends (a checksum_many, one per range it still owed; a verified copy_many,
+    one for the whole chain), and no more."""
+    from transfer.client._pending import Pending
+    from transfer.client._ringlink import RingLink, _Sums
+
+    link = object.__new__(RingLink)
+    link.outstanding, link.early = {}, {}
+    p = Pending(1, lambda *a: None)
+    sums = _Sums(chain)
+    sums.values.append(5)  # one range already answered
+    link.outstanding[1] = (p, sums, 4)
+    link.in_flight = 3
+    link.answered_early(1)
+    comps = [(1, 404, 0, 1, 0)] if chain else [(1, 0, 6, 0, 0), (1, 404, 0, 1, 0), (1, 0, 7, 0, 0)]
+    link._inbox = _Inbox([comps])
+    link._pop_finished = functools.partial(_py_pop_finished, link._inbox)
+    assert link.reap({}, []) == len(comps)
+    assert link.in_flight == 0 and not link.early

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import transfer
 from transfer import errors as E
 from transfer import protocol as P
-from transfer._ring import COMPLETION_DTYPE, FLAG_AFTER, FLAG_CHAIN, Op, Ring, available_implementations
+from transfer._ring import COMPLETION_DTYPE, FLAG_AFTER, FLAG_CHAIN, FLAG_SUM, Op, Ring, available_implementations
 from transfer.testing import start_daemon, stop_process
 
 from conftest import FAST, leftovers, segment_files
@@ -259,6 +259,34 @@ def test_hostile_descriptor_chains_fail_alone(ringd) -> None:
     with transfer.connect(ringd.endpoint) as c2:
         seg2 = c2.segment(4096)
         assert c2.checksum(seg2.at(0), 8).result(5) == transfer.checksum64(bytes(8))
+
+
+def test_hostile_verified_chains_fail_alone(ringd) -> None:
+    """FLAG_SUM where no verified copy can be (a fill, half a chain) is refused as one request,
+    with one completion; a whole verified chain answers one completion per piece, its sum;
+    the daemon keeps serving."""
+    with transfer.connect(ringd.endpoint, ring=True) as c:
+        seg = c.segment(4096)
+        seg.buffer[:] = np.arange(4096) % 251
+        ring = _raw(c)
+        base = 1 << 60
+        C, S = FLAG_CHAIN, FLAG_SUM
+        pushes = [
+            (Op.FILL, base + 1, seg.at(0), 0, 8, 0, S, 1),
+            (Op.COPY, base + 2, seg.at(0), seg.at(64), 8, 0, C | S), (Op.COPY, base + 2, seg.at(8), seg.at(72), 8, 0, 0),
+            (Op.COPY, base + 3, seg.at(0), seg.at(64), 8, 0, C), (Op.COPY, base + 3, seg.at(8), seg.at(72), 8, 0, S),
+            (Op.COPY, base + 4, seg.at(1024), seg.at(64), 16, 0, C | S), (Op.COPY, base + 4, seg.at(2048), seg.at(512), 100, 0, S),
+        ]
+        for d in pushes:
+            assert ring.push(d)
+        comps = _completions(ring, 5)
+        # (A pass answers its requests in any order across ids; one id's in order.)
+        got = sorted(((int(i), int(st_), int(r)) for i, st_, r in zip(comps["id"], comps["status"], comps["result"])), key=lambda g: g[0])
+        bad = E.InvalidField.code
+        want_sums = [transfer.checksum64(bytes(seg.buffer[64:80])), transfer.checksum64(bytes(seg.buffer[512:612]))]
+        assert [g[:2] for g in got] == [(base + 1, bad), (base + 2, bad), (base + 3, bad), (base + 4, 0), (base + 4, 0)]
+        assert [g[2] for g in got[3:]] == want_sums
+        assert c.checksum(seg.at(1024), 16).result(5) == want_sums[0]
 
 
 def test_hostile_fences_hold_only_their_own_ring(ringd) -> None:

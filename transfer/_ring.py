@@ -59,6 +59,7 @@ __all__ = [
     "LAYOUT_VERSION",
     "FLAG_CHAIN",
     "FLAG_AFTER",
+    "FLAG_SUM",
     "MAX_CHAIN",
 ]
 
@@ -97,6 +98,11 @@ FLAG_CHAIN = 1
 #: hello included). A client sets it when it pushes while requests it sent on the socket
 #: are still pending, so the ring's requests keep their place behind them.
 FLAG_AFTER = 2
+#: Request flag: a chain whose every descriptor has it is a verified CopyV (`sums`): it is
+#: validated and executed as one, like any chain, and answers one completion per piece, in
+#: order, whose result is the checksum64 of the bytes that piece copied; or, if it fails, one
+#: completion only (its error), which frees the whole chain's slots.
+FLAG_SUM = 4
 #: Descriptors one chain may have (longer vectors take the socket).
 MAX_CHAIN = 4096
 COMPLETION_DTYPE = np.dtype(

@@ -253,12 +253,17 @@ class Copy(Request, tag=20):
 
 
 class CopyV(Request, tag=21):
-    """Many copies in one request: three packed little-endian uint64 arrays of equal length."""
+    """Many copies in one request: three packed little-endian uint64 arrays of equal length.
+
+    `sums`: answer the checksum64 of each piece as copied (what its destination holds after
+    it), as ChecksumV answers, so a verified copy reads its bytes once and travels as one
+    request instead of a copy and a checksum."""
 
     dst: np.ndarray
     src: np.ndarray
     nbytes: np.ndarray
     stream: U32 = 0
+    sums: bool = False
 
 
 class Fill(Request, tag=22):
@@ -514,7 +519,8 @@ def _vector(v: Any) -> bytes:
 
 
 def _copyv_wire(r: CopyV) -> list[Any]:
-    return [CopyV.OP, r.id, _vector(r.dst), _vector(r.src), _vector(r.nbytes), r.stream]
+    wire = [CopyV.OP, r.id, _vector(r.dst), _vector(r.src), _vector(r.nbytes), r.stream]
+    return [*wire, True] if r.sums else wire
 
 
 def _checksumv_wire(r: ChecksumV) -> list[Any]:

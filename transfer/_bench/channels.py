@@ -276,6 +276,9 @@ class TransferProducer:
     groups' ``checksum`` requests read the DeviceBuffer (what arrived).
     A group's requests leave in one frame (``c.batch()``; ``copy_many`` for
     the copies and ``checksum_many`` for the checksums when a group has several items).
+    A verified group in local mode is one verified ``copy_many`` (``checksum=True``): the
+    daemon answers the checksums of what it copied, as every other method's consumer
+    checks what it received.
     """
 
     def __init__(self, cell: Cell, idx: int, spec: Spec) -> None:
@@ -313,6 +316,9 @@ class TransferProducer:
         c = self.client
         vas = self._vas.get(slot) or self._slot_vas(slot)
         check = verify or self.dev is None
+        if self._use_many and check and self.cell.mode == "local":  # one verified copy_many
+            self.inflight.append((g, [], [c.copy_many(vas[0], vas[1], self._sizes, checksum=True)], expected))
+            return
         with c.batch():
             if self._use_many:
                 pend = [c.copy_many(vas[0], vas[1], self._sizes)] if self.dev is not None else []

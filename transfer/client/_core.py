@@ -157,8 +157,8 @@ class ClientCore:
         step = self.limits.max_batch
         frames = []
         for r in reqs:
-            if type(r) is P.ChecksumV:
-                self.sums[r.id] = len(r.src)
+            if type(r) is P.ChecksumV or (type(r) is P.CopyV and r.sums):
+                self.sums[r.id] = len(r.nbytes)
         for i in range(0, len(reqs), step):
             chunk = reqs[i : i + step]
             try:

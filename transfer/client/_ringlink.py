@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import errors as E
 from .. import protocol as P
-from .._ring import FLAG_AFTER, FLAG_CHAIN, MAX_CHAIN, REQUEST_DTYPE, Op as RingOp, Ring
+from .._ring import FLAG_AFTER, FLAG_CHAIN, FLAG_SUM, MAX_CHAIN, REQUEST_DTYPE, Op as RingOp, Ring
 from ..memory._shm import check_sealed
 from ._pending import Pending
 
@@ -49,10 +49,10 @@ assert struct.calcsize("<HHIQQQQQQQ") == REQUEST_DTYPE.itemsize
 _FLAGS, _WORD = struct.Struct("<H"), struct.Struct("<Q")
 
 
-def _py_pack_vector(op: int, chain: bool, rid: int, stream: int, dst: Any, src: Any, nbytes: np.ndarray) -> bytes:
+def _py_pack_vector(op: int, chain: bool, rid: int, stream: int, dst: Any, src: Any, nbytes: np.ndarray, flags: int = 0) -> bytes:
     """A vector request's descriptors, one per range, made with NumPy (for the pure-Python
-    twin of `push_requests`): dst and src are a VA for every range or a uint64 array, and
-    `chain` sets FLAG_CHAIN on all but the last."""
+    twin of `push_requests`): dst and src are a VA for every range or a uint64 array,
+    `chain` sets FLAG_CHAIN on all but the last, and `flags` goes on every one."""
     if not (0 <= op <= 0xFFFF and 0 <= stream <= 0xFFFFFFFF):
         raise OverflowError("stream or op out of range")
     if not isinstance(nbytes, np.ndarray):
@@ -63,7 +63,7 @@ def _py_pack_vector(op: int, chain: bool, rid: int, stream: int, dst: Any, src: 
         if isinstance(v, np.ndarray) and len(v) != len(nbytes):
             raise ValueError(f"{name}: {len(v)} ranges, expected {len(nbytes)}")
     d = np.zeros((len(nbytes), 8), np.uint64)
-    head = op | stream << 32
+    head = op | flags << 16 | stream << 32
     d[:, 0] = head | FLAG_CHAIN << 16 if chain else head
     if len(d):
         d[-1, 0] = head
@@ -75,7 +75,7 @@ def _py_pack_vector(op: int, chain: bool, rid: int, stream: int, dst: Any, src: 
 #: vector's, one per range). Raises struct.error or OverflowError for a field out of range.
 _PACKERS: dict[type, Callable[[Any], bytes]] = {
     P.Copy: lambda r: _PACK(_COPY, 0, r.stream, r.id, r.dst, r.src, r.nbytes, 0, 0, 0),
-    P.CopyV: lambda r: _py_pack_vector(_COPY, True, r.id, r.stream, r.dst, r.src, r.nbytes),
+    P.CopyV: lambda r: _py_pack_vector(_COPY, True, r.id, r.stream, r.dst, r.src, r.nbytes, FLAG_SUM if r.sums else 0),
     P.Fill: lambda r: _PACK(_FILL, 0, r.stream, r.id, r.dst, 0, r.nbytes, r.value, 0, 0),
     P.Checksum: lambda r: _PACK(_CHECKSUM, 0, r.stream, r.id, 0, r.src, r.nbytes, 0, 0, 0),
     # A checksum per range, each completed on its own under the one id (_Sums gathers them).
@@ -95,14 +95,16 @@ _WORDS = np.dtype("<u8")
 
 class _Sums:
     """A checksum_many's answers as they come off the ring: one completion per range, in
-    order, all under its id; the first failure is kept."""
+    order, all under its id; the first failure is kept. `chain`: a verified copy_many's
+    (FLAG_SUM), whose failure is one completion that frees the whole chain."""
 
-    __slots__ = ("values", "status", "flags")
+    __slots__ = ("values", "status", "flags", "chain")
 
-    def __init__(self) -> None:
+    def __init__(self, chain: bool = False) -> None:
         self.values: list[int] = []
         self.status = 0
         self.flags = 0
+        self.chain = chain
 
 
 def descriptors_of(req: P.Request) -> int:
@@ -113,7 +115,7 @@ def descriptors_of(req: P.Request) -> int:
 
 
 def _py_push_requests(outbox: Any, reqs: list[P.Request], start: int, kinds: dict[type, int], room: int, after: int,
-                      pending: dict[int, Pending], outstanding: dict[int, Any], sums: Callable[[], Any]) -> tuple[int, int, int]:
+                      pending: dict[int, Pending], outstanding: dict[int, Any], sums: Callable[..., Any]) -> tuple[int, int, int]:
     """`Queue.push_requests` for the pure-Python queue (no extension built): from reqs[start],
     the whole requests whose descriptors fit in `room`, packed with struct and NumPy,
     published in one push, each noted as outstanding; (requests, descriptors, published)."""
@@ -140,7 +142,8 @@ def _py_push_requests(outbox: Any, reqs: list[P.Request], start: int, kinds: dic
     for r in reqs[start:end]:
         t = type(r)
         if t is not P.Wait:
-            outstanding[r.id] = (pending[r.id], sums() if t is P.ChecksumV else t is P.Checksum, descriptors_of(r))
+            answers = sums() if t is P.ChecksumV else sums(True) if t is P.CopyV and r.sums else t is P.Checksum  # type: ignore[attr-defined]
+            outstanding[r.id] = (pending[r.id], answers, descriptors_of(r))
     return end - start, used, published
 
 
@@ -315,9 +318,13 @@ class RingLink:
                     self._late(rid)  # else not ours (a confused daemon): ignore
                 continue
             p, valued, took = entry
-            if type(valued) is _Sums:
-                # A checksum_many: one completion per range, in order, under its id (a run of
-                # them comes as one), never more than the ranges it still owes.
+            if type(valued) is _Sums and status and valued.chain:
+                # A verified copy_many failed: its one completion frees the whole chain.
+                used = 1
+                self.in_flight -= took - len(valued.values)
+            elif type(valued) is _Sums:
+                # A checksum_many (or a verified copy_many): one completion per range, in order,
+                # under its id (a run of them comes as one), never more than the ranges it still owes.
                 values = valued.values
                 used = min(count, took - len(values))
                 self.in_flight -= used
@@ -365,7 +372,10 @@ class RingLink:
         entry = self.outstanding.pop(rid, None)
         if entry is not None:
             _, valued, took = entry
-            if type(valued) is _Sums:  # its ranges still to complete, one credit each
+            if type(valued) is _Sums and valued.chain:  # failed: its one completion frees the rest
+                left = took - len(valued.values)
+                self.early[rid] = [left, left]
+            elif type(valued) is _Sums:  # its ranges still to complete, one credit each
                 self.early[rid] = [1, took - len(valued.values)]
             else:
                 self.early[rid] = [took, took]

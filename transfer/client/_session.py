@@ -319,11 +319,20 @@ class Session:
             nbytes = min(sizes)
         return self._submit(P.Copy, dst if type(dst) is int else resolve_va(dst), src if type(src) is int else resolve_va(src), nbytes, stream)
 
-    def copy_many(self, dst: Sequence[int] | np.ndarray, src: Sequence[int] | np.ndarray, nbytes: Sequence[int] | np.ndarray, *, stream: int = 0) -> Any:
-        """Many copies as one vector request; the daemon merges contiguous ones."""
+    def copy_many(self, dst: Sequence[int] | np.ndarray, src: Sequence[int] | np.ndarray, nbytes: Sequence[int] | np.ndarray, *,
+                  stream: int = 0, checksum: bool = False) -> Any:
+        """Many copies as one vector request; the daemon merges contiguous ones.
+
+        `checksum=True`: a verified copy. The result is a uint64 array of each piece's
+        checksum64 as copied (what its destination holds after it), in order: one request
+        that reads the bytes once, where a copy then a `checksum_many` reads them twice."""
         d, s, n = np.asarray(dst, np.uint64), np.asarray(src, np.uint64), np.asarray(nbytes, np.uint64)  # (no generator: a group's hot path)
         if not (d.ndim == s.ndim == n.ndim == 1 and len(d) == len(s) == len(n)):
             raise ValueError("copy_many needs three 1-D sequences of equal length")
+        if checksum:
+            if not len(n):
+                raise ValueError("copy_many(checksum=True) needs at least one range")
+            return self._submit(P.CopyV, d, s, n, stream, True)
         return self._submit(P.CopyV, d, s, n, stream)
 
     def fill(self, dst: Addressable, nbytes: int, value: int = 0, *, stream: int = 0) -> Any:

@@ -114,7 +114,7 @@ class Batch:
 
     def count(self, req: Any, route: int) -> None:
         """One queue entry taken: it holds a credit (socket) or completion slots (ring) until answered."""
-        n = answers(req)
+        n = answers(req, route == RING)
         if route == RING:
             self.ring_n += n
         else:
@@ -484,7 +484,11 @@ class Pass:
                 peer_lost = peer_lost or (op.remote is not None and isinstance(err, E.PeerDisconnected))
             ids = op.answered()
             if op.route == RING:
-                if op.ids is None:
+                if op.ids is None and err is None and type(op.result) is bytes:  # a verified CopyV: a completion per piece
+                    c = np.zeros(len(op.result) // 8, COMPLETION_DTYPE)
+                    c["id"], c["result"] = ids, np.frombuffer(op.result, "<u8")
+                    arrays.append(c)
+                elif op.ids is None:
                     comps.append((ids, 0, _result(op.result), 0, 0) if err is None else (ids, err.code, 0, COMPLETION_DETAIL, 0))
                 else:
                     c = np.zeros(len(ids), COMPLETION_DTYPE)

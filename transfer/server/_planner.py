@@ -44,9 +44,12 @@ class CopyRun:
         return [P.Copy(int(i), int(d), int(s_), int(n), s) for i, d, s_, n in zip(self.ids.tolist(), self.dst.tolist(), self.src.tolist(), self.nbytes.tolist())]
 
 
-def answers(req: Any) -> int:
-    """How many answers one queue entry owes: a CopyRun one per copy, anything else one."""
-    return len(req.ids) if type(req) is CopyRun else 1
+def answers(req: Any, ring: bool = False) -> int:
+    """How many answers one queue entry owes: a CopyRun one per copy, a verified CopyV from a
+    `ring` one per piece (a completion each), anything else one."""
+    if type(req) is CopyRun:
+        return len(req.ids)
+    return len(req.nbytes) if ring and type(req) is P.CopyV and req.sums else 1
 
 
 class Planner:
@@ -134,7 +137,7 @@ class Planner:
             span, backend = self._span(seg, off, req.nbytes), dev.backend
             return Op(req.id, [(seg.id, off, off + req.nbytes)], [], dev, req.nbytes, lambda: backend.checksum(span))
         if isinstance(req, P.CopyV):
-            return self.plan_copies(owner, req.id, req.dst, req.src, req.nbytes)
+            return self.plan_copies(owner, req.id, req.dst, req.src, req.nbytes, req.sums)
         if isinstance(req, P.ChecksumV):
             return self.plan_checksums(owner, req.id, req.src, req.nbytes)
         if isinstance(req, P.Compute):
@@ -150,20 +153,38 @@ class Planner:
                 return self.devices[seg.device].backend
         return dev.backend
 
-    def plan_copies(self, owner: Any, rid: int, dst: np.ndarray, src: np.ndarray, size: np.ndarray) -> Op:
-        """Copies validated with NumPy, contiguous runs merged, executed in order."""
+    def plan_copies(self, owner: Any, rid: int, dst: np.ndarray, src: np.ndarray, size: np.ndarray, sums: bool = False) -> Op:
+        """Copies validated with NumPy, contiguous runs merged, executed in order. `sums` (a
+        verified CopyV): piece by piece, each followed by the checksum64 of its destination,
+        answered as one packed uint64 array (what the native worker sums as it copies)."""
         n = len(size)
         if n == 0:
-            return Op(rid, [], [], self.devices[0], 0, lambda: None)
+            return Op(rid, [], [], self.devices[0], 0, (lambda: b"") if sums else (lambda: None))
         table = self.table
         # Hazard ranges: per segment, the hull of what is written / read (conservative).
         dsid, doff, dsegs, writes = table.translate_many(dst, size, owner)
         ssid, soff, ssegs, reads = table.translate_many(src, size, owner)
         segs = {**dsegs, **ssegs}
         if any(seg.kind == SegmentKind.REMOTE for seg in segs.values()):
+            if sums:
+                raise E.InvalidField("a verified copy_many (checksum=True) reads memory on this host only; "
+                                     "for a remote segment, checksum_many the destination after the copy")
             return plan_remote_copies(self, owner, rid, dsid, doff, ssid, soff, size, segs, reads, writes)
         total = int(size.sum(dtype=np.uint64))
         dev = self._device_of(segs.values(), total)
+        host_only = all(seg.kind == SegmentKind.HOST for seg in segs.values())
+        if sums:
+            pieces = [(self._span(dsegs[d], o, nb), self._span(ssegs[s_], so, nb), self._copy_backend(dsegs[d], ssegs[s_], dev))
+                      for d, o, s_, so, nb in zip(dsid.tolist(), doff.tolist(), ssid.tolist(), soff.tolist(), size.tolist())]
+
+            def run_summed() -> bytes:
+                out = np.empty(len(pieces), "<u8")
+                for k, (d, s, backend) in enumerate(pieces):
+                    backend.copy(d, s)
+                    out[k] = backend.checksum(d)
+                return out.tobytes()
+
+            return Op(rid, reads, writes, dev, total, run_summed, host_only=host_only)
         cont = np.zeros(n, dtype=bool)
         if n > 1:
             cont[1:] = (
@@ -193,7 +214,7 @@ class Planner:
             for d, s, backend in pairs:
                 backend.copy(d, s)
 
-        return Op(rid, reads, writes, dev, total, run, host_only=all(seg.kind == SegmentKind.HOST for seg in segs.values()))
+        return Op(rid, reads, writes, dev, total, run, host_only=host_only)
 
 
     def plan_checksums(self, owner: Any, rid: int, src: np.ndarray, size: np.ndarray) -> Op:

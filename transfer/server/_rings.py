@@ -40,7 +40,7 @@ import trio
 
 from .. import errors as E
 from .. import protocol as P
-from .._ring import COMPLETION_DTYPE, FLAG_AFTER, FLAG_CHAIN, MAX_CHAIN, REQUEST_DTYPE, Op as RingOp, Ring, RingCorrupted, RingError
+from .._ring import COMPLETION_DTYPE, FLAG_AFTER, FLAG_CHAIN, FLAG_SUM, MAX_CHAIN, REQUEST_DTYPE, Op as RingOp, Ring, RingCorrupted, RingError
 from ..memory._shm import PREFIX, new_memfd, reserve, seal
 from ._accounting import Accounting
 from ._config import DaemonConfig
@@ -88,8 +88,10 @@ def _request(row: tuple[int, ...]) -> Any:
 
 
 def _chained(chain: np.ndarray) -> Any:
-    """A chain of COPY descriptors as the CopyV it stands for (or a BadRequest naming its fault)."""
+    """A chain of COPY descriptors as the CopyV it stands for (or a BadRequest naming its
+    fault); FLAG_SUM on every one of them: a verified CopyV (`sums`)."""
     rid, stream = int(chain["id"][0]), int(chain["stream"][0])
+    sums = bool(chain["flags"][0] & FLAG_SUM)
     try:
         if rid == 0:
             raise E.InvalidField("a ring descriptor's id must be non-zero")
@@ -97,24 +99,26 @@ def _chained(chain: np.ndarray) -> Any:
             raise E.InvalidField("a descriptor chain must be COPYs of one id and one stream")
         if chain["flags"][-1] & FLAG_CHAIN:
             raise E.BatchTooLarge(f"a descriptor chain longer than {MAX_CHAIN}")
-        if (chain["flags"] & ~np.uint16(FLAG_CHAIN)).any():
-            raise E.InvalidField("unknown descriptor flags in a chain")
-        return P.CopyV(rid, chain["dst"].copy(), chain["src"].copy(), chain["nbytes"].copy(), stream)
+        if ((chain["flags"] & ~np.uint16(FLAG_CHAIN)) != (FLAG_SUM if sums else 0)).any():
+            raise E.InvalidField("unknown descriptor flags in a chain (FLAG_SUM goes on all of a chain or none)")
+        return P.CopyV(rid, chain["dst"].copy(), chain["src"].copy(), chain["nbytes"].copy(), stream, sums)
     except E.TransferError as exc:
         return P.BadRequest(rid, exc)
 
 
 def join_chains(array: np.ndarray) -> tuple[list[tuple[Any, int]], np.ndarray]:
-    """Descriptors in order, each chain (flagged rows and the unflagged one that ends it)
-    joined into its CopyV, the rest as `to_batch` makes them; also the chain still open at
-    the end (its rest is not in the ring yet), empty if none."""
+    """Descriptors in order, each chain (flagged rows and the unflagged one that ends it; a
+    verified one may be a single FLAG_SUM row) joined into its CopyV, the rest as `to_batch`
+    makes them; also the chain still open at the end (its rest is not in the ring yet),
+    empty if none."""
     out: list[tuple[Any, int]] = []
     flagged = (array["flags"] & FLAG_CHAIN) != 0
+    chains = (array["flags"] & (FLAG_CHAIN | FLAG_SUM)) != 0
     ends = np.flatnonzero(~flagged).tolist()  # rows that end a request
-    starts = np.flatnonzero(flagged).tolist()  # rows that a chain continues from
+    starts = np.flatnonzero(chains).tolist()  # rows that a chain continues from, or is
     i, n = 0, len(array)
     while i < n:
-        if not flagged[i]:  # plain descriptors, up to the next chain
+        if not chains[i]:  # plain descriptors, up to the next chain
             f = bisect_left(starts, i)
             j = starts[f] if f < len(starts) else n
             out.extend(to_batch(None, array[i:j]))
@@ -351,7 +355,7 @@ class Rings:
             if session.ring_held is not None:
                 n -= len(session.ring_held)
         else:  # (nearly always: after every frame already read)
-            self._queue(session, self._requests(session, rows, array, bool(flags & FLAG_CHAIN)), 0)
+            self._queue(session, self._requests(session, rows, array, bool(flags & (FLAG_CHAIN | FLAG_SUM))), 0)
         return placed + n
 
     @staticmethod
@@ -385,13 +389,14 @@ class Rings:
                 return
             session.ring_fence = fence
             part = clean[a:b]
-            self._queue(session, self._requests(session, None, part, bool((part["flags"] & FLAG_CHAIN).any())), fence)
+            self._queue(session, self._requests(session, None, part, bool((part["flags"] & (FLAG_CHAIN | FLAG_SUM)).any())), fence)
 
     def _queue(self, session: Session, items: list[tuple[Any, int]], fence: int) -> None:
         """Requests from the ring into the queue: at its end, or ahead of the first waiting
         frame its client sent after them (`fence`: the frames sent before them)."""
-        # Each request answers once: that is what its descriptors reserved (a chain, one slot).
-        owed = sum(answers(req) for req, _ in items)
+        # Each request answers once: that is what its descriptors reserved (a chain, one slot;
+        # a verified chain, one per piece).
+        owed = sum(answers(req, True) for req, _ in items)
         self.accounting.received(session, owed)
         session.ring_pending += owed
         waits = session.waiting_frames
