@@ -481,16 +481,23 @@ static inline void tdp_memo_add(tdp_worker_t *w, const uint8_t *p, uint64_t n, u
  * when stopping. A failure after the first chunk leaves a partial copy: only a free that
  * races the request can cause it, and Python's retry then reports the freed segment.
  * A COPY with `want` (tdp_wanted) sums what it copies as it loads it, and keeps the sum for
- * the later CHECKSUM of its source or destination; unless the two overlap (then one memmove,
- * as a sequential copy would be, and no sum). */
+ * the later CHECKSUM of its source or destination; unless the two overlap (then memmove, in
+ * memmove's direction across chunks too, and no sum kept). With `sum` a COPY answers the sum
+ * of what it copied (a verified piece): as it loads it, or, overlapping, from the
+ * destination afterwards. */
 static inline int tdp_bytes(tdp_worker_t *w, int op, uint64_t dva, uint64_t sva, uint64_t n,
                             uint8_t value, uint64_t *sum, int want)
 {
-    uint64_t off = 0, fsum = 0;
+    /* A copy whose ranges overlap (one segment: VAs are segment << 40 | offset) is never
+     * summed as it goes, and one onto a higher address goes chunk by chunk from the end, so
+     * that no chunk reads bytes an earlier chunk already overwrote (memmove's rule). */
+    int overlap = op == TDP_COPY && dva < sva + n && sva < dva + n;
+    int back = overlap && dva > sva && n > TDP_CHUNK;
+    uint64_t off = back ? (n - 1) / TDP_CHUNK * TDP_CHUNK : 0, fsum = 0;
     int stream = n >= TDP_STREAM_MIN;
     const uint8_t *d0 = NULL, *s0 = NULL;
-    int fuse = op == TDP_COPY && want != 0;
-    do {
+    int fuse = op == TDP_COPY && want != 0 && !overlap;
+    for (;;) {
         if (atomic_load_explicit(&w->stop, memory_order_relaxed))
             return -1;
         uint64_t len = n - off < TDP_CHUNK ? n - off : TDP_CHUNK;
@@ -525,8 +532,13 @@ static inline int tdp_bytes(tdp_worker_t *w, int op, uint64_t dva, uint64_t sva,
         pthread_rwlock_unlock(&w->table->lock);
         if (why)
             return why;
-        off += len;
-    } while (off < n);
+        if (back) {
+            if (!off)
+                break;
+            off -= TDP_CHUNK;
+        } else if ((off += len) >= n)
+            break;
+    }
     if (op == TDP_COPY && sum) { /* a verified piece: the sum of what it copied */
         if (fuse)
             *sum = fsum;

@@ -272,6 +272,37 @@ def test_long_copies_stream_past_the_cache_byte_exact(daemon: DaemonProcess) -> 
             assert np.array_equal(out[doff:doff + size], data[soff:soff + size])
             assert not out[:doff].any() and not out[doff + size:].any()  # nothing past either end
 
+
+def test_long_overlapping_copies_are_memmoves(daemon: DaemonProcess) -> None:
+    """A copy within one segment longer than the worker's 4 MiB chunk, onto a higher or a
+    lower address, shifted by less or more than a chunk, leaves what memmove leaves (NumPy's
+    model); a checksum of either end in the same batch, and a verified copy, answer the bytes
+    there afterwards."""
+    M = 1 << 20
+    with transfer.connect(daemon.endpoint) as c:
+        seg = c.segment(32 * M)
+        mem = seg.ndarray((32 * M,), np.uint8)
+        data = np.random.default_rng(11).integers(0, 256, 32 * M, dtype=np.uint8)
+        for shift, n, verified in [(8, 16 * M, False), (6 * M, 16 * M + 3, False), (-8, 16 * M, False), (-5 * M, 12 * M, False),
+                                   (8 * M + 8, 9 * M, True), (16, 5 * M, True)]:
+            mem[:] = data
+            src, dst = 8 * M, 8 * M + shift
+            model = data.copy()
+            model[dst:dst + n] = model[src:src + n].copy()
+            if verified:
+                got = [c.copy_many([seg.va + dst], [seg.va + src], [n], checksum=True)]
+            else:
+                with c.batch():
+                    got = [c.copy(seg.va + dst, seg.va + src, n), c.checksum(seg.va + src, n), c.checksum(seg.va + dst, n)]
+            answers = [p.result() for p in got]
+            assert np.array_equal(mem, model), (shift, n)
+            if verified:
+                assert answers[0].tolist() == [transfer.checksum64(model[dst:dst + n])]
+            else:
+                assert answers == [None, transfer.checksum64(model[src:src + n]), transfer.checksum64(model[dst:dst + n])]
+        del mem
+
+
 def test_a_socket_request_waits_for_the_ring_requests_before_it(daemon: DaemonProcess) -> None:
     """A compute (socket) right after a big ring copy reads what the copy wrote."""
     n = 32 << 20
