@@ -308,6 +308,9 @@ class TransferProducer:
         self._offsets = np.arange(K, dtype=np.uint64) * np.uint64(S)
         self._sizes = np.full(K, S, dtype=np.uint64)
         self._use_many = K > 1 and hasattr(self.client, "copy_many") and hasattr(self.client, "checksum_many")
+        #: A verified local group is one verified copy_many, whatever its items (remote copies
+        #: are checked where they landed, by a checksum_many after them).
+        self._verified = cell.mode == "local" and hasattr(self.client, "copy_many")
         #: Per slot, its items' (copy destinations, sources, checksummed ranges) as VA arrays:
         #: a producer with fixed slots computes them once.
         self._vas: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -316,7 +319,7 @@ class TransferProducer:
         c = self.client
         vas = self._vas.get(slot) or self._slot_vas(slot)
         check = verify or self.dev is None
-        if self._use_many and check and self.cell.mode == "local":  # one verified copy_many
+        if check and self._verified:  # one verified copy_many
             self.inflight.append((g, [], [c.copy_many(vas[0], vas[1], self._sizes, checksum=True)], expected))
             return
         with c.batch():
