@@ -94,6 +94,33 @@ def test_write_device_buffer_to_remote(client: transfer.Client) -> None:
     client.free(seg)
 
 
+def test_verified_remote_copies_answer_what_landed(client: transfer.Client) -> None:
+    """copy_many(checksum=True) over RDMA: a READ answers each piece's checksum64 of its
+    destination once the bytes landed, a WRITE of its source; a piece past the producer's
+    declared range fails the request, and the session serves on."""
+    arr = np.random.default_rng(3).integers(0, 256, 1 << 20, dtype=np.uint8)
+    seg = client.register_remote(arr)
+    buf = client.alloc(1 << 20)
+    u = np.uint64
+    offs = np.array([0, 65536, 200_000, 700_000], u)
+    sizes = np.array([65536, 4096, 100_000, 1000], u)
+    got = client.copy_many(buf.va + offs, seg.va + offs, sizes, checksum=True).result()
+    want = [transfer.checksum64(arr[o:o + n]) for o, n in zip(offs.tolist(), sizes.tolist())]
+    assert got.tolist() == want
+    assert client.checksum_many(buf.va + offs, sizes).result().tolist() == want  # what landed
+    out = client.remote_segment(1 << 20)
+    client.fill(buf, 4096, 9).result()
+    got = client.copy_many(out.va + offs, buf.va + offs, sizes, checksum=True).result()
+    assert (out.buffer[:4096] == 9).all() and got[0] == transfer.checksum64(out.buffer[:65536])
+    assert got.tolist()[1:] == want[1:]
+    with pytest.raises(transfer.TransferError):
+        client.copy_many(buf.va + offs, seg.va + offs, np.array([65536, 4096, 100_000, 1 << 20], u), checksum=True).result()
+    assert client.checksum(buf.va, 64).result() == transfer.checksum64(np.full(64, 9, np.uint8))
+    client.free(out)
+    client.free(buf)
+    client.free(seg)
+
+
 def test_compute_pulls_remote_inputs_first(client: transfer.Client) -> None:
     """A compute naming a remote VA: the daemon READs it into staging, then runs the kernel."""
     x = np.arange(4096, dtype=np.float32)

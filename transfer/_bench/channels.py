@@ -276,9 +276,9 @@ class TransferProducer:
     groups' ``checksum`` requests read the DeviceBuffer (what arrived).
     A group's requests leave in one frame (``c.batch()``; ``copy_many`` for
     the copies and ``checksum_many`` for the checksums when a group has several items).
-    A verified group in local mode is one verified ``copy_many`` (``checksum=True``): the
-    daemon answers the checksums of what it copied, as every other method's consumer
-    checks what it received.
+    A verified group in local and remote mode is one verified ``copy_many``
+    (``checksum=True``): the daemon answers the checksums of what it copied (remote: of
+    what the READ delivered), as every other method's consumer checks what it received.
     """
 
     def __init__(self, cell: Cell, idx: int, spec: Spec) -> None:
@@ -308,9 +308,9 @@ class TransferProducer:
         self._offsets = np.arange(K, dtype=np.uint64) * np.uint64(S)
         self._sizes = np.full(K, S, dtype=np.uint64)
         self._use_many = K > 1 and hasattr(self.client, "copy_many") and hasattr(self.client, "checksum_many")
-        #: A verified local group is one verified copy_many, whatever its items (remote copies
-        #: are checked where they landed, by a checksum_many after them).
-        self._verified = cell.mode == "local" and hasattr(self.client, "copy_many")
+        #: A verified group is one verified copy_many, whatever its items: the daemon answers
+        #: the checksums of what it copied (remote: of what the READ delivered).
+        self._verified = cell.mode in ("local", "remote") and hasattr(self.client, "copy_many")
         #: Per slot, its items' (copy destinations, sources, checksummed ranges) as VA arrays:
         #: a producer with fixed slots computes them once.
         self._vas: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}

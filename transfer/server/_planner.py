@@ -137,7 +137,8 @@ class Planner:
             span, backend = self._span(seg, off, req.nbytes), dev.backend
             return Op(req.id, [(seg.id, off, off + req.nbytes)], [], dev, req.nbytes, lambda: backend.checksum(span))
         if isinstance(req, P.CopyV):
-            return self.plan_copies(owner, req.id, req.dst, req.src, req.nbytes, req.sums)
+            op = self.plan_copies(owner, req.id, req.dst, req.src, req.nbytes, req.sums)
+            return self._verified_remote(op, owner, req) if req.sums and op.remote is not None else op
         if isinstance(req, P.ChecksumV):
             return self.plan_checksums(owner, req.id, req.src, req.nbytes)
         if isinstance(req, P.Compute):
@@ -166,10 +167,7 @@ class Planner:
         ssid, soff, ssegs, reads = table.translate_many(src, size, owner)
         segs = {**dsegs, **ssegs}
         if any(seg.kind == SegmentKind.REMOTE for seg in segs.values()):
-            if sums:
-                raise E.InvalidField("a verified copy_many (checksum=True) reads memory on this host only; "
-                                     "for a remote segment, checksum_many the destination after the copy")
-            return plan_remote_copies(self, owner, rid, dsid, doff, ssid, soff, size, segs, reads, writes)
+            return plan_remote_copies(self, owner, rid, dsid, doff, ssid, soff, size, segs, reads, writes)  # (sums: `_verified_remote`)
         total = int(size.sum(dtype=np.uint64))
         dev = self._device_of(segs.values(), total)
         host_only = all(seg.kind == SegmentKind.HOST for seg in segs.values())
@@ -216,6 +214,28 @@ class Planner:
 
         return Op(rid, reads, writes, dev, total, run, host_only=host_only)
 
+
+    def _verified_remote(self, copy: Op, owner: Any, req: P.CopyV) -> list[Op]:
+        """A verified CopyV naming remote segments (`copy`, planned): the copies, made an
+        internal op (an RDMA post cannot sum what it moves), then an op that answers each
+        piece's checksum64 from its end in this daemon: a READ's destination once it has
+        landed, a WRITE's source. It reads what the copies wrote, so it runs after them, and
+        fails with their error."""
+        dsid, doff, dsegs, _ = self.table.translate_many(req.dst, req.nbytes, owner)
+        ssid, soff, ssegs, _ = self.table.translate_many(req.src, req.nbytes, owner)
+        segs = {**dsegs, **ssegs}
+        ends = [(d, do, n) if segs[d].kind != SegmentKind.REMOTE else (s_, so, n)
+                for d, do, s_, so, n in zip(dsid.tolist(), doff.tolist(), ssid.tolist(), soff.tolist(), req.nbytes.tolist())]
+        span, dev, rid = self._span, copy.device, copy.rid
+        copy.rid = 0
+
+        def run() -> bytes:
+            if copy.error is not None:
+                raise copy.error  # the bytes never arrived: the request fails with the reason
+            return np.fromiter((dev.backend.checksum(span(segs[s], o, n)) for s, o, n in ends), "<u8", len(ends)).tobytes()
+
+        sums = Op(rid, [*copy.writes, *((s, o, o + n) for s, o, n in ends)], [], dev, copy.nbytes, run, work=len(ends) << 12)
+        return [copy, sums]
 
     def plan_checksums(self, owner: Any, rid: int, src: np.ndarray, size: np.ndarray) -> Op:
         """Many checksums validated with NumPy as one op, answered as one packed uint64 array."""
