@@ -44,6 +44,11 @@ class CopyRun:
         return [P.Copy(int(i), int(d), int(s_), int(n), s) for i, d, s_, n in zip(self.ids.tolist(), self.dst.tolist(), self.src.tolist(), self.nbytes.tolist())]
 
 
+#: A vector of copies translated: (dst segment ids, dst offsets, src segment ids, src offsets,
+#: segments by id, read hulls, write hulls).
+_Copies = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[int, Any], list[Any], list[Any]]
+
+
 def answers(req: Any, ring: bool = False) -> int:
     """How many answers one queue entry owes: a CopyRun one per copy, a verified CopyV from a
     `ring` one per piece (a completion each), anything else one."""
@@ -137,8 +142,7 @@ class Planner:
             span, backend = self._span(seg, off, req.nbytes), dev.backend
             return Op(req.id, [(seg.id, off, off + req.nbytes)], [], dev, req.nbytes, lambda: backend.checksum(span))
         if isinstance(req, P.CopyV):
-            op = self.plan_copies(owner, req.id, req.dst, req.src, req.nbytes, req.sums)
-            return self._verified_remote(op, owner, req) if req.sums and op.remote is not None else op
+            return (self.plan_verified if req.sums else self.plan_copies)(owner, req.id, req.dst, req.src, req.nbytes)
         if isinstance(req, P.ChecksumV):
             return self.plan_checksums(owner, req.id, req.src, req.nbytes)
         if isinstance(req, P.Compute):
@@ -154,35 +158,23 @@ class Planner:
                 return self.devices[seg.device].backend
         return dev.backend
 
-    def plan_copies(self, owner: Any, rid: int, dst: np.ndarray, src: np.ndarray, size: np.ndarray, sums: bool = False) -> Op:
-        """Copies validated with NumPy, contiguous runs merged, executed in order. `sums` (a
-        verified CopyV): piece by piece, each followed by the checksum64 of its destination,
-        answered as one packed uint64 array (what the native worker sums as it copies)."""
+    def _translate_copies(self, owner: Any, dst: np.ndarray, src: np.ndarray, size: np.ndarray) -> _Copies:
+        """A vector of copies validated with NumPy: per piece, its segments and offsets; the
+        segments by id; the hazard hulls (per segment, what is read / written: conservative)."""
+        dsid, doff, dsegs, writes = self.table.translate_many(dst, size, owner)
+        ssid, soff, ssegs, reads = self.table.translate_many(src, size, owner)
+        return dsid, doff, ssid, soff, {**dsegs, **ssegs}, reads, writes
+
+    def plan_copies(self, owner: Any, rid: int, dst: np.ndarray, src: np.ndarray, size: np.ndarray) -> Op:
+        """Copies validated with NumPy, contiguous runs merged, executed in order."""
         n = len(size)
         if n == 0:
-            return Op(rid, [], [], self.devices[0], 0, (lambda: b"") if sums else (lambda: None))
-        table = self.table
-        # Hazard ranges: per segment, the hull of what is written / read (conservative).
-        dsid, doff, dsegs, writes = table.translate_many(dst, size, owner)
-        ssid, soff, ssegs, reads = table.translate_many(src, size, owner)
-        segs = {**dsegs, **ssegs}
+            return Op(rid, [], [], self.devices[0], 0, lambda: None)
+        dsid, doff, ssid, soff, segs, reads, writes = self._translate_copies(owner, dst, src, size)
         if any(seg.kind == SegmentKind.REMOTE for seg in segs.values()):
-            return plan_remote_copies(self, owner, rid, dsid, doff, ssid, soff, size, segs, reads, writes)  # (sums: `_verified_remote`)
+            return plan_remote_copies(self, owner, rid, dsid, doff, ssid, soff, size, segs, reads, writes)
         total = int(size.sum(dtype=np.uint64))
         dev = self._device_of(segs.values(), total)
-        host_only = all(seg.kind == SegmentKind.HOST for seg in segs.values())
-        if sums:
-            pieces = [(self._span(dsegs[d], o, nb), self._span(ssegs[s_], so, nb), self._copy_backend(dsegs[d], ssegs[s_], dev))
-                      for d, o, s_, so, nb in zip(dsid.tolist(), doff.tolist(), ssid.tolist(), soff.tolist(), size.tolist())]
-
-            def run_summed() -> bytes:
-                out = np.empty(len(pieces), "<u8")
-                for k, (d, s, backend) in enumerate(pieces):
-                    backend.copy(d, s)
-                    out[k] = backend.checksum(d)
-                return out.tobytes()
-
-            return Op(rid, reads, writes, dev, total, run_summed, host_only=host_only)
         cont = np.zeros(n, dtype=bool)
         if n > 1:
             cont[1:] = (
@@ -197,7 +189,7 @@ class Planner:
         pairs: list[tuple[Span, Span, Any]] = []
         for a, b in zip(starts.tolist(), ends.tolist()):
             run_bytes = int(csum[b] - csum[a])
-            ds, ss = dsegs[int(dsid[a])], ssegs[int(ssid[a])]
+            ds, ss = segs[int(dsid[a])], segs[int(ssid[a])]
             do, so = int(doff[a]), int(soff[a])
             backend = self._copy_backend(ds, ss, dev)
             if b - a > 1 and ds is ss and do < so + run_bytes and so < do + run_bytes:
@@ -212,30 +204,43 @@ class Planner:
             for d, s, backend in pairs:
                 backend.copy(d, s)
 
-        return Op(rid, reads, writes, dev, total, run, host_only=host_only)
+        return Op(rid, reads, writes, dev, total, run, host_only=all(seg.kind == SegmentKind.HOST for seg in segs.values()))
 
+    def plan_verified(self, owner: Any, rid: int, dst: np.ndarray, src: np.ndarray, size: np.ndarray) -> Op | list[Op]:
+        """A verified CopyV (`sums`): piece by piece, each followed by the checksum64 of its
+        destination, answered as one packed uint64 array (what the native worker sums as it
+        copies). With remote segments, the copies as `plan_copies` posts them, made an
+        internal op (an RDMA post cannot sum what it moves), then an op that sums each piece's
+        end in this daemon: a READ's destination once it has landed, a WRITE's source. That op
+        reads what the copies wrote, so it runs after them, and fails with their error."""
+        if not len(size):
+            return Op(rid, [], [], self.devices[0], 0, lambda: b"")
+        dsid, doff, ssid, soff, segs, reads, writes = self._translate_copies(owner, dst, src, size)
+        rows = list(zip(dsid.tolist(), doff.tolist(), ssid.tolist(), soff.tolist(), size.tolist()))
+        span = self._span
+        if any(seg.kind == SegmentKind.REMOTE for seg in segs.values()):
+            copy = plan_remote_copies(self, owner, 0, dsid, doff, ssid, soff, size, segs, reads, writes)
+            ends = [(d, do, n) if segs[d].kind != SegmentKind.REMOTE else (s_, so, n) for d, do, s_, so, n in rows]
+            dev = copy.device
 
-    def _verified_remote(self, copy: Op, owner: Any, req: P.CopyV) -> list[Op]:
-        """A verified CopyV naming remote segments (`copy`, planned): the copies, made an
-        internal op (an RDMA post cannot sum what it moves), then an op that answers each
-        piece's checksum64 from its end in this daemon: a READ's destination once it has
-        landed, a WRITE's source. It reads what the copies wrote, so it runs after them, and
-        fails with their error."""
-        dsid, doff, dsegs, _ = self.table.translate_many(req.dst, req.nbytes, owner)
-        ssid, soff, ssegs, _ = self.table.translate_many(req.src, req.nbytes, owner)
-        segs = {**dsegs, **ssegs}
-        ends = [(d, do, n) if segs[d].kind != SegmentKind.REMOTE else (s_, so, n)
-                for d, do, s_, so, n in zip(dsid.tolist(), doff.tolist(), ssid.tolist(), soff.tolist(), req.nbytes.tolist())]
-        span, dev, rid = self._span, copy.device, copy.rid
-        copy.rid = 0
+            def sums() -> bytes:
+                if copy.error is not None:
+                    raise copy.error  # the bytes never arrived: the request fails with the reason
+                return np.fromiter((dev.backend.checksum(span(segs[s], o, n)) for s, o, n in ends), "<u8", len(ends)).tobytes()
+
+            return [copy, Op(rid, [*copy.writes, *((s, o, o + n) for s, o, n in ends)], [], dev, copy.nbytes, sums, work=len(ends) << 12)]
+        total = int(size.sum(dtype=np.uint64))
+        dev = self._device_of(segs.values(), total)
+        pieces = [(span(segs[d], o, n), span(segs[s_], so, n), self._copy_backend(segs[d], segs[s_], dev)) for d, o, s_, so, n in rows]
 
         def run() -> bytes:
-            if copy.error is not None:
-                raise copy.error  # the bytes never arrived: the request fails with the reason
-            return np.fromiter((dev.backend.checksum(span(segs[s], o, n)) for s, o, n in ends), "<u8", len(ends)).tobytes()
+            out = np.empty(len(pieces), "<u8")
+            for k, (d, s, backend) in enumerate(pieces):
+                backend.copy(d, s)
+                out[k] = backend.checksum(d)
+            return out.tobytes()
 
-        sums = Op(rid, [*copy.writes, *((s, o, o + n) for s, o, n in ends)], [], dev, copy.nbytes, run, work=len(ends) << 12)
-        return [copy, sums]
+        return Op(rid, reads, writes, dev, total, run, host_only=all(seg.kind == SegmentKind.HOST for seg in segs.values()))
 
     def plan_checksums(self, owner: Any, rid: int, src: np.ndarray, size: np.ndarray) -> Op:
         """Many checksums validated with NumPy as one op, answered as one packed uint64 array."""
