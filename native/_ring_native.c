@@ -1355,19 +1355,14 @@ static Py_ssize_t descriptors_for(PyObject *r, int kind)
     return k;
 }
 
-/* One request's descriptors into w (room for all of them): the words of REQUEST_DTYPE. */
-static int pack_request(PyObject *r, int kind, Py_ssize_t k, uint64_t *w)
+/* One request's descriptors into w (room for all of them): the words of REQUEST_DTYPE.
+ * `summed`: a verified copy_many (FLAG_SUM on every piece). */
+static int pack_request(PyObject *r, int kind, Py_ssize_t k, int summed, uint64_t *w)
 {
     uint64_t rid, stream, dst = 0, src = 0, nbytes = 0, arg0 = 0;
     if (attr_u64(r, s_id, UINT64_MAX, &rid) < 0 || attr_u64(r, s_stream, UINT32_MAX, &stream) < 0)
         return -1;
-    uint64_t head = (uint64_t)kind_op[kind] | stream << 32;
-    if (kind == K_COPYV) { /* a verified copy_many: FLAG_SUM on every piece */
-        int summed = attr_true(r, s_sums);
-        if (summed < 0)
-            return -1;
-        head |= summed ? (uint64_t)TDP_FLAG_SUM << 16 : 0;
-    }
+    uint64_t head = (uint64_t)kind_op[kind] | stream << 32 | (summed ? (uint64_t)TDP_FLAG_SUM << 16 : 0);
     if (kind == K_COPYV || kind == K_CHECKSUMV) {
         PyObject *nbo = PyObject_GetAttr(r, s_nbytes), *so = PyObject_GetAttr(r, s_src);
         PyObject *dso = kind == K_COPYV ? PyObject_GetAttr(r, s_dst) : PyLong_FromLong(0);
@@ -1458,7 +1453,7 @@ static PyObject *Queue_push_requests(QueueObject *self, PyObject *const *a, Py_s
         return NULL;
     }
     /* Pass 1: what fits, each request's kind and descriptors noted once. */
-    struct { int kind; Py_ssize_t k; } small[64], *info = small;
+    struct { int kind, summed; Py_ssize_t k; } small[64], *info = small;
     if (n - start > 64 && !(info = PyMem_Malloc((size_t)(n - start) * sizeof *info)))
         return PyErr_NoMemory();
     uint64_t stackbuf[16 * DESC_WORDS], *buf = stackbuf;
@@ -1483,6 +1478,10 @@ static PyObject *Queue_push_requests(QueueObject *self, PyObject *const *a, Py_s
             goto done;
         if (used + k > room)
             break;
+        int summed = kind == K_COPYV ? attr_true(r, s_sums) : 0;
+        if (summed < 0)
+            goto done;
+        info[end - start].summed = summed;
         info[end - start].kind = (int)kind;
         info[end - start].k = k;
         used += k;
@@ -1495,7 +1494,7 @@ static PyObject *Queue_push_requests(QueueObject *self, PyObject *const *a, Py_s
     uint64_t *w = buf;
     for (Py_ssize_t i = start; i < end; i++) {
         Py_ssize_t k = info[i - start].k;
-        if (k && pack_request(PyList_GET_ITEM(reqs, i), info[i - start].kind, k, w) < 0)
+        if (k && pack_request(PyList_GET_ITEM(reqs, i), info[i - start].kind, k, info[i - start].summed, w) < 0)
             goto done;
         w += k * DESC_WORDS;
     }
@@ -1525,13 +1524,9 @@ static PyObject *Queue_push_requests(QueueObject *self, PyObject *const *a, Py_s
             Py_DECREF(rid);
             goto done;
         }
-        PyObject *answers;
-        if (kind == K_CHECKSUMV)
-            answers = PyObject_CallNoArgs(sums);
-        else if (kind == K_COPYV && attr_true(PyList_GET_ITEM(reqs, i), s_sums) > 0)
-            answers = PyObject_CallOneArg(sums, Py_True);
-        else
-            answers = PyErr_Occurred() ? NULL : Py_NewRef(kind == K_CHECKSUM ? Py_True : Py_False);
+        PyObject *answers = kind == K_CHECKSUMV ? PyObject_CallNoArgs(sums)
+                            : info[i - start].summed ? PyObject_CallOneArg(sums, Py_True)
+                                                     : Py_NewRef(kind == K_CHECKSUM ? Py_True : Py_False);
         PyObject *entry = answers ? Py_BuildValue("(ONn)", p, answers, info[i - start].k) : NULL;
         int rc = entry ? PyDict_SetItem(outstanding, rid, entry) : -1;
         Py_XDECREF(entry);
