@@ -364,7 +364,7 @@ def test_the_inline_rule_never_runs_a_device_process_s_kernels_on_the_loop() -> 
     gpu = SimpleNamespace(backend=SimpleNamespace(out_of_process=False))
 
     def op(device: Any, kind: str, begin: Any = None) -> Op:
-        o = Op(1, [], [], device, 64, lambda: None, begin=begin)
+        o = Op(1, [], [(1, 0, 64)], device, 64, lambda: None, begin=begin)  # (each writes: a read-only op counts half)
         o.kind = kind
         return o
 
