@@ -373,3 +373,6 @@ def test_the_inline_rule_never_runs_a_device_process_s_kernels_on_the_loop() -> 
     assert not runs_inline([op(cpu, "compute", begin=lambda block: None)], 1 << 16)
     assert runs_inline([op(gpu, "compute")], 1 << 16)
     assert not runs_inline([op(cpu, "copy")], 32)  # over inline_bytes
+    # An op that writes nothing (a checksum, a verified remote copy's sums, whatever its kind)
+    # only reads its bytes: they count half.
+    assert runs_inline([Op(1, [(1, 0, 64)], [], gpu, 64, lambda: None)], 32)
