@@ -289,6 +289,49 @@ def test_hostile_verified_chains_fail_alone(ringd) -> None:
         assert c.checksum(seg.at(1024), 16).result(5) == want_sums[0]
 
 
+def test_verified_chains_fill_the_completion_queue_and_wait(ringd) -> None:
+    """A client that pushes verified chains up to its credits before it takes any completion
+    fills its completion queue to the last slot a whole chain fits in: the rest waits for
+    room (a chain answers all its pieces at once), on that ring only, while another session
+    is served; taken, every chain is answered whole and in order, round after round."""
+    with transfer.connect(ringd.endpoint, ring=True) as c:
+        seg = c.segment(1 << 16)
+        seg.buffer[:] = np.arange(1 << 16) % 253
+        ring = _raw(c)
+        base, k = 1 << 60, 48
+        credits = min(ring.request_capacity, ring.completion_capacity)
+        chains = credits // k
+        want = [transfer.checksum64(bytes(seg.buffer[64 * i:64 * i + 64])) for i in range(k)]
+        for rnd in range(3):  # three queues' worth in all
+            for j in range(chains):
+                for i in range(k):
+                    flags = FLAG_SUM | (FLAG_CHAIN if i + 1 < k else 0)
+                    assert ring.push((Op.COPY, base + rnd * chains + j, seg.at(32768 + 64 * i), seg.at(64 * i), 64, 0, flags))
+            with transfer.connect(ringd.endpoint, ring=True) as other:  # served meanwhile
+                theirs = other.segment(4096)
+                assert other.checksum(theirs.at(0), 16).result(5) == transfer.checksum64(bytes(16))
+            comps = _completions(ring, chains * k)
+            assert len(comps) == chains * k and (comps["status"] == 0).all()
+            assert comps["id"].tolist() == [base + rnd * chains + j for j in range(chains) for _ in range(k)]
+            assert comps["result"].tolist() == want * chains
+        # Past its credits (more than the completion queue holds, never taken): that ring
+        # waits, or its session ends; nobody else notices.
+        over = (ring.request_capacity + ring.completion_capacity) // k - 2
+        for j in range(over):
+            for i in range(k):
+                flags = FLAG_SUM | (FLAG_CHAIN if i + 1 < k else 0)
+                if not ring.push((Op.COPY, base + 10_000 + j, seg.at(32768 + 64 * i), seg.at(64 * i), 64, 0, flags), timeout=2):
+                    break  # (its session ended: nothing takes descriptors any more)
+        with transfer.connect(ringd.endpoint, ring=True) as other:
+            theirs = other.segment(4096)
+            assert other.checksum(theirs.at(0), 16).result(5) == transfer.checksum64(bytes(16))
+    with transfer.connect(ringd.endpoint) as c2:
+        deadline = time.monotonic() + 5
+        while c2.stats()["daemon"]["sessions"] > 1:  # the lazy session went, with its ring
+            assert time.monotonic() < deadline, "the session past its credits was not released"
+            time.sleep(0.02)
+
+
 def test_hostile_fences_hold_only_their_own_ring(ringd) -> None:
     """FLAG_AFTER naming a frame that never comes holds that descriptor and those behind it,
     on its own ring and nothing else: the session's socket serves on, another session runs,

@@ -455,7 +455,7 @@ def attack_ring(ctx: Ctx, t: Tally, rng: random.Random) -> None:
                 descs["dst"] = [pick() for _ in range(k)]
                 descs["src"] = [pick() for _ in range(k)]
                 descs["nbytes"] = [rng.choice([0, 8, 4096, 1 << 40, U64]) for _ in range(k)]
-                descs["flags"] = [rng.choice([0, 0, 1, 2, 3, 0xFFFF]) for _ in range(k)]  # 2: FLAG_AFTER
+                descs["flags"] = [rng.choice([0, 0, 1, 2, 3, 4, 5, 0xFFFF]) for _ in range(k)]  # 2: FLAG_AFTER; 4: FLAG_SUM
                 descs["arg2"] = [rng.choice([0, 0, 1, 3, 1 << 40, U64]) for _ in range(k)]  # (a fence: frames to wait for)
                 descs["stream"] = [rng.choice([0, 1, 0xFFFFFFFF]) for _ in range(k)]
                 descs["arg0"] = [rng.choice([0, 255, 256, U64]) for _ in range(k)]

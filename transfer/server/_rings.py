@@ -333,8 +333,7 @@ class Rings:
             avail = ring.available()
             if not avail:
                 return placed
-            # Each descriptor needs a completion slot when it is answered: take only what fits.
-            n: int = min(avail, ring.free() - session.ring_pending, avail if limit is None else limit)
+            n: int = min(avail, self._room(session), avail if limit is None else limit)
             if n <= 0:
                 return placed  # the client has not taken its completions: it waits, we do not
             if n <= 4:  # tuples, no NumPy (one wake for the batch, if any)
@@ -566,6 +565,15 @@ class Rings:
                 pass  # a full FIFO rings already
 
     @staticmethod
+    def _room(session: Session) -> int:
+        """Descriptors the loop may take from a ring: each needs a completion slot when it is
+        answered, counting those of a chain taken in part (a verified one answers each of its
+        pieces) besides those reserved."""
+        assert session.ring is not None
+        open_chain = len(session.ring_chain) if session.ring_chain is not None else 0
+        return int(session.ring.free()) - session.ring_pending - open_chain
+
+    @staticmethod
     def _served_here(session: Session) -> bool:
         """The event loop serves this ring now (it has no worker, or its worker handed it over)."""
         return session.ring is not None and (session.worker is None or session.worker.mode == PYTHON)
@@ -584,7 +592,7 @@ class Rings:
                 if session.worker.mode != PYTHON:
                     continue
             try:
-                if ring.arm() and ring.free() - session.ring_pending > 0:
+                if ring.arm() and self._room(session) > 0:
                     ready = True
             except RingCorrupted as exc:
                 self.broken(session, exc)
