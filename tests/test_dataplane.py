@@ -211,14 +211,17 @@ def test_a_verified_copy_reads_its_bytes_once(daemon: DaemonProcess) -> None:
         assert c.stats()["daemon"]["fused_checksums"] - before == K + 2
 
 
-@pytest.mark.parametrize("route", ["native", "python", "socket"])
+@pytest.mark.parametrize("route", ["native", "python", "socket", "streams"])
 def test_verified_copy_many_answers_what_each_piece_copied(daemon_factory: Any, route: str) -> None:
     """copy_many(checksum=True) answers each piece's checksum64 as copied (a later piece that
     overwrites an earlier one's destination does not change the earlier answer), on a native
-    worker, the Python pass and the socket alike; a failed one (a piece nobody can address)
-    copies nothing and gives its credits back: a ring's worth of them leaves the session
-    serving. The answers are checked against NumPy, not against another path."""
-    d = daemon_factory("--no-ring-workers" if route == "python" else "--ring-workers")
+    worker, the Python pass and the socket alike, and into device memory on a stream backend
+    (`streams`: the CPU simulation of a GPU's streams, where each copy is queued and its sum
+    must wait for it); a failed one (a piece nobody can address) copies nothing and gives its
+    credits back: a ring's worth of them leaves the session serving. The answers are checked
+    against NumPy, not against another path."""
+    extra = {"python": ["--no-ring-workers"], "streams": ["--backend", "streamsim"]}.get(route, ["--ring-workers"])
+    d = daemon_factory(*extra)
     with transfer.connect(d.endpoint, ring=route != "socket") as c:
         S = 4096
         seg, dev = c.segment(8 * S), c.alloc(8 * S)
