@@ -482,9 +482,9 @@ static inline void tdp_memo_add(tdp_worker_t *w, const uint8_t *p, uint64_t n, u
  * races the request can cause it, and Python's retry then reports the freed segment.
  * A COPY with `want` (tdp_wanted) sums what it copies as it loads it, and keeps the sum for
  * the later CHECKSUM of its source or destination; unless the two overlap (then memmove, in
- * memmove's direction across chunks too, and no sum kept). With `sum` a COPY answers the sum
- * of what it copied (a verified piece): as it loads it, or, overlapping, from the
- * destination afterwards. */
+ * memmove's direction across chunks too, and no sum kept). A verified piece (TDP_WANT_SUM)
+ * answers in *sum the sum of what it copied: as it loads it, or, overlapping, from each
+ * destination chunk once written (no other chunk writes it). */
 static inline int tdp_bytes(tdp_worker_t *w, int op, uint64_t dva, uint64_t sva, uint64_t n,
                             uint8_t value, uint64_t *sum, int want)
 {
@@ -516,13 +516,15 @@ static inline int tdp_bytes(tdp_worker_t *w, int op, uint64_t dva, uint64_t sva,
                 s0 = s;
             }
             if (fuse && d < s + len && s < d + len)
-                fuse = 0;
+                fuse = 0; /* (defensive: VAs that do not overlap name memory that does not) */
             if (fuse) /* streamed only where its sum is the range's own (tdp_copy_sum) */
                 fsum += tdp_copy_sum(d, s, len, stream && !((uintptr_t)d & 7));
             else if (d < s + len && s < d + len)
                 memmove(d, s, len);
             else
                 (void)tdp_copy_sum(d, s, len, stream);
+            if (!fuse && (want & TDP_WANT_SUM))
+                fsum += tdp_sum64(d, len);
         } else if (op == TDP_FILL)
             memset(d, value, len);
         else
@@ -539,19 +541,8 @@ static inline int tdp_bytes(tdp_worker_t *w, int op, uint64_t dva, uint64_t sva,
         } else if ((off += len) >= n)
             break;
     }
-    if (op == TDP_COPY && sum) { /* a verified piece: the sum of what it copied */
-        if (fuse)
-            *sum = fsum;
-        else { /* overlapping: summed after the memmove, from the destination */
-            int32_t dev = -1;
-            pthread_rwlock_rdlock(&w->table->lock);
-            const uint8_t *d = tdp_translate(w->table, w->session, dva, n, &dev);
-            *sum = d ? tdp_sum64(d, n) : 0;
-            pthread_rwlock_unlock(&w->table->lock);
-            if (!d)
-                return TDP_WHY_ADDRESS;
-        }
-    }
+    if (op == TDP_COPY && (want & TDP_WANT_SUM))
+        *sum = fsum;
     if (fuse) {
         if (want & TDP_WANT_SRC)
             tdp_memo_add(w, s0, n, fsum);
@@ -698,35 +689,36 @@ static inline int64_t tdp_serve(tdp_worker_t *w, uint64_t avail)
                 if (why)
                     break;
                 nc += len - 1; /* (the loop's own nc++ counts the last) */
-            }
-            for (uint64_t k = 0; k < len && !why && !(d->flags & TDP_FLAG_SUM);) {
-                /* A run of pieces contiguous in both dst and src is one memmove, unless the
-                 * run's ranges overlap (then piece by piece, as sequential copies would be). */
-                const tdp_desc_t *p = &w->batch[i + k];
-                uint64_t d0 = p->dst, s0 = p->src, n = p->nbytes, m = k + 1;
-                int want = tdp_wanted(w, d0, s0, n);
-                if (want) { /* a piece checksummed later in the batch: alone, and summed */
-                    why = tdp_bytes(w, TDP_COPY, d0, s0, n, 0, NULL, want);
-                    k = m;
-                    moved += n;
-                    continue;
-                }
-                while (m < len && w->batch[i + m].dst == d0 + n && w->batch[i + m].src == s0 + n &&
-                       w->batch[i + m].nbytes <= TDP_OFFSET_MASK - n &&
-                       !tdp_wanted(w, w->batch[i + m].dst, w->batch[i + m].src, w->batch[i + m].nbytes)) {
-                    n += w->batch[i + m].nbytes;
-                    m++;
-                }
-                if (m - k > 1 && d0 < s0 + n && s0 < d0 + n) {
-                    for (; k < m && !why; k++) {
-                        p = &w->batch[i + k];
-                        why = tdp_bytes(w, TDP_COPY, p->dst, p->src, p->nbytes, 0, NULL, 0);
+            } else {
+                for (uint64_t k = 0; k < len && !why;) {
+                    /* A run of pieces contiguous in both dst and src is one memmove, unless the
+                     * run's ranges overlap (then piece by piece, as sequential copies would be). */
+                    const tdp_desc_t *p = &w->batch[i + k];
+                    uint64_t d0 = p->dst, s0 = p->src, n = p->nbytes, m = k + 1;
+                    int want = tdp_wanted(w, d0, s0, n);
+                    if (want) { /* a piece checksummed later in the batch: alone, and summed */
+                        why = tdp_bytes(w, TDP_COPY, d0, s0, n, 0, NULL, want);
+                        k = m;
+                        moved += n;
+                        continue;
                     }
-                } else {
-                    why = tdp_bytes(w, TDP_COPY, d0, s0, n, 0, NULL, 0);
-                    k = m;
+                    while (m < len && w->batch[i + m].dst == d0 + n && w->batch[i + m].src == s0 + n &&
+                           w->batch[i + m].nbytes <= TDP_OFFSET_MASK - n &&
+                           !tdp_wanted(w, w->batch[i + m].dst, w->batch[i + m].src, w->batch[i + m].nbytes)) {
+                        n += w->batch[i + m].nbytes;
+                        m++;
+                    }
+                    if (m - k > 1 && d0 < s0 + n && s0 < d0 + n) {
+                        for (; k < m && !why; k++) {
+                            p = &w->batch[i + k];
+                            why = tdp_bytes(w, TDP_COPY, p->dst, p->src, p->nbytes, 0, NULL, 0);
+                        }
+                    } else {
+                        why = tdp_bytes(w, TDP_COPY, d0, s0, n, 0, NULL, 0);
+                        k = m;
+                    }
+                    moved += n;
                 }
-                moved += n;
             }
             if (why)
                 break;
