@@ -411,12 +411,9 @@ class StreamBackend(Backend):
             if output:
                 tmp = self._scratch_span(host.nbytes, device)
                 return dense, tmp.mem, 0, host
-            if host.flags.c_contiguous:  # read on the stream, as a copy reads it: DMA once pinned, no wait
-                src = span._replace(nbytes=host.nbytes)
-                self._maybe_pin(src)
-                self._queued_host(device, src, writes=False)
+            if host.flags.c_contiguous:  # read on the stream by a copy: DMA once pinned, no wait
                 tmp = self._scratch_span(host.nbytes, device)
-                self._memcpy(tmp, src, device)
+                self.copy(tmp, span._replace(nbytes=host.nbytes))
                 return dense, tmp.mem, 0, None
             self._before_host(span, writes=False)  # scattered: gathered here, now
             mem = self._upload(np.ascontiguousarray(host), device)
