@@ -266,19 +266,18 @@ class TorchProducer(_AckMixin):
 class TransferProducer:
     """``transfer``: only VAs and sizes travel; the daemon moves and checks the bytes.
 
-    ``local`` mode: the batch is written into a HostSegment (shared memory);
-    one ``copy`` (segment -> DeviceBuffer) per item, plus one ``checksum`` per
-    item of the segment on verified groups (the daemon reads it in place).
-    ``compute`` mode: one ``checksum`` per item of the segment, always.
+    ``local`` mode: the batch is written into a HostSegment (shared memory) and
+    copied (segment -> DeviceBuffer) by one ``copy_many`` (a ``copy`` per item
+    for a group of one).
     ``remote`` mode: the batch is written into a plain NumPy array in this
     process (not shared memory) registered with ``register_remote``; the
-    copies are NIXL READs by the daemon into a DeviceBuffer, and the verified
-    groups' ``checksum`` requests read the DeviceBuffer (what arrived).
-    A group's requests leave in one frame (``c.batch()``; ``copy_many`` for
-    the copies and ``checksum_many`` for the checksums when a group has several items).
-    A verified group in local and remote mode is one verified ``copy_many``
-    (``checksum=True``): the daemon answers the checksums of what it copied (remote: of
-    what the READ delivered), as every other method's consumer checks what it received.
+    copies are NIXL READs by the daemon into a DeviceBuffer.
+    In both, a verified group is one verified ``copy_many`` (``checksum=True``): the
+    daemon answers the checksums of what it copied (remote: of what the READ delivered),
+    as every other method's consumer checks what it received.
+    ``compute`` mode: the daemon checksums each item of the segment in place, always
+    (``checksum_many``, or a ``checksum`` per item); a group's requests leave in one
+    frame (``c.batch()``).
     """
 
     def __init__(self, cell: Cell, idx: int, spec: Spec) -> None:
@@ -299,8 +298,8 @@ class TransferProducer:
             self.buffer[:] = 0
         # The "device" buffer: in local mode one slot's worth, which every group overwrites in
         # turn, as every other method's consumer does (the daemon runs a session's requests in
-        # order, and the check reads the source); in remote mode one per slot, since the check
-        # reads what the READ delivered.
+        # order, and a verified copy answers what it copied); in remote mode one per slot, since
+        # the check reads what the READ delivered, after it landed.
         self.dev = self.client.alloc(cell.slot_bytes if cell.mode == "local" else cell.buffer_bytes) if cell.mode in ("local", "remote") else None
         # FIFO of (g, pendings, cks, expected)
         self.inflight: list[tuple[int, list[Pending], list[Pending], Sequence[int] | None]] = []
@@ -311,9 +310,9 @@ class TransferProducer:
         #: A verified group is one verified copy_many, whatever its items: the daemon answers
         #: the checksums of what it copied (remote: of what the READ delivered).
         self._verified = cell.mode in ("local", "remote") and hasattr(self.client, "copy_many")
-        #: Per slot, its items' (copy destinations, sources, checksummed ranges) as VA arrays:
-        #: a producer with fixed slots computes them once.
-        self._vas: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        #: Per slot, its items' (copy destinations, sources) as VA arrays: a producer with
+        #: fixed slots computes them once.
+        self._vas: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def submit(self, g: int, slot: int, verify: bool, expected: Sequence[int] | None) -> None:
         c = self.client
@@ -322,24 +321,23 @@ class TransferProducer:
         if check and self._verified:  # one verified copy_many
             self.inflight.append((g, [], [c.copy_many(vas[0], vas[1], self._sizes, checksum=True)], expected))
             return
-        with c.batch():
+        with c.batch():  # copies unverified, or (compute mode) checksums of the sources in place
             if self._use_many:
                 pend = [c.copy_many(vas[0], vas[1], self._sizes)] if self.dev is not None else []
-                cks = [c.checksum_many(vas[2], self._sizes)] if check else []
+                cks = [c.checksum_many(vas[1], self._sizes)] if check else []
             else:
                 S = self.cell.size
-                d0, s0, k0 = int(vas[0][0]), int(vas[1][0]), int(vas[2][0])
+                d0, s0 = int(vas[0][0]), int(vas[1][0])
                 pend = [c.copy(d0 + i * S, s0 + i * S, S) for i in range(len(vas[0]))] if self.dev is not None else []
-                cks = [c.checksum(k0 + i * S, S) for i in range(len(vas[0]))] if check else []
+                cks = [c.checksum(s0 + i * S, S) for i in range(len(vas[0]))] if check else []
         self.inflight.append((g, pend, cks, expected))
 
-    def _slot_vas(self, slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A slot's items' (copy destinations, sources, checksummed ranges): a producer with
-        fixed slots computes them once."""
+    def _slot_vas(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """A slot's items' (copy destinations, sources): a producer with fixed slots computes
+        them once."""
         src0 = self.seg.va + slot * self.cell.slot_bytes
         dst0 = 0 if self.dev is None else self.dev.va + (slot * self.cell.slot_bytes if self.remote else 0)
-        ck0 = dst0 if self.remote else src0  # the source in place, or (remote) what the READ delivered
-        vas = self._vas[slot] = (np.uint64(dst0) + self._offsets, np.uint64(src0) + self._offsets, np.uint64(ck0) + self._offsets)
+        vas = self._vas[slot] = (np.uint64(dst0) + self._offsets, np.uint64(src0) + self._offsets)
         return vas
 
     def poll(self, block: bool) -> list[tuple[int, bool]]:
