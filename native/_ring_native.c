@@ -482,44 +482,87 @@ static PyObject *Queue_pop_runs(QueueObject *self, PyObject *args, PyObject *kwd
     return list;
 }
 
-/* pop_finished(outstanding, pending) -> (completions, freed, rest)
+/* pop_finished(outstanding, pending[, array]) -> (completions, freed, rest)
  *
- * The client's reap, its common case in C: pops every completion, and finishes each lone
- * success of a request noted in `outstanding` as (pending, answers, descriptors) with answers
- * a bool: deletes it there and from `pending`, and calls pending._finish(value, None), the
- * value being the completion's result when answers is True, else None. `freed` counts those
- * requests' descriptors. Every other run (a failure, a checksum_many's, one of an id not
- * outstanding), and every run after the first such, comes back in `rest`, in order, as
- * pop_runs gives it (key id, value result, clean status), for the caller's general path:
+ * The client's reap, its common cases in C: pops every completion and finishes, for a request
+ * noted in `outstanding` as (pending, answers, descriptors):
+ * - a lone success, when answers is a bool: the value is the completion's result when
+ *   answers is True, else None;
+ * - a run of successes that is the whole answer of a request that gathers one word per
+ *   descriptor (answers a `_Sums` whose `values` is still empty: a checksum_many, a verified
+ *   copy_many), when `array` is given: the value is array(n), a new writable buffer of n
+ *   native uint64 words (a NumPy array), filled with the run's results.
+ * Each is deleted there and from `pending`, and pending._finish(value, None) is called;
+ * `freed` counts their descriptors. Every other run (a failure, part of an answer, one of an
+ * id not outstanding), and every run after the first such, comes back in `rest`, in order,
+ * as pop_runs gives it (key id, value result, clean status), for the caller's general path:
  * what is finished here never overtakes an earlier completion of the same id. */
-static PyObject *s_finish;
+static PyObject *s_finish, *s_values;
 
-/* A lone success finished here: 1; not one for here: 0 (it goes to rest); an error: -1. */
-static int finish_lone(QueueObject *self, const uint8_t *slot, PyObject *outstanding, PyObject *pending, Py_ssize_t *freed)
+/* The run [i, j) of successes finished here: 1; not one for here: 0 (it goes to rest); an
+ * error: -1. */
+static int finish_run(QueueObject *self, const uint8_t *buf, int64_t i, int64_t j, PyObject *outstanding,
+                      PyObject *pending, PyObject *array, Py_ssize_t *freed)
 {
-    PyObject *rid = PyLong_FromUnsignedLongLong(field_bits(self, slot, 0));
+    uint64_t ss = self->q.slot_size;
+    const uint8_t *first = buf + i * ss;
+    PyObject *rid = PyLong_FromUnsignedLongLong(field_bits(self, first, 0));
     if (!rid)
         return -1;
     PyObject *entry = PyDict_GetItemWithError(outstanding, rid);
-    if (!entry || !PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3 || !PyBool_Check(PyTuple_GET_ITEM(entry, 1))) {
+    if (!entry || !PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3) {
         Py_DECREF(rid);
         return PyErr_Occurred() ? -1 : 0;
     }
-    PyObject *p = Py_NewRef(PyTuple_GET_ITEM(entry, 0));
-    int valued = PyTuple_GET_ITEM(entry, 1) == Py_True;
+    Py_INCREF(entry); /* (array() runs Python code: the dict may change under a borrowed one) */
+    PyObject *answers = PyTuple_GET_ITEM(entry, 1), *value = NULL;
     Py_ssize_t took = PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 2));
-    PyObject *value = valued ? PyLong_FromUnsignedLongLong(field_bits(self, slot, 2)) : Py_NewRef(Py_None);
+    int mine = 0;
+    if (took < 0) {
+        mine = PyErr_Occurred() ? -1 : 0;
+    } else if (PyBool_Check(answers)) {
+        mine = j - i == 1;
+        if (mine)
+            value = answers == Py_True ? PyLong_FromUnsignedLongLong(field_bits(self, first, 2)) : Py_NewRef(Py_None);
+    } else if (array && took == j - i) {
+        PyObject *values = PyObject_GetAttr(answers, s_values);
+        if (!values)
+            PyErr_Clear(); /* not a gatherer: the general path will say what it is */
+        mine = values && PyList_CheckExact(values) && PyList_GET_SIZE(values) == 0;
+        Py_XDECREF(values);
+        if (mine) {
+            PyObject *n = PyLong_FromSsize_t(took);
+            value = n ? PyObject_CallOneArg(array, n) : NULL;
+            Py_XDECREF(n);
+            Py_buffer b;
+            if (value && PyObject_GetBuffer(value, &b, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) == 0) {
+                if (b.len == 8 * took) {
+                    for (int64_t r = i; r < j; r++) {
+                        uint64_t v = field_bits(self, buf + r * ss, 2);
+                        memcpy((char *)b.buf + 8 * (r - i), &v, 8); /* a native uint64 each */
+                    }
+                } else {
+                    PyErr_SetString(PyExc_ValueError, "pop_finished: array(n) must give a writable buffer of n words");
+                }
+                PyBuffer_Release(&b);
+            }
+            if (PyErr_Occurred())
+                Py_CLEAR(value);
+        }
+    }
     PyObject *r = NULL;
-    if (value && took >= 0 && PyDict_DelItem(outstanding, rid) == 0) {
+    if (mine > 0 && value && PyDict_DelItem(outstanding, rid) == 0) {
         /* (pending.pop(rid, None): a request failed locally may be gone already) */
         int has = PyDict_Contains(pending, rid);
         if (has >= 0 && (!has || PyDict_DelItem(pending, rid) == 0))
-            r = PyObject_CallMethodObjArgs(p, s_finish, value, Py_None, NULL);
+            r = PyObject_CallMethodObjArgs(PyTuple_GET_ITEM(entry, 0), s_finish, value, Py_None, NULL);
     }
     Py_XDECREF(r);
     Py_XDECREF(value);
-    Py_DECREF(p);
+    Py_DECREF(entry);
     Py_DECREF(rid);
+    if (mine <= 0)
+        return mine;
     if (!r)
         return -1;
     *freed += took;
@@ -528,10 +571,11 @@ static int finish_lone(QueueObject *self, const uint8_t *slot, PyObject *outstan
 
 static PyObject *Queue_pop_finished(QueueObject *self, PyObject *const *a, Py_ssize_t na)
 {
-    if (na != 2 || !PyDict_Check(a[0]) || !PyDict_Check(a[1])) {
-        PyErr_SetString(PyExc_TypeError, "pop_finished(outstanding: dict, pending: dict)");
+    if (na < 2 || na > 3 || !PyDict_Check(a[0]) || !PyDict_Check(a[1]) || (na == 3 && a[2] != Py_None && !PyCallable_Check(a[2]))) {
+        PyErr_SetString(PyExc_TypeError, "pop_finished(outstanding: dict, pending: dict, array: callable | None = None)");
         return NULL;
     }
+    PyObject *array = na == 3 && a[2] != Py_None ? a[2] : NULL;
     if (check_role(self, 0) < 0)
         return NULL;
     if (self->nfields != 5 || self->q.slot_size != 32) {
@@ -551,9 +595,9 @@ static PyObject *Queue_pop_finished(QueueObject *self, PyObject *const *a, Py_ss
     PyObject *rest = PyList_New(0);
     for (int64_t i = 0; rest && i < got;) {
         const uint8_t *first = buf + i * self->q.slot_size;
-        int64_t j = run_end(self, buf, i, got, 0, 1); /* successes sharing an id */
-        if (j - i == 1 && field_bits(self, first, 1) == 0 && PyList_GET_SIZE(rest) == 0) {
-            int done = finish_lone(self, first, a[0], a[1], &freed);
+        int64_t j = run_end(self, buf, i, got, 0, 1); /* successes sharing an id (or one slot) */
+        if (field_bits(self, first, 1) == 0 && PyList_GET_SIZE(rest) == 0) {
+            int done = finish_run(self, buf, i, j, a[0], a[1], array, &freed);
             if (done < 0) {
                 Py_CLEAR(rest);
                 break;
@@ -707,7 +751,7 @@ static PyMethodDef Queue_methods[] = {
     {"push_requests", (PyCFunction)(void (*)(void))Queue_push_requests, METH_FASTCALL,
      "push_requests(reqs, start, kinds, room, after, pending, outstanding, sums) -> (taken, used, published)"},
     {"pop_finished", (PyCFunction)(void (*)(void))Queue_pop_finished, METH_FASTCALL,
-     "pop_finished(outstanding, pending) -> (completions, freed, rest): the client's reap, lone successes finished here"},
+     "pop_finished(outstanding, pending, array=None) -> (completions, freed, rest): the client's reap, lone successes and whole gathered answers finished here"},
     {"push_buffer", (PyCFunction)(void (*)(void))Queue_push_buffer, METH_VARARGS | METH_KEYWORDS,
      "push_buffer(data, count, wake=True) -> int: publish up to count slots with one release store."},
     {"pop", (PyCFunction)(void (*)(void))Queue_pop, METH_VARARGS | METH_KEYWORDS,
@@ -1286,7 +1330,7 @@ static int intern_names(void)
 #define N(v, t) if (!(v = PyUnicode_InternFromString(t))) return -1
     N(s_id, "id"); N(s_stream, "stream"); N(s_dst, "dst"); N(s_src, "src"); N(s_nbytes, "nbytes");
     N(s_value, "value"); N(s_graph, "graph"); N(s_inputs, "inputs"); N(s_outputs, "outputs"); N(s_sums, "sums");
-    N(s_finish, "_finish");
+    N(s_finish, "_finish"); N(s_values, "values");
 #undef N
     return 0;
 }

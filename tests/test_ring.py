@@ -762,12 +762,21 @@ _completion = st.tuples(st.integers(1, 6), st.sampled_from([0, 0, 0, -3, 5]), _U
 
 
 @pytest.mark.skipif(_ring._native is None, reason="extension not built")
-@given(st.lists(_completion, max_size=40), st.dictionaries(st.integers(1, 6), st.tuples(st.sampled_from([True, False, "sums"]), st.integers(1, 4))),
-       st.sets(st.integers(1, 6)))
-def test_pop_finished_native_matches_python(comps: list[tuple[int, int, int, int]], noted: dict[int, tuple[Any, int]], gone: set[int]) -> None:
+@given(st.data(), st.dictionaries(st.integers(1, 6), st.tuples(st.sampled_from([True, False, "sums"]), st.integers(1, 4))),
+       st.sets(st.integers(1, 6)), st.booleans())
+def test_pop_finished_native_matches_python(data: st.DataObject, noted: dict[int, tuple[Any, int]], gone: set[int], gather: bool) -> None:
     """The native reap (`Queue.pop_finished`) and its pure-Python twin finish the same lone
-    successes, in the same order, with the same values, free the same descriptors, and hand
-    back the same runs for everything else (failures, checksum_many runs, ids not outstanding)."""
+    successes and (given `array`) the same whole gathered answers, in the same order, with
+    the same values, free the same descriptors, and hand back the same runs for everything
+    else (failures, part of an answer, ids not outstanding)."""
+    from transfer.client._ringlink import _new_words, _Sums as Gather  # (the real one: it gathers values)
+
+    # Completions come in runs of one id (a checksum_many's, a verified copy_many's ranges),
+    # often exactly as long as the request noted under that id answers.
+    comps = []
+    for rid, status, result, flags in data.draw(st.lists(_completion, max_size=12)):
+        n = noted[rid][1] if rid in noted and data.draw(st.booleans()) else data.draw(st.integers(1, 4))
+        comps += [(rid, status, (result + j) % (1 << 64), flags) for j in range(n)]
     results = []
     with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
         for impl in ("native", "python"):
@@ -778,22 +787,29 @@ def test_pop_finished_native_matches_python(comps: list[tuple[int, int, int, int
                 for i, (rid, status, result, flags) in enumerate(comps):
                     arr[i] = (rid, status, result, flags, 0)
                 assert srv.push_many(arr) == len(comps)
-                sums = _Sums()
-                outstanding: dict[int, Any] = {rid: (_Finished(rid), sums if a == "sums" else a, k) for rid, (a, k) in noted.items()}
+                outstanding: dict[int, Any] = {rid: (_Finished(rid), Gather() if a == "sums" else a, k) for rid, (a, k) in noted.items()}
                 pending: dict[int, Any] = {rid: e[0] for rid, e in outstanding.items() if rid not in gone}
                 _Finished.log = []
-                args = (outstanding, pending)
+                args = (outstanding, pending, _new_words if gather else None)
                 total, freed, rest = cli.inbox.pop_finished(*args) if impl == "native" else _py_pop_finished(cli.inbox, *args)
-                results.append((total, freed, rest, _Finished.log, sorted(outstanding), sorted(pending)))
+                log = [(rid, v.tolist() if isinstance(v, np.ndarray) else v, e) for rid, v, e in _Finished.log]
+                results.append((total, freed, rest, log, sorted(outstanding), sorted(pending)))
             finally:
                 cli.close()
                 srv.close()
     assert results[0] == results[1]
     total, freed, rest, log, left, _ = results[0]
-    assert total == len(comps) and sum(run[5] for run in rest) + len(log) == total
+    assert total == len(comps) and sum(run[5] for run in rest) + sum(noted[rid][1] if noted[rid][0] == "sums" else 1 for rid, _, _ in log) == total
+    at = 0
     for rid, value, error in log:  # each finished once, as a success, with its value if it answers one
-        assert error is None and rid not in left and noted[rid][0] in (True, False)
-        assert (value is None) == (noted[rid][0] is False)
+        assert error is None and rid not in left
+        answers, took = noted[rid]
+        if answers == "sums":  # the whole answer, from one run of its completions in a row
+            assert gather and value == [c[2] for c in comps[at : at + took]] and all(c[0] == rid and c[1] == 0 for c in comps[at : at + took])
+            at += took
+        else:
+            assert answers in (True, False) and (value is None) == (answers is False)
+            at += 1
     assert freed == sum(noted[rid][1] for rid, _, _ in log)
 
 

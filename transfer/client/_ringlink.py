@@ -147,26 +147,45 @@ def _py_push_requests(outbox: Any, reqs: list[P.Request], start: int, kinds: dic
     return end - start, used, published
 
 
-def _py_pop_finished(inbox: Any, outstanding: dict[int, Any], pending: dict[int, Pending]) -> tuple[int, int, list[Any]]:
-    """`Queue.pop_finished` for the pure-Python queue: pop every completion, finish each lone
-    success of an outstanding request whose answer is a bool (its value, or None) until the
-    first run that is not one, and hand back (completions, descriptors freed, the other runs
-    in order)."""
+def _py_pop_finished(inbox: Any, outstanding: dict[int, Any], pending: dict[int, Pending],
+                     array: Callable[[int], np.ndarray] | None = None) -> tuple[int, int, list[Any]]:
+    """`Queue.pop_finished` for the pure-Python queue: pop every completion; until the first
+    run that is not one of these, finish each lone success of an outstanding request whose
+    answer is a bool (its value, or None), and (with `array`) each run of successes that is
+    the whole answer of one that gathers a word per descriptor (a `_Sums` with no values
+    yet), as array(n) filled with its n words; hand back (completions, descriptors freed, the other runs in
+    order)."""
     total = freed = 0
     rest: list[Any] = []
     for run in inbox.pop_runs(0, 2, 1):
-        rid, status, result, _, _, count, _ = run
+        rid, status, result, _, _, count, words = run
         total += count
-        entry = outstanding.get(rid) if count == 1 and status == 0 and not rest else None
-        if entry is not None and type(entry[1]) is bool:
-            p, valued, took = entry
+        entry = outstanding.get(rid) if status == 0 and not rest else None
+        value: Any = None
+        if entry is not None:
+            p, answers, took = entry
+            if type(answers) is bool:
+                value = result if answers else None
+                entry = entry if count == 1 else None
+            elif array is not None and took == count and getattr(answers, "values", None) == []:
+                value = array(count)
+                value[:] = np.frombuffer(words, _WORDS) if words is not None else result
+            else:
+                entry = None
+        if entry is not None:
             del outstanding[rid]
             pending.pop(rid, None)
-            p._finish(result if valued else None, None)
+            p._finish(value, None)
             freed += took
         else:
             rest.append(run)
     return total, freed, rest
+
+
+def _new_words(n: int, empty: Callable[..., np.ndarray] = np.empty, u64: np.dtype[Any] = np.dtype(np.uint64)) -> np.ndarray:
+    """Room for a gathered answer (a checksum_many's, a verified copy_many's): n uint64
+    words, which `pop_finished` fills. (np.empty: half the cost of np.frombuffer here.)"""
+    return empty(n, u64)
 
 
 class RingLink:
@@ -305,10 +324,10 @@ class RingLink:
 
     def reap(self, pending: dict[int, Pending], unobserved: list[Pending]) -> int:
         """Finish the requests whose completions are in; return how many completions there were."""
-        # Lone successes are finished by pop_finished itself. Every other run comes back: id,
-        # status, result, flags, aux, then how many completions in a row share that id (all
-        # successes, or a single one) and their results as packed words.
-        total, freed, runs = self._pop_finished(self.outstanding, pending)
+        # Lone successes, and whole answers in one run, are finished by pop_finished itself.
+        # Every other run comes back: id, status, result, flags, aux, then how many completions
+        # in a row share that id (all successes, or a single one) and their results as packed words.
+        total, freed, runs = self._pop_finished(self.outstanding, pending, _new_words)
         self.in_flight -= freed
         out = self.outstanding
         for rid, status, result, flags, _, count, words in runs:
@@ -328,7 +347,7 @@ class RingLink:
                 values = valued.values
                 used = min(count, took - len(values))
                 self.in_flight -= used
-                if words is not None and used == took:  # the whole answer in one run (all successes)
+                if words is not None and used == took:  # the whole answer in one run, after another run
                     result = np.frombuffer(words, _WORDS, took).astype(np.uint64)
                 else:
                     if words is None:

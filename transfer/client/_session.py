@@ -43,6 +43,8 @@ log = logging.getLogger("transfer.client")
 
 #: Descriptors in a session's ring (default, or `ring=True`).
 RING_CAPACITY = 1024
+#: What a vector request's arrays are (NumPy's one uint64 dtype object).
+_U64 = np.dtype(np.uint64)
 
 __all__ = ["Session", "Op", "operation", "open_socket"]
 
@@ -326,7 +328,10 @@ class Session:
         `checksum=True`: a verified copy. The result is a uint64 array of each piece's
         checksum64 as copied (what its destination holds after it), in order: one request
         that reads the bytes once, where a copy then a `checksum_many` reads them twice."""
-        d, s, n = np.asarray(dst, np.uint64), np.asarray(src, np.uint64), np.asarray(nbytes, np.uint64)  # (no generator: a group's hot path)
+        # (A group's hot path: arrays that are uint64 already are taken as they are.)
+        d = dst if type(dst) is np.ndarray and dst.dtype is _U64 else np.asarray(dst, _U64)
+        s = src if type(src) is np.ndarray and src.dtype is _U64 else np.asarray(src, _U64)
+        n = nbytes if type(nbytes) is np.ndarray and nbytes.dtype is _U64 else np.asarray(nbytes, _U64)
         if not (d.ndim == s.ndim == n.ndim == 1 and len(d) == len(s) == len(n)):
             raise ValueError("copy_many needs three 1-D sequences of equal length")
         if checksum:
