@@ -153,8 +153,8 @@ def _py_pop_finished(inbox: Any, outstanding: dict[int, Any], pending: dict[int,
     run that is not one of these, finish each lone success of an outstanding request whose
     answer is a bool (its value, or None), and (with `array`) each run of successes that is
     the whole answer of one that gathers a word per descriptor (a `_Sums` with no values
-    yet), as array(n) filled with its n words; hand back (completions, descriptors freed, the other runs in
-    order)."""
+    yet), as array(n) filled with its n words; hand back (completions, descriptors freed,
+    the other runs in order)."""
     total = freed = 0
     rest: list[Any] = []
     for run in inbox.pop_runs(0, 2, 1):
