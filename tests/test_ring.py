@@ -813,6 +813,39 @@ def test_pop_finished_native_matches_python(data: st.DataObject, noted: dict[int
     assert freed == sum(noted[rid][1] for rid, _, _ in log)
 
 
+@pytest.mark.skipif(_ring._native is None, reason="extension not built")
+def test_pop_finished_array_must_give_room_for_the_answer() -> None:
+    """A whole gathered answer is finished into array(n) only when that gives n writable
+    words: anything else is an error, not a short or silent answer; without `array`, the
+    run goes back to the caller's general path."""
+    from transfer.client._ringlink import _Sums as Gather
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        cases = ((None, "rest"), (lambda n: np.empty(n + 1, np.uint64), ValueError),  # too long
+                 (lambda n: np.empty(n, np.uint64)[::-1], ValueError), (lambda n: bytes(8 * n), BufferError))  # strided, read-only
+        for k, (array, want) in enumerate(cases):
+            srv = Ring.create(Path(d) / str(k), 64, 64, impl="native")
+            cli = Ring.attach(Path(d) / str(k), impl="native")
+            try:
+                arr = np.zeros(3, COMPLETION_DTYPE)
+                for i in range(3):
+                    arr[i] = (7, 0, 100 + i, 0, 0)
+                assert srv.push_many(arr) == 3
+                p = _Finished(7)
+                _Finished.log = []
+                outstanding: dict[int, Any] = {7: (p, Gather(True), 3)}
+                if want == "rest":
+                    total, freed, rest = cli.inbox.pop_finished(outstanding, {7: p}, array)
+                    assert (total, freed, [r[5] for r in rest], _Finished.log) == (3, 0, [3], []) and 7 in outstanding
+                else:
+                    with pytest.raises(want):
+                        cli.inbox.pop_finished(outstanding, {7: p}, array)
+                    assert _Finished.log == [] and 7 in outstanding  # nothing finished with a bad answer
+            finally:
+                cli.close()
+                srv.close()
+
+
 # --- checksum64: the extension's sum and NumPy's ---------------------------------------------
 @pytest.mark.skipif(_ring._native is None, reason="extension not built")
 @given(st.binary(max_size=4200), st.integers(0, 15), st.sampled_from(["bytes", "u8", "u4", "strided"]))

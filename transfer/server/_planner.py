@@ -20,7 +20,7 @@ from ..kernels import FAILED, OPERATORS, REGISTRY, SKIPPED, TensorRef, signature
 from ._graphplan import GraphPlan, NodePlan
 from ._ops import SOCKET, Op, Range, lane_of
 from ._placement import Placement, VirtualDevice
-from ._remote import names_remote, plan_remote_copies, plan_remote_copy, pull_input
+from ._remote import names_remote, plan_remote_copies, plan_remote_copy, plan_remote_rows, pull_input
 
 __all__ = ["Planner", "CopyRun", "Refusal", "plan_batch", "VECTOR_RUN"]
 
@@ -219,7 +219,7 @@ class Planner:
         rows = list(zip(dsid.tolist(), doff.tolist(), ssid.tolist(), soff.tolist(), size.tolist()))
         span = self._span
         if any(seg.kind == SegmentKind.REMOTE for seg in segs.values()):
-            copy = plan_remote_copies(self, owner, 0, dsid, doff, ssid, soff, size, segs, reads, writes)
+            copy = plan_remote_rows(self, owner, 0, rows, segs, reads, writes)  # (the rows, made once)
             ends = [(d, do, n) if segs[d].kind != SegmentKind.REMOTE else (s_, so, n) for d, do, s_, so, n in rows]
             dev = copy.device
 

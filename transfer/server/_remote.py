@@ -37,7 +37,7 @@ from ..addressing import Segment, SegmentKind
 from ..transport import _nixl as N
 from ._ops import Op, Range, Staged
 
-__all__ = ["RemotePlane", "RemoteHandle", "RemoteWork", "names_remote", "plan_remote_copy", "plan_remote_copies", "pull_input"]
+__all__ = ["RemotePlane", "RemoteHandle", "RemoteWork", "names_remote", "plan_remote_copy", "plan_remote_copies", "plan_remote_rows", "pull_input"]
 
 log = logging.getLogger("transfer.remote")
 
