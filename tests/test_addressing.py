@@ -169,3 +169,44 @@ def test_arena_ids_are_held_by_block_not_by_id() -> None:
     t.add_reserved(first + 5, SegmentKind.DEVICE, 10, "a", "h")
     t.release_block(first, 1 << 22)
     assert t.reserved_ids == 0
+
+
+_U64 = st.integers(0, (1 << 64) - 1)
+
+
+@given(st.lists(st.tuples(st.sampled_from([0, 1, 2, 7, (1 << 24) - 1]), st.integers(0, (1 << OFFSET_BITS) - 1),
+                          st.one_of(st.integers(0, 1 << 20), _U64)), max_size=40))
+def test_segment_stats_native_matches_python(ranges: list[tuple[int, int, int]]) -> None:
+    """`translate_many`'s one pass (native `segment_stats`) and its pure-Python twin give,
+    per segment in order of first appearance, its first VA, the lowest offset, the highest
+    end (an end past 64 bits as 2**64 - 1) and the largest size: what NumPy says of the same
+    ranges, one segment at a time."""
+    from transfer._native import native_module
+    from transfer.addressing import _py_segment_stats
+
+    vas = np.array([make_va(sid, off) for sid, off, _ in ranges], np.uint64)
+    sizes = np.array([n for _, _, n in ranges], np.uint64)
+    py = _py_segment_stats(vas, sizes, OFFSET_BITS)
+    want = []
+    for sid in dict.fromkeys(s for s, _, _ in ranges):  # in order of first appearance
+        mine = [(off, n) for s, off, n in ranges if s == sid]
+        want.append((sid, make_va(sid, mine[0][0]), min(o for o, _ in mine), min(max(o + n for o, n in mine), (1 << 64) - 1),
+                     max(n for _, n in mine)))
+    assert py == want
+    native = native_module()
+    if native is not None:
+        assert native.segment_stats(vas, sizes, OFFSET_BITS) == want
+
+
+def test_segment_stats_takes_only_uint64() -> None:
+    from transfer._native import native_module
+
+    native = native_module()
+    if native is None:
+        pytest.skip("extension not built")
+    v = np.array([make_va(1, 5)], np.uint64)
+    for bad in (v.astype(np.int64), v.astype(">u8"), v.view(np.uint8)):
+        with pytest.raises(ValueError, match="uint64"):
+            native.segment_stats(bad, np.ones(len(bad), np.uint64) if bad.itemsize == 8 else np.ones(8, np.uint8), OFFSET_BITS)
+    with pytest.raises(ValueError, match="equal length"):
+        native.segment_stats(v, np.ones(2, np.uint64), OFFSET_BITS)

@@ -23,6 +23,7 @@ from typing import Any, Generic, Hashable, Iterator, TypeVar
 
 import numpy as np
 
+from ._native import native_module
 from .errors import (
     InvalidAddress,
     NotOwner,
@@ -88,13 +89,25 @@ class Segment(Generic[H]):
         return self.id << OFFSET_BITS
 
 
-def _first_vas(sids: np.ndarray, vas: np.ndarray) -> list[tuple[int, int]]:
-    """(segment id, the first VA naming it), in order of first appearance."""
-    seen: dict[int, int] = {}
-    for sid, va in zip(sids.tolist(), vas.tolist()):
-        if sid not in seen:
-            seen[sid] = va
-    return list(seen.items())
+def _py_segment_stats(vas: np.ndarray, sizes: np.ndarray, bits: int) -> list[tuple[int, int, int, int, int]]:
+    """`segment_stats` of the native extension, for a build without it: per segment the VAs
+    name, in order of first appearance, (id, first VA, lowest offset, highest end, largest
+    size); an end past 64 bits counts as 2**64 - 1."""
+    mask = (1 << bits) - 1
+    seen: dict[int, list[int]] = {}
+    for va, n in zip(vas.tolist(), sizes.tolist()):
+        sid, off = va >> bits, va & mask
+        end = min(off + n, U64_MAX)
+        s = seen.get(sid)
+        if s is None:
+            seen[sid] = [va, off, end, n]
+        else:
+            s[1], s[2], s[3] = min(s[1], off), max(s[2], end), max(s[3], n)
+    return [(sid, *s) for sid, s in seen.items()]  # type: ignore[misc]
+
+
+#: One pass over a vector's VAs and sizes (native, else its twin just above).
+_segment_stats = getattr(native_module(), "segment_stats", None) or _py_segment_stats
 
 
 class MappingTable(Generic[H]):
@@ -280,38 +293,30 @@ class MappingTable(Generic[H]):
         hulls), the hulls being per segment the (id, start, end) spanning every range in it
         (the planner's conservative hazard ranges; none for empty arrays).
 
-        One Python-level lookup per *distinct* segment, a few NumPy reductions for the rest,
-        so a vector of 10,000 copies validates in microseconds per segment, and a producer's
-        group of 4 in a handful of NumPy calls (each costs about a microsecond whatever the
-        length: elementwise compares and `any` were most of a short vector's planning).
+        One Python-level lookup per *distinct* segment; one native pass over the arrays
+        (`segment_stats`) finds each segment's first VA and what bounds its ranges, and two
+        NumPy calls make the ids and offsets. NumPy's fixed cost per call (a few microseconds
+        here, whatever the length) and a Python loop over every range were most of it before.
         """
         sids = vas >> _NP_BITS
         offs = vas & _NP_MASK
-        ends = offs + sizes  # wraps only where a size exceeds its segment: refused below
         segs: dict[int, Segment[H]] = {}
-        # A set of Python ints, not np.unique: a vector names few segments, and np.unique's
-        # fixed cost (~10 us) dominated the planning of short vectors.
-        # Each segment looked up with the first VA that names it, in order: a refusal names the
-        # first range that fails, as a one-by-one translation would.
-        for sid, va in _first_vas(sids, vas):
-            segs[sid] = self.lookup(va, owner)
-        if len(segs) == 1:
-            ((sid, only),) = segs.items()
-            limit = only.nbytes
-            # Offsets are below 2**OFFSET_BITS, so with every size within the segment no end
-            # wraps, and the largest end decides; else `_refuse` finds the first bad range.
-            top = int(ends.max())
-            if int(sizes.max()) > limit or top > limit:
-                self._refuse(vas, sizes, ends, np.uint64(limit), owner)
-            return sids, offs, segs, [(sid, int(offs.min()), top)]
-        table = {k: v.nbytes for k, v in segs.items()}
-        limit_arr = np.fromiter((table[s] for s in sids.tolist()), np.uint64, len(sids))
-        if ((sizes > limit_arr) | (ends > limit_arr)).any():
-            self._refuse(vas, sizes, ends, limit_arr, owner)
         hulls = []
-        for sid in sorted(segs):
-            m = sids == sid
-            hulls.append((sid, int(offs[m].min()), int(ends[m].max())))
+        bad = False
+        # One pass (native) gives each segment its first VA, in order, and what bounds its
+        # ranges: each is looked up with the first VA that names it, in order, so a refusal
+        # names the first range that fails, as a one-by-one translation would.
+        for sid, first, lo, hi, big in _segment_stats(vas, sizes, OFFSET_BITS):
+            seg = segs[sid] = self.lookup(first, owner)
+            # Offsets are below 2**OFFSET_BITS, so with every size within the segment no end
+            # wraps, and the highest end decides; else `_refuse` finds the first bad range.
+            bad = bad or big > seg.nbytes or hi > seg.nbytes
+            hulls.append((sid, lo, hi))
+        if bad:
+            table = {k: v.nbytes for k, v in segs.items()}
+            limit_arr = np.fromiter((table[s] for s in sids.tolist()), np.uint64, len(sids))
+            self._refuse(vas, sizes, offs + sizes, limit_arr, owner)
+        hulls.sort()
         return sids, offs, segs, hulls
 
     def _refuse(self, vas: np.ndarray, sizes: np.ndarray, ends: np.ndarray, limits: Any, owner: Hashable) -> None:
