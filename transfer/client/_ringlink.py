@@ -347,18 +347,17 @@ class RingLink:
                 values = valued.values
                 used = min(count, took - len(values))
                 self.in_flight -= used
-                if words is not None and used == took:  # the whole answer in one run, after another run
-                    result = np.frombuffer(words, _WORDS, took).astype(np.uint64)
+                # (A whole answer in one run is finished by pop_finished, unless a run before it
+                # came here: then it is gathered here like any part.)
+                if words is None:
+                    values.append(result)
                 else:
-                    if words is None:
-                        values.append(result)
-                    else:
-                        values.extend(struct.unpack_from(f"<{used}Q", words))
-                    if status and not valued.status:  # the first failure is kept (a run has none)
-                        valued.status, valued.flags = status, flags
-                    if len(values) < took:
-                        continue
-                    status, flags, result = valued.status, valued.flags, np.fromiter(values, np.uint64, took)
+                    values.extend(struct.unpack_from(f"<{used}Q", words))
+                if status and not valued.status:  # the first failure is kept (a run has none)
+                    valued.status, valued.flags = status, flags
+                if len(values) < took:
+                    continue
+                status, flags, result = valued.status, valued.flags, np.fromiter(values, np.uint64, took)
             else:
                 used = 1
                 self.in_flight -= took
