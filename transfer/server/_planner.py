@@ -25,7 +25,7 @@ from ._remote import names_remote, plan_remote_copies, plan_remote_copy, plan_re
 __all__ = ["Planner", "CopyRun", "Refusal", "plan_batch", "VECTOR_RUN"]
 
 _KIND_NAMES = {P.Copy: "copy", P.CopyV: "copyv", P.Fill: "fill", P.Checksum: "checksum", P.ChecksumV: "checksum", P.Compute: "compute", P.RunGraph: "compute"}
-#: Plain copies in a row planned as one vector op (validated with NumPy at once).
+#: Plain copies in a row planned as one vector op (validated at once by `translate_many`).
 VECTOR_RUN = 8
 #: A request refused at planning: (id, route, error).
 Refusal = tuple[int, int, E.TransferError]
@@ -159,14 +159,15 @@ class Planner:
         return dev.backend
 
     def _translate_copies(self, owner: Any, dst: np.ndarray, src: np.ndarray, size: np.ndarray) -> _Copies:
-        """A vector of copies validated with NumPy: per piece, its segments and offsets; the
-        segments by id; the hazard hulls (per segment, what is read / written: conservative)."""
+        """A vector of copies validated at once (`translate_many`): per piece, its segments and
+        offsets; the segments by id; the hazard hulls (per segment, what is read / written:
+        conservative)."""
         dsid, doff, dsegs, writes = self.table.translate_many(dst, size, owner)
         ssid, soff, ssegs, reads = self.table.translate_many(src, size, owner)
         return dsid, doff, ssid, soff, {**dsegs, **ssegs}, reads, writes
 
     def plan_copies(self, owner: Any, rid: int, dst: np.ndarray, src: np.ndarray, size: np.ndarray) -> Op:
-        """Copies validated with NumPy, contiguous runs merged, executed in order."""
+        """Copies validated at once (`translate_many`), contiguous runs merged, executed in order."""
         n = len(size)
         if n == 0:
             return Op(rid, [], [], self.devices[0], 0, lambda: None)
@@ -243,7 +244,7 @@ class Planner:
         return Op(rid, reads, writes, dev, total, run, host_only=all(seg.kind == SegmentKind.HOST for seg in segs.values()))
 
     def plan_checksums(self, owner: Any, rid: int, src: np.ndarray, size: np.ndarray) -> Op:
-        """Many checksums validated with NumPy as one op, answered as one packed uint64 array."""
+        """Many checksums validated at once (`translate_many`) as one op, answered as one packed uint64 array."""
         sid, off, segs, hull = self.table.translate_many(src, size, owner)
         for seg in segs.values():
             if seg.kind == SegmentKind.REMOTE:
@@ -553,7 +554,7 @@ def plan_batch(planner: Planner, owner: Any, items: Sequence[tuple[Any, int]]) -
 
     Returns the ops in arrival order and the refused requests. Runs of plain
     copies (socket Copy requests in a row, or a ring's CopyRun) are planned as
-    one vector op validated with NumPy; if any copy in a run is invalid, the
+    one vector op validated at once; if any copy in a run is invalid, the
     run is planned one by one so that only that copy fails.
     """
     ops: list[Op] = []
