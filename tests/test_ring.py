@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from transfer._ring import (
 )
 from transfer.client._ringlink import (
     _KINDS,
+    RingLink,
     _py_pop_finished,
     _py_push_requests,
     descriptors_of,
@@ -744,6 +746,28 @@ def test_push_requests_native_matches_python(reqs: list[P.Request], room: int, a
             assert ((d["flags"][at : at + k] & FLAG_SUM) != 0).tolist() == [r.sums] * k
             assert noted[r.id][1:3] == ((_Sums, True) if r.sums else (bool, False))
         at += k
+
+
+@given(_requests(), st.integers(-1, 10), st.integers(0, 16), st.booleans(), st.integers(1, 8))
+def test_fitting_is_the_longest_prefix_that_takes_the_ring_within_its_room(
+        reqs: list[P.Request], room: int, in_flight: int, graphs: bool, chain: int) -> None:
+    """`RingLink.fitting` (what an event-loop client pushes of its held requests) is the
+    longest run from the first request that all take the ring (`takes`) and whose
+    descriptors (`descriptors_of`) fit in the room together: the rule it inlines for
+    plain requests is the same one."""
+    if chain < 8:  # a request the ring does not take, somewhere
+        reqs.insert(chain % (len(reqs) + 1), P.Ping(99))
+    link = RingLink.__new__(RingLink)  # (only its credits and limits: no ring needed)
+    link.credits, link.in_flight, link.graphs = room + in_flight, in_flight, graphs
+    link.longest = {P.CopyV: chain, P.ChecksumV: room + in_flight}
+    used, want = 0, 0
+    for r in reqs:
+        if not link.takes(r) or used + descriptors_of(r) > room:
+            break
+        used += descriptors_of(r)
+        want += 1
+    assert link.fitting(reqs) == want
+    assert link.fitting(deque(reqs)) == want  # (what the client passes: its held deque)
 
 
 class _Finished:

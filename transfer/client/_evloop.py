@@ -24,7 +24,7 @@ import zmq
 from .. import errors as E
 from .. import protocol as P
 from ._pending import AwaitablePending, Pending
-from ._ringlink import RingLink, descriptors_of
+from ._ringlink import RingLink
 from ._session import Op, Session
 
 __all__ = ["LoopSession", "SPIN_S", "FAIR_S", "YIELD", "IDLE", "BELL"]
@@ -175,17 +175,12 @@ class LoopSession(Session):
             link = core.ring
             after = None if link is None else core.ring_route([held[0]], unsent, self.frames_sent)
             if link is not None and after is not None:
-                n, used, room = 0, 0, link.room
-                while n < len(held) and link.takes(held[n]):
-                    k = descriptors_of(held[n])
-                    if used + k > room:
-                        break
-                    used += k
-                    n += 1
+                n = link.fitting(held)
                 if n == 0:
                     return  # the ring is full: the reaper calls again as completions come
                 chunk = [held.popleft()] if n == 1 else [held.popleft() for _ in range(n)]
-                self._push(link, chunk, after)
+                # A field out of range fails those requests (fence() reports them), nothing else.
+                link.push(chunk, core.pending, self._no_credits, after, core.unobserved)
                 self._kick_ring()
             else:
                 room = core.socket_room(unsent)
@@ -201,10 +196,6 @@ class LoopSession(Session):
     @staticmethod
     def _no_credits(need: int) -> None:
         raise AssertionError("pushed beyond the ring's credits")  # (`_release_held` pushes within them)
-
-    def _push(self, link: RingLink, chunk: list[P.Request], after: int) -> None:
-        # A field out of range fails those requests (fence() reports them), nothing else.
-        link.push(chunk, self._core.pending, self._no_credits, after, self._core.unobserved)
 
     def _on_message(self, parts: list[bytes]) -> None:
         """The pump's delivery: replies finish their requests, and free credits."""

@@ -27,13 +27,13 @@ from .._ring import FLAG_AFTER, FLAG_CHAIN, FLAG_SUM, MAX_CHAIN, REQUEST_DTYPE, 
 from ..memory._shm import check_sealed
 from ._pending import Pending
 
-__all__ = ["RingLink", "descriptors_of"]
+__all__ = ["RingLink", "descriptors_of", "PLAIN"]
 
 #: A completion whose error message follows on the control socket (server._rings).
 _DETAIL = 1
 _RING_TYPES = frozenset((P.Copy, P.CopyV, P.Fill, P.Checksum, P.ChecksumV, P.Fence, P.Wait, P.RunGraph))
 #: Kinds every request of which takes the ring.
-_PLAIN = frozenset((P.Copy, P.Fill, P.Checksum, P.Fence, P.Wait))
+PLAIN = frozenset((P.Copy, P.Fill, P.Checksum, P.Fence, P.Wait))
 #: Vector requests: one descriptor per range, so at most the ring's credits.
 _VECTORS = frozenset((P.CopyV, P.ChecksumV))
 #: Kinds only some requests of which take the ring (`takes` decides each).
@@ -107,11 +107,15 @@ class _Sums:
         self.chain = chain
 
 
+#: Descriptors a request of each plain kind takes (a Wait marker: none, it only counts).
+_PLAIN_DESCRIPTORS = {t: 0 if t is P.Wait else 1 for t in PLAIN}
+
+
 def descriptors_of(req: P.Request) -> int:
     """How many descriptors (credits) a ring-able request takes."""
     if type(req) in _VECTORS:
         return len(req.nbytes)  # type: ignore[attr-defined]
-    return 0 if type(req) is P.Wait else 1
+    return _PLAIN_DESCRIPTORS.get(type(req), 1)
 
 
 def _py_push_requests(outbox: Any, reqs: list[P.Request], start: int, kinds: dict[type, int], room: int, after: int,
@@ -260,7 +264,7 @@ class RingLink:
     def takes(self, req: P.Request) -> bool:
         """Whether `req` may take this ring (a chain longer than the credits takes the socket)."""
         t = type(req)
-        if t in _PLAIN:  # (most requests: one set lookup)
+        if t in PLAIN:  # (most requests: one set lookup)
             return True
         longest = self.longest.get(t)
         if longest is not None:  # a vector: one descriptor per range
@@ -269,13 +273,29 @@ class RingLink:
             return self.graphs and len(req.inputs) == 1 and len(req.outputs) == 1 and not req.profile  # type: ignore[attr-defined]
         return False
 
+    def fitting(self, reqs: Sequence[P.Request]) -> int:
+        """How many of `reqs`, from the first, take this ring and fit in its room together
+        (an event-loop client's held requests: those it may push now, in order)."""
+        n, used, room = 0, 0, self.credits - self.in_flight
+        for r in reqs:
+            k = _PLAIN_DESCRIPTORS.get(type(r))
+            if k is None:  # (a plain request, most of them: one lookup, no call)
+                if not self.takes(r):
+                    break
+                k = descriptors_of(r)
+            if used + k > room:
+                break
+            used += k
+            n += 1
+        return n
+
     def takes_all(self, reqs: Sequence[P.Request]) -> bool:
         """`takes` for every one of `reqs`: a call each for a few (a producer's group), by
         kind for many (one set, then a call per vector: a batch of 64 checksums at a third
         of the cost of a call each)."""
         if len(reqs) <= 4:
             for r in reqs:
-                if type(r) not in _PLAIN and not self.takes(r):
+                if type(r) not in PLAIN and not self.takes(r):
                     return False
             return True
         kinds = {type(r) for r in reqs}
@@ -300,6 +320,10 @@ class RingLink:
             try:
                 taken, used, published = self._push_requests(
                     reqs, start, _KINDS, self.credits - self.in_flight, fence, pending, self.outstanding, _Sums)
+                if taken == len(reqs) and published == used and not fence:
+                    self.in_flight += used  # (all of them, at once: most pushes)
+                    self.pushed += used
+                    return
             except (OverflowError, TypeError, ValueError, struct.error) as exc:  # a field out of range
                 err = E.InvalidField(f"request field out of range: {exc}")
                 for r in reqs[start:]:  # nothing of these left: nobody will answer them

@@ -172,7 +172,9 @@ class Client(Session):
         if pending.id == 0:  # a local signal (a pool's release): set by another thread
             self._wait_local(pending, timeout)
             return
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # (not `with`: see Session._submit)
+        try:
             if pending._done:
                 return
             # Requests held back by batch() must leave before we can wait on them.
@@ -192,6 +194,8 @@ class Client(Session):
                 if timeout is not None:  # failed on the ring: its error's message is on the socket
                     timeout = max(0.0, timeout - (time.monotonic() - start))
             self._drain_until(lambda: pending._done, timeout)
+        finally:
+            lock.release()
 
     @staticmethod
     def _wait_local(signal: Pending, timeout: float | None) -> None:
