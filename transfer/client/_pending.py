@@ -34,7 +34,10 @@ class Pending:
         return self._done
 
     def result(self, timeout: float | None = None) -> Any:
-        err = self.exception(timeout)
+        if not self._done:
+            self._waiter(self, timeout)
+        self._observed = True
+        err = self._error if self._deps is None else self._outcome()  # (no call for most requests)
         if err is not None:
             raise err
         return self._value
@@ -43,8 +46,13 @@ class Pending:
         if not self._done:
             self._waiter(self, timeout)
         self._observed = True
+        return self._outcome()
+
+    def _outcome(self) -> E.TransferError | None:
+        """This request's error, if any: a deferred definition it depended on failing first
+        (e.g. the alloc it touched was refused), then its own."""
         for dep in self._deps or ():
-            if dep._error is not None:  # e.g. the deferred alloc this request touched was refused
+            if dep._error is not None:
                 dep._observed = True
                 return dep._error
         return self._error
@@ -68,6 +76,11 @@ class AwaitablePending(Pending):
     so it only reads a request that is done."""
 
     __slots__ = ()
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self._done:
+            raise RuntimeError("in an async client, await the request instead of calling result()")
+        return super().result(timeout)
 
     def exception(self, timeout: float | None = None) -> E.TransferError | None:
         if not self._done:

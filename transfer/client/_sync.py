@@ -185,7 +185,7 @@ class Client(Session):
             if link is not None and pending.id in link.outstanding:
                 # Most waits find the completion in already (it came while the caller
                 # worked): take it in before setting up a wait.
-                if link.reap(self._core.pending, self._core.unobserved) and pending._done:
+                if link.ready() and link.reap(self._core.pending, self._core.unobserved) and pending._done:
                     return
                 start = time.monotonic()
                 self._ring_wait(lambda: pending._done or pending.id not in link.outstanding, timeout)
