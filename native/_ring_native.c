@@ -1151,8 +1151,9 @@ static PyObject *Worker_counters(WorkerObject *self, PyObject *unused)
 {
     tdp_worker_t *w = &self->w;
 #define C(x) (unsigned long long)atomic_load_explicit(&w->x, memory_order_relaxed)
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "copy", C(n_copy), "fill", C(n_fill),
-                         "checksum", C(n_checksum), "fused", C(n_fused), "fence", C(n_fence), "bytes", C(n_bytes),
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "copy", C(n_copy), "fill", C(n_fill),
+                         "checksum", C(n_checksum), "fused", C(n_fused), "shared", C(n_shared), "fence", C(n_fence),
+                         "bytes", C(n_bytes),
                          "batches", C(n_batches), "wakes", C(n_wakes),
                          "handover_opcode", C(handovers[TDP_WHY_OPCODE]),
                          "handover_fields", C(handovers[TDP_WHY_FIELDS]),
@@ -1746,12 +1747,32 @@ done:
     return out;
 }
 
+/* copy_helpers(n): how many copy helpers may share large copies (dataplane.h); those not
+ * running start now. Returns how many run. */
+static PyObject *copy_helpers_native(PyObject *mod, PyObject *arg)
+{
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    if (n < 0 || n > TDP_HELPERS_MAX) {
+        PyErr_Format(PyExc_ValueError, "copy_helpers: expected 0..%d, got %ld", TDP_HELPERS_MAX, n);
+        return NULL;
+    }
+    int running;
+    Py_BEGIN_ALLOW_THREADS
+    running = tdp_copy_helpers((int)n);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(running);
+}
+
 static PyMethodDef module_methods[] = {
     {"_set_corrupt_error", set_corrupt_error, METH_O, "exception class for a corrupted ring"},
     {"ints_within", (PyCFunction)(void (*)(void))ints_within, METH_FASTCALL,
      "ints_within(args, bounds) -> bool: every integer field an exact int within its bounds"},
     {"segment_stats", (PyCFunction)(void (*)(void))segment_stats, METH_FASTCALL,
      "segment_stats(vas, sizes, bits) -> [(segment, first va, lowest offset, highest end, largest size)]"},
+    {"copy_helpers", copy_helpers_native, METH_O,
+     "copy_helpers(n) -> int: let n threads (at most 8) share large copies with the workers; how many run"},
     {"checksum64", checksum64_native, METH_O,
      "checksum64(buffer) -> int: checksum64 of a C-contiguous buffer (transfer/_checksum.py)"},
     {NULL}};

@@ -379,6 +379,7 @@ typedef struct {
     uint32_t nwant, nmemo;
     uint64_t cneed; /* completion slots the next serve needs (a verified chain's), 0: one */
     _Atomic uint64_t n_fused;   /* checksums answered from a copy's sum */
+    _Atomic uint64_t n_shared;  /* copies shared with a copy helper (tdp_copy_shared) */
     uint64_t t0;                /* when the current batch was peeked */
     pthread_t thread;
     int started;
@@ -476,6 +477,184 @@ static inline void tdp_memo_add(tdp_worker_t *w, const uint8_t *p, uint64_t n, u
     }
 }
 
+/* ---- copy helpers ----------------------------------------------------------
+ * One worker copies at one core's speed (about 10 GB/s on an EPYC VM, where two cores move
+ * 13); a producer handing over 64 MiB batches leaves the other cores idle. So a copy of
+ * TDP_SHARE_MIN bytes or more is shared, chunk by chunk (TDP_CHUNK, each translated under the
+ * read lock as tdp_bytes does), with the process's copy helpers that are idle at that moment:
+ * the worker offers the copy, takes chunks itself from the same counter, withdraws the offer
+ * when none are left and waits for the helpers still inside it. Nobody waits for a helper: a
+ * copy finds none idle and runs alone, and a helper that comes late finds no chunk left. Word
+ * sums add, so a verified or memoised copy's sum is its chunks' sums added (every chunk starts
+ * a multiple of TDP_CHUNK in: the range's own words). Only copies whose whole ranges translate
+ * now, on one device, into memory that does not overlap (aliases of one mapping copy in order,
+ * alone) are shared. Idle helpers sleep on a condition variable and use no CPU. */
+#define TDP_SHARE_MIN (2 * TDP_CHUNK)
+#define TDP_UNSHARED (-3)
+#define TDP_HELPERS_MAX 8
+
+typedef struct {
+    tdp_table_t *table;
+    uint64_t session, dva, sva, n, chunks;
+    int stream, summed;
+    _Atomic int *stop;         /* the worker's */
+    _Atomic uint64_t next;     /* the next chunk to take */
+    _Atomic uint64_t sum;      /* the taken chunks' sums (summed copies) */
+    _Atomic int why;           /* the first chunk that failed: its TDP_WHY_* (then no chunk is taken after it) */
+    int active;                /* helpers inside (under the pool's mutex) */
+} tdp_job_t;
+
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t work, left;  /* helpers wait on work; a worker on left, for its job's helpers */
+    tdp_job_t *job;             /* offered, or NULL */
+    _Atomic int idle;           /* helpers waiting for work (changed under mu; looked at without it) */
+    _Atomic int want;           /* helpers that may share a copy; -1: not chosen yet */
+    int started;                /* threads running (they never exit) */
+} tdp_pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, 0, -1, 0};
+
+/* Take chunks of `job` until none are left, one fails, or the worker stops. */
+static inline void tdp_job_chunks(tdp_job_t *job)
+{
+    uint64_t sum = 0;
+    for (;;) {
+        uint64_t k = atomic_fetch_add_explicit(&job->next, 1, memory_order_relaxed);
+        if (k >= job->chunks || atomic_load_explicit(job->stop, memory_order_relaxed))
+            break;
+        uint64_t off = k * TDP_CHUNK, len = job->n - off < TDP_CHUNK ? job->n - off : TDP_CHUNK;
+        int32_t ddev = -1, sdev = -1;
+        int why = 0;
+        pthread_rwlock_rdlock(&job->table->lock);
+        uint8_t *d = tdp_translate(job->table, job->session, job->dva + off, len, &ddev);
+        uint8_t *s = tdp_translate(job->table, job->session, job->sva + off, len, &sdev);
+        if (!d || !s)
+            why = TDP_WHY_ADDRESS; /* freed since the offer */
+        else if (ddev >= 0 && sdev >= 0 && ddev != sdev)
+            why = TDP_WHY_DEVICES;
+        else if (job->summed)
+            sum += tdp_copy_sum(d, s, len, job->stream && !((uintptr_t)d & 7));
+        else
+            (void)tdp_copy_sum(d, s, len, job->stream);
+        pthread_rwlock_unlock(&job->table->lock);
+        if (why) {
+            int none = 0;
+            atomic_compare_exchange_strong(&job->why, &none, why);
+            atomic_store_explicit(&job->next, job->chunks, memory_order_relaxed);
+            break;
+        }
+    }
+    atomic_fetch_add_explicit(&job->sum, sum, memory_order_relaxed);
+}
+
+static void *tdp_helper_run(void *arg)
+{
+    (void)arg;
+    pthread_mutex_lock(&tdp_pool.mu);
+    for (;;) {
+        while (!tdp_pool.job || tdp_pool.job->active >= tdp_pool.want) {
+            tdp_pool.idle++;
+            pthread_cond_wait(&tdp_pool.work, &tdp_pool.mu);
+            tdp_pool.idle--;
+        }
+        tdp_job_t *job = tdp_pool.job;
+        job->active++;
+        pthread_mutex_unlock(&tdp_pool.mu);
+        tdp_job_chunks(job);
+        pthread_mutex_lock(&tdp_pool.mu);
+        if (tdp_pool.job == job)
+            tdp_pool.job = NULL; /* every chunk is taken: nobody else joins */
+        if (--job->active == 0)
+            pthread_cond_broadcast(&tdp_pool.left);
+    }
+    return NULL;
+}
+
+/* A forked child has none of the parent's helper threads (and maybe a mutex held by one). */
+static void tdp_pool_after_fork(void)
+{
+    pthread_mutex_init(&tdp_pool.mu, NULL);
+    pthread_cond_init(&tdp_pool.work, NULL);
+    pthread_cond_init(&tdp_pool.left, NULL);
+    tdp_pool.job = NULL;
+    tdp_pool.idle = tdp_pool.started = 0;
+}
+
+/* How many copy helpers may share a copy (at most TDP_HELPERS_MAX; -1: one fewer than the
+ * online CPUs); those not running yet start now. Fewer than are running stops none: the rest
+ * stay asleep. Returns how many may share a copy now. */
+static inline int tdp_copy_helpers(int want)
+{
+    static int forks_hooked;
+    pthread_mutex_lock(&tdp_pool.mu);
+    if (!forks_hooked && pthread_atfork(NULL, NULL, tdp_pool_after_fork) == 0)
+        forks_hooked = 1;
+    if (want < 0) {
+        long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+        want = cpus > 1 ? (int)(cpus - 1) : 0;
+    }
+    tdp_pool.want = want < TDP_HELPERS_MAX ? want : TDP_HELPERS_MAX;
+    while (tdp_pool.started < tdp_pool.want) {
+        pthread_t t;
+        pthread_attr_t at;
+        pthread_attr_init(&at);
+        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+        int rc = pthread_create(&t, &at, tdp_helper_run, NULL);
+        pthread_attr_destroy(&at);
+        if (rc)
+            break; /* fewer helpers: copies run alone more often, nothing else changes */
+        tdp_pool.started++;
+    }
+    int n = tdp_pool.started < tdp_pool.want ? tdp_pool.started : tdp_pool.want;
+    pthread_mutex_unlock(&tdp_pool.mu);
+    return n;
+}
+
+/* A forward copy of n >= TDP_SHARE_MIN bytes with the helpers idle now: 0 (done; a summed
+ * copy's sum in *sum, its memory in *d0, *s0), a TDP_WHY_* (a chunk failed: a partial copy, as
+ * tdp_bytes leaves one), -1 (stopping), or TDP_UNSHARED (none idle, or memory that is not
+ * plainly copied in parallel: the caller copies it alone). */
+static inline int tdp_copy_shared(tdp_worker_t *w, uint64_t dva, uint64_t sva, uint64_t n, int stream, int summed,
+                                  uint64_t *sum, const uint8_t **d0, const uint8_t **s0)
+{
+    if (!tdp_pool.idle || !tdp_pool.want) /* (a racy look, to skip the lock when every helper is busy or none runs) */
+        return TDP_UNSHARED;
+    int32_t ddev = -1, sdev = -1;
+    pthread_rwlock_rdlock(&w->table->lock);
+    uint8_t *d = tdp_translate(w->table, w->session, dva, n, &ddev);
+    uint8_t *s = tdp_translate(w->table, w->session, sva, n, &sdev);
+    int plain = d && s && (ddev < 0 || sdev < 0 || ddev == sdev) && (d >= s + n || s >= d + n);
+    pthread_rwlock_unlock(&w->table->lock);
+    if (!plain)
+        return TDP_UNSHARED;
+    tdp_job_t job = {.table = w->table, .session = w->session, .dva = dva, .sva = sva, .n = n,
+                     .chunks = (n + TDP_CHUNK - 1) / TDP_CHUNK, .stream = stream, .summed = summed, .stop = &w->stop};
+    pthread_mutex_lock(&tdp_pool.mu);
+    if (tdp_pool.job || !tdp_pool.idle) {
+        pthread_mutex_unlock(&tdp_pool.mu);
+        return TDP_UNSHARED;
+    }
+    tdp_pool.job = &job;
+    pthread_cond_broadcast(&tdp_pool.work);
+    pthread_mutex_unlock(&tdp_pool.mu);
+    tdp_job_chunks(&job);
+    pthread_mutex_lock(&tdp_pool.mu);
+    if (tdp_pool.job == &job)
+        tdp_pool.job = NULL;
+    while (job.active) /* (job lives on this stack: no helper may still hold it) */
+        pthread_cond_wait(&tdp_pool.left, &tdp_pool.mu);
+    pthread_mutex_unlock(&tdp_pool.mu);
+    atomic_fetch_add_explicit(&w->n_shared, 1, memory_order_relaxed);
+    if (atomic_load_explicit(&w->stop, memory_order_relaxed))
+        return -1;
+    int why = atomic_load_explicit(&job.why, memory_order_relaxed);
+    if (why)
+        return why;
+    *sum = atomic_load_explicit(&job.sum, memory_order_relaxed);
+    *d0 = d;
+    *s0 = s;
+    return 0;
+}
+
 /* Bytes of one copy/fill/checksum, chunk by chunk, each chunk translated under the read lock.
  * Returns 0, or the reason (TDP_WHY_*) the worker must hand this request to Python, or -1
  * when stopping. A failure after the first chunk leaves a partial copy: only a free that
@@ -497,6 +676,18 @@ static inline int tdp_bytes(tdp_worker_t *w, int op, uint64_t dva, uint64_t sva,
     int stream = n >= TDP_STREAM_MIN;
     const uint8_t *d0 = NULL, *s0 = NULL;
     int fuse = op == TDP_COPY && want != 0 && !overlap;
+    if (op == TDP_COPY && !overlap && n >= TDP_SHARE_MIN) {
+        int r = tdp_copy_shared(w, dva, sva, n, stream, fuse, &fsum, &d0, &s0);
+        if (r != TDP_UNSHARED) {
+            if (r) {
+                w->nmemo = 0; /* (which chunks were written is not known here: forget every sum) */
+                return r;
+            }
+            if (w->nmemo)
+                tdp_memo_drop(w, d0, n);
+            goto copied;
+        }
+    }
     for (;;) {
         if (atomic_load_explicit(&w->stop, memory_order_relaxed))
             return -1;
@@ -541,6 +732,7 @@ static inline int tdp_bytes(tdp_worker_t *w, int op, uint64_t dva, uint64_t sva,
         } else if ((off += len) >= n)
             break;
     }
+copied:
     if (op == TDP_COPY && (want & TDP_WANT_SUM))
         *sum = fsum;
     if (fuse) {
@@ -843,6 +1035,8 @@ static inline int tdp_worker_start(tdp_worker_t *w)
     if (!w->batch || !w->comps)
         return ENOMEM;
     atomic_store(&w->done, w->rq->mine);
+    if (tdp_pool.want < 0) /* (nobody chose a number: the default) */
+        tdp_copy_helpers(-1);
     int rc = pthread_create(&w->thread, NULL, tdp_run, w);
     if (rc == 0)
         w->started = 1;

@@ -211,6 +211,37 @@ def test_a_verified_copy_reads_its_bytes_once(daemon: DaemonProcess) -> None:
         assert c.stats()["daemon"]["fused_checksums"] - before == K + 2
 
 
+@pytest.mark.parametrize("helpers", [1, 0])
+def test_a_large_copy_is_shared_with_a_copy_helper(daemon_factory: Any, helpers: int) -> None:
+    """A copy of 8 MiB or more is shared, chunk by chunk, with an idle copy helper (native/
+    dataplane.h, "copy helpers"): the bytes, a verified copy's checksum, and checksums answered
+    from the copy's own sum in the same batch are what one thread gives, at offsets that leave
+    source and destination unaligned and with a tail that is neither a whole chunk nor a whole
+    word; into a daemon buffer too. With `--copy-helpers 0` no copy is shared."""
+    d = daemon_factory("--ring-workers", "--copy-helpers", str(helpers))
+    n = 3 * (4 << 20) + 4096 + 13  # three whole chunks and a ragged fourth
+    with transfer.connect(d.endpoint) as c:
+        src, dst, dev = c.segment(n + 64), c.segment(n + 64), c.alloc(n + 64)
+        data = np.random.default_rng(7).integers(0, 256, n + 64, dtype=np.uint8)
+        src.buffer[:] = data
+        c.fence()
+        stats = c.stats()["daemon"]
+        before, fused = stats["shared_copies"], stats["fused_checksums"]
+        for so, do in ((0, 0), (8, 24), (3, 5)):
+            want = transfer.checksum64(data[so:so + n])
+            dst.buffer[:] = 0
+            c.copy(dst.va + do, src.va + so, n).result()
+            assert np.array_equal(dst.buffer[do:do + n], data[so:so + n])
+            assert not dst.buffer[:do].any() and not dst.buffer[do + n:].any()  # nothing outside the range
+            assert c.copy_many([dev.va + do], [src.va + so], [n], checksum=True).result().tolist() == [want]
+            with c.batch():  # a copy, then checksums of both its ends: answered from its sum
+                got = [c.copy(dev.va + do, src.va + so, n), c.checksum(src.va + so, n), c.checksum(dev.va + do, n)]
+            assert [p.result() for p in got] == [None, want, want]
+        stats = c.stats()["daemon"]
+    assert stats["fused_checksums"] - fused == 6
+    assert (stats["shared_copies"] - before > 0) == bool(helpers)  # (9 copies: an idle helper took at least one)
+
+
 @pytest.mark.parametrize("route", ["native", "python", "socket", "streams"])
 def test_verified_copy_many_answers_what_each_piece_copied(daemon_factory: Any, route: str) -> None:
     """copy_many(checksum=True) answers each piece's checksum64 as copied (a later piece that

@@ -39,6 +39,8 @@ class Accounting:
             # Of those, checksums a worker answered from the sum of the copy that read or
             # wrote their range earlier in the same batch (docs/ring.md, "Verified copies").
             "fused_checksums": 0,
+            # Of those, large copies a worker shared with the copy helpers (docs/ring.md, "Copy helpers").
+            "shared_copies": 0,
         }
 
     def native(self, session: Session, counts: dict[str, int], latency: dict[str, tuple[list[int], float]]) -> None:
@@ -49,6 +51,7 @@ class Accounting:
         c["native_requests"] += n
         c["ring_handovers"] += counts["handovers"]
         c["fused_checksums"] += counts["fused"]
+        c["shared_copies"] += counts["shared"]
         c["bytes_moved"] += counts["bytes"]
         session.stats.requests += n
         session.stats.bytes_moved += counts["bytes"]

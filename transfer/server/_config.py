@@ -85,6 +85,9 @@ class DaemonConfig:
     #: fences without the event loop (native/dataplane.h). On by default; off
     #: (`--no-ring-workers`), or without the extension, the event loop serves rings itself.
     ring_workers: bool = True
+    #: Threads that share large copies (8 MiB or more) with the ring workers, chunk by chunk,
+    #: when idle (native/dataplane.h, "copy helpers"); -1: one fewer than the daemon's cores, at most 8.
+    copy_helpers: int = -1
     #: How long a ring's worker spins for the next descriptor before it sleeps on the futex.
     worker_spin_s: float = 50e-6
     #: The same while every worker and its client can have a core (2 x workers <= cores):

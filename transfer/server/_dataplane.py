@@ -37,7 +37,7 @@ log = logging.getLogger("transfer.server")
 
 _native = native_module()
 NATIVE, PYTHON, BROKEN = 0, 1, 2
-_COUNTED = ("copy", "fill", "checksum", "fused", "fence", "bytes", "handovers")
+_COUNTED = ("copy", "fill", "checksum", "fused", "shared", "fence", "bytes", "handovers")
 
 
 #: The cores this daemon may run on (its workers and, on this host, its clients).
@@ -52,6 +52,10 @@ class DataPlane:
         self.accounting = accounting
         self.table: Any = _native.Table() if config.ring_workers and _native is not None else None
         self._live: list[Any] = []  # the running workers, whose spin _respin sets
+        #: Copy helpers that may share a large copy now (_respin; idle ones sleep).
+        self.copy_helpers = 0
+        if self.table is not None:
+            self._respin()  # (the helpers start now, before any worker would start its own default)
 
     @property
     def workers(self) -> int:
@@ -121,12 +125,17 @@ class DataPlane:
         its client a wake syscall per submission and the scheduler's wake-up latency; a
         polling one costs a core. While every worker and its client (a process each) can have
         a core, they poll for `worker_spin_spare_s`; with more, for `worker_spin_s`, so that
-        polling never takes the core a client needs."""
+        polling never takes the core a client needs. And how many copy helpers may share a
+        large copy: `copy_helpers`, but no more than the cores the workers leave."""
         spin = self.config.worker_spin_s
         if self.config.worker_spin_spare_s and 2 * len(self._live) <= _CPUS:
             spin = self.config.worker_spin_spare_s
         for worker in self._live:
             worker.spin = spin
+        # Copy helpers only on the cores the workers leave: with a worker per core already,
+        # sharing a copy would only take a core from another session's worker.
+        want = self.config.copy_helpers if self.config.copy_helpers >= 0 else min(8, _CPUS - 1)
+        self.copy_helpers = _native.copy_helpers(max(0, min(want, _CPUS - len(self._live))))
 
     def fold(self, session: Session) -> None:
         """Add what the worker did since the last fold to the one accounting."""
