@@ -379,7 +379,7 @@ typedef struct {
     uint32_t nwant, nmemo;
     uint64_t cneed; /* completion slots the next serve needs (a verified chain's), 0: one */
     _Atomic uint64_t n_fused;   /* checksums answered from a copy's sum */
-    _Atomic uint64_t n_shared;  /* copies shared with a copy helper (tdp_copy_shared) */
+    _Atomic uint64_t n_shared;  /* copies a copy helper took part in (tdp_copy_shared) */
     uint64_t t0;                /* when the current batch was peeked */
     pthread_t thread;
     int started;
@@ -501,7 +501,7 @@ typedef struct {
     _Atomic uint64_t next;     /* the next chunk to take */
     _Atomic uint64_t sum;      /* the taken chunks' sums (summed copies) */
     _Atomic int why;           /* the first chunk that failed: its TDP_WHY_* (then no chunk is taken after it) */
-    int active;                /* helpers inside (under the pool's mutex) */
+    int active, joined;        /* helpers inside now, and ever (under the pool's mutex) */
 } tdp_job_t;
 
 static struct {
@@ -558,6 +558,7 @@ static void *tdp_helper_run(void *arg)
         }
         tdp_job_t *job = tdp_pool.job;
         job->active++;
+        job->joined++;
         pthread_mutex_unlock(&tdp_pool.mu);
         tdp_job_chunks(job);
         pthread_mutex_lock(&tdp_pool.mu);
@@ -643,7 +644,8 @@ static inline int tdp_copy_shared(tdp_worker_t *w, uint64_t dva, uint64_t sva, u
     while (job.active) /* (job lives on this stack: no helper may still hold it) */
         pthread_cond_wait(&tdp_pool.left, &tdp_pool.mu);
     pthread_mutex_unlock(&tdp_pool.mu);
-    atomic_fetch_add_explicit(&w->n_shared, 1, memory_order_relaxed);
+    if (job.joined)
+        atomic_fetch_add_explicit(&w->n_shared, 1, memory_order_relaxed);
     if (atomic_load_explicit(&w->stop, memory_order_relaxed))
         return -1;
     int why = atomic_load_explicit(&job.why, memory_order_relaxed);

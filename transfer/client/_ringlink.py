@@ -281,8 +281,8 @@ class RingLink:
         (an event-loop client's held requests: those it may push now, in order)."""
         n, used, room = 0, 0, self.credits - self.in_flight
         for r in reqs:
-            k = _PLAIN_DESCRIPTORS.get(type(r))
-            if k is None:  # (a plain request, most of them: one lookup, no call)
+            k = _PLAIN_DESCRIPTORS.get(type(r))  # (a plain request, most of them: one lookup, no call)
+            if k is None:
                 if not self.takes(r):
                     break
                 k = descriptors_of(r)
