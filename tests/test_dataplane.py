@@ -397,16 +397,23 @@ def test_one_session_cannot_stall_another(daemon: DaemonProcess) -> None:
         assert quick == 50, f"only {quick} small requests were answered during a {time.perf_counter() - t0:.3f} s copy"
 
 
-def test_a_free_races_a_guest_copy_safely(daemon: DaemonProcess) -> None:
-    """The owner frees a segment while a guest's worker copies out of it: the guest's copies
-    succeed or fail with the freed segment; nobody touches unmapped memory; the daemon serves on."""
+@pytest.mark.parametrize("helpers", [0, 1])
+def test_a_free_races_a_guest_copy_safely(daemon_factory: Any, helpers: int) -> None:
+    """The owner frees a segment while a guest's worker copies out of it, alone or with a copy
+    helper taking chunks (the owner has no ring, so the guest's worker leaves a core spare): the
+    guest's copies succeed or fail with the freed segment; nobody touches unmapped memory; the
+    daemon serves on."""
+    daemon = daemon_factory("--ring-workers", "--copy-helpers", str(helpers))
     n = 16 << 20
-    with transfer.connect(daemon.endpoint) as owner, transfer.connect(daemon.endpoint) as guest:
+    with transfer.connect(daemon.endpoint, ring=False) as owner, transfer.connect(daemon.endpoint) as guest:
         for _ in range(3):
             seg = owner.segment(n)
             seg.ndarray((n,), np.uint8)[:] = 5
             shared = guest.attach(owner.share(seg))
             dst = guest.segment(n)
+            before = guest.stats()["daemon"]["shared_copies"]
+            guest.copy(dst.va, shared.va, n).result()  # whole, before the race
+            assert (guest.stats()["daemon"]["shared_copies"] > before) == bool(helpers)
             outcomes: list[Any] = []
 
             def copier() -> None:
