@@ -86,7 +86,8 @@ class DaemonConfig:
     #: (`--no-ring-workers`), or without the extension, the event loop serves rings itself.
     ring_workers: bool = True
     #: Threads that share large copies (8 MiB or more) with the ring workers, chunk by chunk,
-    #: when idle (native/dataplane.h, "copy helpers"); -1: one fewer than the daemon's cores, at most 8.
+    #: when idle (native/dataplane.h, "copy helpers"); -1: the cores left when every ring's
+    #: worker and client have one (at most 8; none on 2 cores with a session).
     copy_helpers: int = -1
     #: How long a ring's worker spins for the next descriptor before it sleeps on the futex.
     worker_spin_s: float = 50e-6

@@ -126,16 +126,18 @@ class DataPlane:
         polling one costs a core. While every worker and its client (a process each) can have
         a core, they poll for `worker_spin_spare_s`; with more, for `worker_spin_s`, so that
         polling never takes the core a client needs. And how many copy helpers may share a
-        large copy: `copy_helpers`, but no more than the cores the workers leave."""
+        large copy: by default only the cores left when every worker and its client have one
+        (a helper on a busy client's core slows the client more than it speeds the copy);
+        `copy_helpers` set explicitly is taken as it is."""
         spin = self.config.worker_spin_s
         if self.config.worker_spin_spare_s and 2 * len(self._live) <= _CPUS:
             spin = self.config.worker_spin_spare_s
         for worker in self._live:
             worker.spin = spin
-        # Copy helpers only on the cores the workers leave: with a worker per core already,
-        # sharing a copy would only take a core from another session's worker.
-        want = self.config.copy_helpers if self.config.copy_helpers >= 0 else min(8, _CPUS - 1)
-        self.copy_helpers = _native.copy_helpers(max(0, min(want, _CPUS - len(self._live))))
+        want = self.config.copy_helpers
+        if want < 0:
+            want = min(8, _CPUS - 2 * len(self._live)) if self._live else min(8, _CPUS - 2)
+        self.copy_helpers = _native.copy_helpers(max(0, want))
 
     def fold(self, session: Session) -> None:
         """Add what the worker did since the last fold to the one accounting."""
