@@ -135,8 +135,8 @@ class DataPlane:
         for worker in self._live:
             worker.spin = spin
         want = self.config.copy_helpers
-        if want < 0:
-            want = min(8, _CPUS - 2 * len(self._live)) if self._live else min(8, _CPUS - 2)
+        if want < 0:  # (before the first session: as for one)
+            want = min(8, _CPUS - 2 * max(1, len(self._live)))
         self.copy_helpers = _native.copy_helpers(max(0, want))
 
     def fold(self, session: Session) -> None:
