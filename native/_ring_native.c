@@ -1278,6 +1278,15 @@ typedef struct {
     int is_buf;
 } vec_arg_t;
 
+/* A buffer of native-order 64-bit unsigned integers (a uint64 NumPy array: "L" or "Q"). */
+static int u64_format(const Py_buffer *b)
+{
+    const char *f = b->format ? b->format : "B";
+    if (*f == '@' || *f == '=' || (*f == '<' && PY_LITTLE_ENDIAN) || (*f == '>' && !PY_LITTLE_ENDIAN))
+        f++;
+    return b->itemsize == 8 && (strcmp(f, "Q") == 0 || strcmp(f, "L") == 0);
+}
+
 static int vec_arg(PyObject *o, const char *name, Py_ssize_t *k, vec_arg_t *a)
 {
     a->is_buf = 0;
@@ -1288,10 +1297,7 @@ static int vec_arg(PyObject *o, const char *name, Py_ssize_t *k, vec_arg_t *a)
     if (PyObject_GetBuffer(o, &a->b, PyBUF_STRIDES | PyBUF_FORMAT) < 0)
         return -1;
     a->is_buf = 1;
-    const char *f = a->b.format ? a->b.format : "B";
-    if (*f == '<' || *f == '=' || *f == '@')
-        f++;
-    if (a->b.ndim != 1 || a->b.itemsize != 8 || !(f[0] == 'Q' || f[0] == 'L') || f[1]) {
+    if (a->b.ndim != 1 || !u64_format(&a->b)) {
         PyErr_Format(PyExc_TypeError, "%s: expected a 1-D uint64 array", name);
         goto bad;
     }
@@ -1647,15 +1653,6 @@ static PyObject *ints_within(PyObject *mod, PyObject *const *a, Py_ssize_t n)
             Py_RETURN_FALSE;
     }
     Py_RETURN_TRUE;
-}
-
-/* A buffer of native-order 64-bit unsigned integers (a uint64 NumPy array: "L" or "Q"). */
-static int u64_format(const Py_buffer *b)
-{
-    const char *f = b->format ? b->format : "B";
-    if (*f == '@' || *f == '=' || (*f == '<' && PY_LITTLE_ENDIAN) || (*f == '>' && !PY_LITTLE_ENDIAN))
-        f++;
-    return b->itemsize == 8 && (strcmp(f, "Q") == 0 || strcmp(f, "L") == 0);
 }
 
 /* segment_stats(vas, sizes, bits) -> [(segment id, first VA, lowest offset, highest end,
