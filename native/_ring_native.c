@@ -1744,8 +1744,8 @@ done:
     return out;
 }
 
-/* copy_helpers(n): how many copy helpers may share large copies (dataplane.h); those not
- * running start now. Returns how many run. */
+/* copy_helpers(n): how many copy helpers may share large copies (dataplane.h; none until
+ * this is called); those not running start now. Returns how many may share a copy now. */
 static PyObject *copy_helpers_native(PyObject *mod, PyObject *arg)
 {
     long n = PyLong_AsLong(arg);
@@ -1769,7 +1769,7 @@ static PyMethodDef module_methods[] = {
     {"segment_stats", (PyCFunction)(void (*)(void))segment_stats, METH_FASTCALL,
      "segment_stats(vas, sizes, bits) -> [(segment, first va, lowest offset, highest end, largest size)]"},
     {"copy_helpers", copy_helpers_native, METH_O,
-     "copy_helpers(n) -> int: let n threads (at most 8) share large copies with the workers; how many run"},
+     "copy_helpers(n) -> int: let n threads (at most 8) share large copies with the workers; how many may now"},
     {"checksum64", checksum64_native, METH_O,
      "checksum64(buffer) -> int: checksum64 of a C-contiguous buffer (transfer/_checksum.py)"},
     {NULL}};

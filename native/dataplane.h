@@ -509,9 +509,9 @@ static struct {
     pthread_cond_t work, left;  /* helpers wait on work; a worker on left, for its job's helpers */
     tdp_job_t *job;             /* offered, or NULL */
     _Atomic int idle;           /* helpers waiting for work (changed under mu; looked at without it) */
-    _Atomic int want;           /* helpers that may share a copy; -1: not chosen yet */
+    _Atomic int want;           /* helpers that may share a copy (tdp_copy_helpers; none until asked) */
     int started;                /* threads running (they never exit) */
-} tdp_pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, 0, -1, 0};
+} tdp_pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, 0, 0, 0};
 
 /* Take chunks of `job` until none are left, one fails, or the worker stops. */
 static inline void tdp_job_chunks(tdp_job_t *job)
@@ -580,20 +580,16 @@ static void tdp_pool_after_fork(void)
     tdp_pool.idle = tdp_pool.started = 0;
 }
 
-/* How many copy helpers may share a copy (at most TDP_HELPERS_MAX; -1: one fewer than the
- * online CPUs); those not running yet start now. Fewer than are running stops none: the rest
- * stay asleep. Returns how many may share a copy now. */
+/* How many copy helpers may share a copy (0..TDP_HELPERS_MAX; the daemon decides how many,
+ * server/_dataplane.py); those not running yet start now. Fewer than are running stops none:
+ * the rest stay asleep. Returns how many may share a copy now. */
 static inline int tdp_copy_helpers(int want)
 {
     static int forks_hooked;
     pthread_mutex_lock(&tdp_pool.mu);
     if (!forks_hooked && pthread_atfork(NULL, NULL, tdp_pool_after_fork) == 0)
         forks_hooked = 1;
-    if (want < 0) {
-        long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-        want = cpus > 1 ? (int)(cpus - 1) : 0;
-    }
-    tdp_pool.want = want < TDP_HELPERS_MAX ? want : TDP_HELPERS_MAX;
+    tdp_pool.want = want < 0 ? 0 : want < TDP_HELPERS_MAX ? want : TDP_HELPERS_MAX;
     while (tdp_pool.started < tdp_pool.want) {
         pthread_t t;
         pthread_attr_t at;
@@ -1037,8 +1033,6 @@ static inline int tdp_worker_start(tdp_worker_t *w)
     if (!w->batch || !w->comps)
         return ENOMEM;
     atomic_store(&w->done, w->rq->mine);
-    if (tdp_pool.want < 0) /* (nobody chose a number: the default) */
-        tdp_copy_helpers(-1);
     int rc = pthread_create(&w->thread, NULL, tdp_run, w);
     if (rc == 0)
         w->started = 1;

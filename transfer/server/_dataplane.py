@@ -55,7 +55,7 @@ class DataPlane:
         #: Copy helpers that may share a large copy now (_respin; idle ones sleep).
         self.copy_helpers = 0
         if self.table is not None:
-            self._respin()  # (the helpers start now, before any worker would start its own default)
+            self._respin()  # (the helpers start now: none run until the daemon says how many)
 
     @property
     def workers(self) -> int:
