@@ -20,7 +20,7 @@ from ..kernels import FAILED, OPERATORS, REGISTRY, SKIPPED, TensorRef, signature
 from ._graphplan import GraphPlan, NodePlan
 from ._ops import SOCKET, Op, Range, lane_of
 from ._placement import Placement, VirtualDevice
-from ._remote import names_remote, plan_remote_copies, plan_remote_copy, plan_remote_rows, pull_input
+from ._remote import names_remote, plan_remote_copy, plan_remote_rows, pull_input
 
 __all__ = ["Planner", "CopyRun", "Refusal", "plan_batch", "VECTOR_RUN"]
 
@@ -55,6 +55,12 @@ def answers(req: Any, ring: bool = False) -> int:
     if type(req) is CopyRun:
         return len(req.ids)
     return len(req.nbytes) if ring and type(req) is P.CopyV and req.sums else 1
+
+
+def _rows(dsid: np.ndarray, doff: np.ndarray, ssid: np.ndarray, soff: np.ndarray, size: np.ndarray) -> list[tuple[int, int, int, int, int]]:
+    """Translated copies as rows (dst segment, dst offset, src segment, src offset, nbytes) of
+    Python ints: what `plan_remote_rows` and the verified copies' checks take."""
+    return list(zip(dsid.tolist(), doff.tolist(), ssid.tolist(), soff.tolist(), size.tolist()))
 
 
 class Planner:
@@ -173,7 +179,7 @@ class Planner:
             return Op(rid, [], [], self.devices[0], 0, lambda: None)
         dsid, doff, ssid, soff, segs, reads, writes = self._translate_copies(owner, dst, src, size)
         if any(seg.kind == SegmentKind.REMOTE for seg in segs.values()):
-            return plan_remote_copies(self, owner, rid, dsid, doff, ssid, soff, size, segs, reads, writes)
+            return plan_remote_rows(self, owner, rid, _rows(dsid, doff, ssid, soff, size), segs, reads, writes)
         total = int(size.sum(dtype=np.uint64))
         dev = self._device_of(segs.values(), total)
         cont = np.zeros(n, dtype=bool)
@@ -217,7 +223,7 @@ class Planner:
         if not len(size):
             return Op(rid, [], [], self.devices[0], 0, lambda: b"")
         dsid, doff, ssid, soff, segs, reads, writes = self._translate_copies(owner, dst, src, size)
-        rows = list(zip(dsid.tolist(), doff.tolist(), ssid.tolist(), soff.tolist(), size.tolist()))
+        rows = _rows(dsid, doff, ssid, soff, size)
         span = self._span
         if any(seg.kind == SegmentKind.REMOTE for seg in segs.values()):
             copy = plan_remote_rows(self, owner, 0, rows, segs, reads, writes)  # (the rows, made once)

@@ -17,7 +17,7 @@ need it). It knows:
 `post()` runs ONE NIXL transfer for a whole descriptor list and waits for it;
 it blocks (a same-host `cma` READ copies inside the post), so the scheduler
 calls it on a worker thread. The planning of copies that name remote
-segments lives here too (`plan_remote_copy`, `plan_remote_copies`, `plan_remote_rows`,
+segments lives here too (`plan_remote_copy`, `plan_remote_rows`,
 `pull_input`): the planner calls them when a VA falls in a remote segment.
 """
 
@@ -37,7 +37,7 @@ from ..addressing import Segment, SegmentKind
 from ..transport import _nixl as N
 from ._ops import Op, Range, Staged
 
-__all__ = ["RemotePlane", "RemoteHandle", "RemoteWork", "names_remote", "plan_remote_copy", "plan_remote_copies", "plan_remote_rows", "pull_input"]
+__all__ = ["RemotePlane", "RemoteHandle", "RemoteWork", "names_remote", "plan_remote_copy", "plan_remote_rows", "pull_input"]
 
 log = logging.getLogger("transfer.remote")
 
@@ -328,16 +328,6 @@ def plan_remote_copy(planner: Any, owner: Any, req: Any) -> Op:
     sseg, soff = planner.table.translate(req.src, n, owner)
     return plan_remote_rows(planner, owner, req.id, [(dseg.id, doff, sseg.id, soff, n)], {dseg.id: dseg, sseg.id: sseg},
                             [(sseg.id, soff, soff + n)], [(dseg.id, doff, doff + n)])
-
-
-def plan_remote_copies(
-    planner: Any, owner: Any, rid: int, dsid: np.ndarray, doff: np.ndarray, ssid: np.ndarray, soff: np.ndarray,
-    size: np.ndarray, segs: dict[int, Segment[Any]], reads: list[Range], writes: list[Range],
-) -> Op:
-    """A vector of copies naming remote segments: `plan_remote_rows` of its translated rows
-    (`reads` and `writes`: the planner's hazard hulls of them)."""
-    rows = list(zip(dsid.tolist(), doff.tolist(), ssid.tolist(), soff.tolist(), size.tolist()))
-    return plan_remote_rows(planner, owner, rid, rows, segs, reads, writes)
 
 
 def plan_remote_rows(
