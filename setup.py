@@ -14,7 +14,7 @@ setup(
         Extension(
             "transfer._ring_native",
             sources=["native/_ring_native.c"],
-            depends=["native/ring.h", "native/dataplane.h"],
+            depends=["native/ring.h", "native/dataplane.h", "native/submission.h"],
             include_dirs=["native"],
             extra_compile_args=["-std=gnu11", "-O3", "-Wall", "-Wextra", "-Wno-unused-parameter",
                                 "-Wno-missing-field-initializers", "-Wno-cast-function-type"],

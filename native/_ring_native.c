@@ -1762,6 +1762,8 @@ static PyObject *copy_helpers_native(PyObject *mod, PyObject *arg)
     return PyLong_FromLong(running);
 }
 
+#include "submission.h" /* (the client's submission state: uses the Queue and push_requests above) */
+
 static PyMethodDef module_methods[] = {
     {"_set_corrupt_error", set_corrupt_error, METH_O, "exception class for a corrupted ring"},
     {"ints_within", (PyCFunction)(void (*)(void))ints_within, METH_FASTCALL,
@@ -1780,8 +1782,13 @@ static struct PyModuleDef moduledef = {
 
 PyMODINIT_FUNC PyInit__ring_native(void)
 {
-    if (PyType_Ready(&QueueType) < 0 || PyType_Ready(&TableType) < 0 || PyType_Ready(&WorkerType) < 0)
+    if (PyType_Ready(&QueueType) < 0 || PyType_Ready(&TableType) < 0 || PyType_Ready(&WorkerType) < 0 ||
+        PyType_Ready(&SubmissionType) < 0)
         return NULL;
+    if (pthread_atfork(NULL, NULL, bump_fork_generation) != 0) {
+        PyErr_SetString(PyExc_RuntimeError, "pthread_atfork failed");
+        return NULL;
+    }
     if (intern_names() < 0)
         return NULL;
     PyObject *m = PyModule_Create(&moduledef);
@@ -1795,8 +1802,10 @@ PyMODINIT_FUNC PyInit__ring_native(void)
     }
     Py_INCREF(&TableType);
     Py_INCREF(&WorkerType);
+    Py_INCREF(&SubmissionType);
     if (PyModule_AddObject(m, "Table", (PyObject *)&TableType) < 0 ||
-        PyModule_AddObject(m, "Worker", (PyObject *)&WorkerType) < 0) {
+        PyModule_AddObject(m, "Worker", (PyObject *)&WorkerType) < 0 ||
+        PyModule_AddObject(m, "Submission", (PyObject *)&SubmissionType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

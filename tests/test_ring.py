@@ -46,6 +46,8 @@ from transfer.client._ringlink import (
     _py_push_requests,
     descriptors_of,
 )
+from transfer.client._pending import Pending
+from transfer.client._submission import PySubmission
 
 IMPLS = [
     pytest.param("native", marks=pytest.mark.skipif(_ring._native is None, reason="extension not built")),
@@ -758,6 +760,7 @@ def test_fitting_is_the_longest_prefix_that_takes_the_ring_within_its_room(
     if chain < 8:  # a request the ring does not take, somewhere
         reqs.insert(chain % (len(reqs) + 1), P.Ping(99))
     link = RingLink.__new__(RingLink)  # (only its credits and limits: no ring needed)
+    link.sub = PySubmission({}, Pending, lambda *a: None)
     link.credits, link.in_flight, link.graphs = room + in_flight, in_flight, graphs
     link.longest = {P.CopyV: chain, P.ChecksumV: room + in_flight}
     used, want = 0, 0
@@ -911,7 +914,6 @@ def test_reap_matches_completion_by_completion(data: st.DataObject) -> None:
     with what, and the credits it gives back are what taking them one by one gives, however
     the completions interleave (a hostile daemon), split across reaps, fail, or come in surplus."""
     from transfer import errors as E
-    from transfer.client._pending import Pending
     from transfer.client._ringlink import RingLink, _Sums
 
     kinds = data.draw(st.lists(st.one_of(st.just(0), st.integers(1, 6)), min_size=1, max_size=5))  # 0: a checksum; k: k ranges
@@ -930,6 +932,7 @@ def test_reap_matches_completion_by_completion(data: st.DataObject) -> None:
         link = object.__new__(RingLink)
         link.outstanding, link.early = {}, {}
         pending = {rid: Pending(rid, lambda *a: None) for rid in range(1, len(kinds) + 1)}
+        link.sub = PySubmission(pending, Pending, lambda *a: None)
         for rid, k in enumerate(kinds, 1):
             link.outstanding[rid] = (pending[rid], _Sums(chains[rid - 1]) if k else True, max(k, 1))
         link.in_flight = sum(max(k, 1) for k in kinds)
@@ -989,11 +992,11 @@ def test_a_socket_error_ahead_of_its_completions_frees_exactly_their_credits(cha
     its completions: the credits they hold come back as those completions arrive, however
     many the daemon sends (a checksum_many, one per range it still owed; a verified copy_many,
     one for the whole chain), and no more."""
-    from transfer.client._pending import Pending
     from transfer.client._ringlink import RingLink, _Sums
 
     link = object.__new__(RingLink)
     link.outstanding, link.early = {}, {}
+    link.sub = PySubmission({}, Pending, lambda *a: None)
     p = Pending(1, lambda *a: None)
     sums = _Sums(chain)
     sums.values.append(5)  # one range already answered

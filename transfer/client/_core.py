@@ -18,12 +18,14 @@ import numpy as np
 
 from .. import errors as E
 from .. import protocol as P
+from ..addressing import OFFSET_BITS
 from ..transport._fds import fetch_fd
 from ._deferred import DeferredState
 from ._pending import Pending
 from ._remote import RemoteAgent
 from ._resources import HostSegment
 from ._ringlink import PLAIN, RingLink
+from ._submission import PySubmission, Submission
 
 #: Bumped in a forked child: a client made before the fork compares its own copy (cheaper
 #: than a getpid() per request, which check_usable did before).
@@ -44,8 +46,14 @@ class ClientCore:
     def __init__(self, pending_cls: type[Pending], waiter: Callable[..., Any]) -> None:
         self._pending_cls = pending_cls
         self._waiter = waiter
-        self._next_id = 1
         self.pending: dict[int, Pending] = {}
+        #: Ids, credits, the routing rule and the push (`_submission`), shared with the ring link.
+        self.sub: PySubmission = Submission(self.pending, pending_cls, waiter)  # (the native one, when built)
+        #: One plain request made, routed and pushed in one call, or None when the general
+        #: path (`prepare`, then the client's `_send`) must take it.
+        self.submit: Callable[[type[P.Request], tuple[Any, ...]], Pending | None] = self.sub.submit
+        #: Containers `submit` waits to be empty (an event loop's held requests).
+        self._holds: list[Any] = []
         #: Failed requests; fence() raises the first one nobody called result() on.
         self.unobserved: list[Pending] = []
         self.limits = P.Limits()
@@ -87,6 +95,19 @@ class ClientCore:
         # travel with their first use. deferred=False sends each at once (for debugging).
         self.home_device = int(info["home_device"])
         self.deferred = DeferredState(info["arenas"], self.home_device) if deferred and info.get("arenas") else None
+        self._watch()
+
+    def hold_while(self, held: Any) -> None:
+        """`submit` leaves requests to the general path while `held` is not empty."""
+        self._holds.append(held)
+        self._watch()
+
+    def _watch(self) -> None:
+        """What `submit` must leave to the general path: requests touching a deferred buffer
+        not defined yet, and any while frees are to be sent or requests are held."""
+        state = self.deferred
+        holds = (*self._holds, state.frees) if state is not None else tuple(self._holds)
+        self.sub.watch(state.buffers if state is not None else None, OFFSET_BITS, holds)
 
     def collect(self, token: Any) -> int:
         """The memfd a RegisterHost/OpenRing reply's token stands for (ours to close)."""
@@ -113,8 +134,9 @@ class ClientCore:
         stale = [o for o in objects if o.sent_version != o.version] if objects else ()
         # (Most calls: nothing deferred to send first, decided by these two tests alone.)
         defs = self._definitions(cls, args, stale) if stale or (state is not None and (state.buffers or state.frees)) else ()
-        rid = self._next_id  # (new(), inline: a frame less on every submission)
-        self._next_id = rid + 1
+        sub = self.sub  # (new(), inline: a frame less on every submission)
+        rid = sub.next_id
+        sub.next_id = rid + 1
         req = cls(rid, *args)
         pending = self.pending[rid] = self._pending_cls(rid, self._waiter)
         if defs:
@@ -135,8 +157,9 @@ class ClientCore:
         return state.definitions_for(_touched(cls, args), stale, lambda c, *a: self.new(c, *a)[0])
 
     def new(self, cls: type[P.Request], *args: Any) -> tuple[P.Request, Pending]:
-        rid = self._next_id
-        self._next_id = rid + 1
+        sub = self.sub
+        rid = sub.next_id
+        sub.next_id = rid + 1
         req = cls(rid, *args)  # first: a request that cannot be made leaves nothing pending
         pending = self.pending[rid] = self._pending_cls(rid, self._waiter)
         return req, pending
@@ -184,24 +207,17 @@ class ClientCore:
         return frames
 
     # --- routing and credits ------------------------------------------------------------------
-    def ring_route(self, reqs: Sequence[P.Request], unsent: int, frames: int) -> int | None:
+    def ring_route(self, reqs: Sequence[P.Request], unsent: int) -> int | None:
         """Whether `reqs` may take the ring: None if not, else the fence their descriptors
-        carry. `unsent`: requests in the pending table not handed to any transport yet
-        (including `reqs`); `frames`: the socket frames this client has sent.
-
-        The ring keeps order only with itself: while a request sent on the socket is pending,
-        the daemon must read the frames sent so far before what is pushed now (the fence,
-        `FLAG_AFTER`). A daemon that cannot do that gets ring requests only when nothing sent
-        on the socket is pending. (The other direction, ring then socket, the daemon keeps:
-        it takes what is in the ring before each frame it reads.)"""
+        carry (`Submission.route`, the rule). `unsent`: requests in the pending table not
+        handed to any transport yet (including `reqs`). (The other direction, ring then
+        socket, the daemon keeps: it takes what is in the ring before each frame it reads.)"""
         link = self.ring
         if link is None:
             return None
         if (len(reqs) != 1 or type(reqs[0]) not in PLAIN) and not link.takes_all(reqs):
             return None  # (one plain request, most submissions, is decided without a call)
-        if len(self.pending) - len(link.outstanding) == unsent:
-            return 0
-        return frames if link.after else None
+        return self.sub.route(unsent)
 
     def unsent(self, reqs: Sequence[P.Request], batch: Sequence[P.Request] | None) -> int:
         """Requests created but not handed to a transport yet: those of `reqs` in the pending
@@ -282,9 +298,11 @@ class ClientCore:
 
     def fail_all(self, err: E.TransferError) -> None:
         self.broken = err
+        self.sub.broken = True
         self.sums.clear()
-        pending, self.pending = self.pending, {}
-        for p in pending.values():
+        pending = list(self.pending.values())
+        self.pending.clear()  # (the one table: the submission state holds it too)
+        for p in pending:
             p._finish(None, err)
 
     def check_usable(self) -> None:

@@ -298,7 +298,7 @@ class DeferredState:
         out: list[P.Request] = []
         if self.frees:
             out.extend(new(P.Define, P.DEF_FREE, 0, 0, va, "") for va in self.frees)
-            self.frees = []
+            self.frees.clear()  # (the same list: the submission state watches it)
         for va in vas:
             buf = self.buffers.pop(va >> OFFSET_BITS, None)
             if buf is not None and not buf.defined and not buf.freed:

@@ -59,6 +59,8 @@ class LoopSession(Session):
         self._core.max_inflight = max(1, max_inflight)
         #: Submitted, not yet handed to the ring or the socket (credits), in order.
         self._held: deque[P.Request] = deque()
+        self._core.hold_while(self._held)  # (a request submitted now goes after those)
+        self._core.sub.kick = self._kick_ring  # the reaper: a native submit pushed descriptors
         self._last_rx = time.monotonic()
         self._closed = False
         self._yielded_at = time.perf_counter()
@@ -173,7 +175,7 @@ class LoopSession(Session):
         unsent = core.unsent(held, self._batch)
         while held:
             link = core.ring
-            after = None if link is None else core.ring_route([held[0]], unsent, self.frames_sent)
+            after = None if link is None else core.ring_route([held[0]], unsent)
             if link is not None and after is not None:
                 n = link.fitting(held)
                 if n == 0:
@@ -189,7 +191,7 @@ class LoopSession(Session):
                 chunk = [held.popleft() for _ in range(min(room, len(held)))]
                 for frame in core.encode(chunk):
                     self._pump.send_nowait([frame])
-                    self.frames_sent += 1
+                    core.sub.frames += 1
             if held:
                 unsent -= core.unsent(chunk, None)
 
@@ -205,7 +207,7 @@ class LoopSession(Session):
         self._release_held()
 
     def _link(self, info: dict[str, Any]) -> RingLink:
-        link = RingLink(info, self._core.shm_dir, self._core.collect, completion_bell=True)
+        link = RingLink.open(info, self._core.shm_dir, self._core.collect, self._core.sub, completion_bell=True)
         self._spawn_reaper(link)
         return link
 

@@ -26,6 +26,7 @@ from .. import protocol as P
 from .._ring import FLAG_AFTER, FLAG_CHAIN, FLAG_SUM, MAX_CHAIN, REQUEST_DTYPE, Op as RingOp, Ring
 from ..memory._shm import check_sealed
 from ._pending import Pending
+from ._submission import PySubmission
 
 __all__ = ["RingLink", "descriptors_of", "PLAIN"]
 
@@ -195,10 +196,57 @@ def _new_words(n: int, empty: Callable[..., np.ndarray] = np.empty, u64: np.dtyp
 class RingLink:
     """One session's ring, mapped here: descriptors out, completions in."""
 
-    def __init__(self, info: dict[str, Any], shm_dir: Path, collect: Callable[[Any], int], *, completion_bell: bool = False) -> None:
-        """`collect` turns the reply's token into the ring's memfd (the daemon's fd socket).
-        `completion_bell`: also open the session's completion doorbell (for a waiter
-        that polls an fd instead of sleeping on the futex: the trio client)."""
+    def __init__(self, ring: Ring, info: dict[str, Any], sub: PySubmission, bell_fd: int = -1, cbell_fd: int = -1) -> None:
+        """A client's end of a ring mapped here (`open`). `info`: the daemon's OpenRing reply
+        (`graphs`, `after`); `sub`: the session's submission state (`_submission`), which
+        takes the ring's credits and counts; `bell_fd`, `cbell_fd`: the request doorbell
+        and the completion doorbell, ours to close (-1: none)."""
+        self.sub = sub
+        self.ring = ring
+        self.bell_fd, self.cbell_fd = bell_fd, cbell_fd
+        if bell_fd >= 0:
+            ring.set_doorbell(bell_fd)
+        #: Never more descriptors outstanding than completion slots: the daemon never waits on us.
+        credits = min(self.ring.request_capacity, self.ring.completion_capacity)
+        #: The longest CopyV chain it carries (the daemon joins at most MAX_CHAIN).
+        self.max_chain = min(MAX_CHAIN, credits)
+        #: The most ranges a vector request may have here (one descriptor each; a CopyV's
+        #: chain is also bounded by what the daemon joins).
+        self.longest: dict[type, int] = {P.CopyV: self.max_chain, P.ChecksumV: credits}
+        #: Whether the daemon runs graphs off the ring (RUN_GRAPH); else they take the socket.
+        self.graphs = info.get("graphs") is True
+        #: Outstanding requests: id -> (pending, answers with a value (a checksum_many: its
+        #: _Sums), descriptors it took).
+        self.outstanding: dict[int, tuple[Pending, bool | _Sums, int]] = {}
+        #: The other order: answered on the socket before their ring completion was reaped
+        #: (the daemon sends a pass's replies, then pushes its completions). Id -> [descriptors
+        #: each completion gives back, descriptors left], given back as the completions come.
+        self.early: dict[int, list[int]] = {}
+        #: The queues themselves: the native push takes our packed bytes as they are, and
+        #: pop_runs hands over every completion in as tuples, a run of one id as one (no NumPy for a few).
+        self._outbox, self._inbox = self.ring.outbox, self.ring.inbox
+        #: The credits, the descriptors in flight (a CopyV takes one per piece), the last
+        #: fence and the count pushed live in the session's submission state, which packs,
+        #: publishes and notes a call's requests with the queue's push_requests (one native
+        #: call; the pure-Python queue: the same in Python). Whether the daemon orders
+        #: descriptors after socket frames (`FLAG_AFTER`; else the ring is taken only while
+        #: nothing sent on the socket is pending) goes there too.
+        sub.attach(self._outbox, getattr(self._outbox, "push_requests", functools.partial(_py_push_requests, self._outbox)),
+                   self.outstanding, credits, info.get("after") is True, _KINDS, _Sums)
+        #: Pop the completions and finish the lone successes in one native call.
+        self._pop_finished: Callable[..., tuple[int, int, list[Any]]] = getattr(
+            self._inbox, "pop_finished", functools.partial(_py_pop_finished, self._inbox))
+        #: Completions waiting in the inbox (the queue's own call: a look before a reap
+        #: costs no Python frame when none are in yet).
+        self.ready: Callable[[], int] = self._inbox.available
+
+    @classmethod
+    def open(cls, info: dict[str, Any], shm_dir: Path, collect: Callable[[Any], int], sub: PySubmission, *,
+             completion_bell: bool = False) -> RingLink:
+        """Map the ring an OpenRing reply names. `collect` turns the reply's token into the
+        ring's memfd (the daemon's fd socket). `completion_bell`: also open the session's
+        completion doorbell (for a waiter that polls an fd instead of sleeping on the
+        futex: the trio client)."""
         bell = Path(info["bell"])
         if completion_bell and not info.get("cbell"):
             raise E.RingUnavailable("this daemon's rings have no completion doorbell (the trio client needs one)")
@@ -207,62 +255,35 @@ class RingLink:
         fd = collect(info.get("token"))
         try:
             check_sealed(fd)  # a ring whose size could change could SIGBUS us
-            self.ring = Ring.attach(fd)  # maps it; the kernel frees it with the last mapping
+            ring = Ring.attach(fd)  # maps it; the kernel frees it with the last mapping
         finally:
             os.close(fd)
-        self.bell_fd = self.cbell_fd = -1
+        bell_fd = cbell_fd = -1
         try:
-            self.bell_fd = os.open(bell, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            bell_fd = os.open(bell, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
             if completion_bell:
                 # A pipe's read end: the daemon holds the only write end, so when it closes
                 # (the session ended, or the daemon died) the fd turns readable with EOF.
-                self.cbell_fd = collect(info["cbell"])
-                os.set_blocking(self.cbell_fd, False)
+                cbell_fd = collect(info["cbell"])
+                os.set_blocking(cbell_fd, False)
         except BaseException:
-            self.close()
+            for f in (bell_fd, cbell_fd):
+                if f >= 0:
+                    os.close(f)
+            ring.close()
             raise
-        self.ring.set_doorbell(self.bell_fd)
-        #: Never more descriptors outstanding than completion slots: the daemon never waits on us.
-        self.credits = min(self.ring.request_capacity, self.ring.completion_capacity)
-        #: The longest CopyV chain it carries (the daemon joins at most MAX_CHAIN).
-        self.max_chain = min(MAX_CHAIN, self.credits)
-        #: The most ranges a vector request may have here (one descriptor each; a CopyV's
-        #: chain is also bounded by what the daemon joins).
-        self.longest: dict[type, int] = {P.CopyV: self.max_chain, P.ChecksumV: self.credits}
-        #: Whether the daemon runs graphs off the ring (RUN_GRAPH); else they take the socket.
-        self.graphs = info.get("graphs") is True
-        #: Whether the daemon orders descriptors after socket frames (`FLAG_AFTER`); else the
-        #: ring is taken only while nothing sent on the socket is pending.
-        self.after = info.get("after") is True
-        #: The last fence pushed: descriptors after it follow the same frames without one.
-        self.fenced = 0
-        #: Outstanding requests: id -> (pending, answers with a value (a checksum_many: its
-        #: _Sums), descriptors it took).
-        self.outstanding: dict[int, tuple[Pending, bool | _Sums, int]] = {}
-        #: Descriptors of the outstanding requests (a CopyV takes one per piece).
-        self.in_flight = 0
-        #: The other order: answered on the socket before their ring completion was reaped
-        #: (the daemon sends a pass's replies, then pushes its completions). Id -> [descriptors
-        #: each completion gives back, descriptors left], given back as the completions come.
-        self.early: dict[int, list[int]] = {}
-        self.pushed = 0
-        #: The queues themselves: the native push takes our packed bytes as they are, and
-        #: pop_runs hands over every completion in as tuples, a run of one id as one (no NumPy for a few).
-        self._outbox, self._inbox = self.ring.outbox, self.ring.inbox
-        #: Pack, publish and note a call's requests in one native call; pop the completions
-        #: and finish the lone successes in another (the pure-Python queue: the same in Python).
-        self._push_requests: Callable[..., tuple[int, int, int]] = getattr(
-            self._outbox, "push_requests", functools.partial(_py_push_requests, self._outbox))
-        self._pop_finished: Callable[..., tuple[int, int, list[Any]]] = getattr(
-            self._inbox, "pop_finished", functools.partial(_py_pop_finished, self._inbox))
-        #: Completions waiting in the inbox (the queue's own call: a look before a reap
-        #: costs no Python frame when none are in yet).
-        self.ready: Callable[[], int] = self._inbox.available
+        return cls(ring, info, sub, bell_fd, cbell_fd)
 
     @property
     def room(self) -> int:
         """Descriptors that may still be pushed before some complete."""
-        return self.credits - self.in_flight
+        return self.sub.credits - self.sub.in_flight
+
+    # (The counts, kept in the submission state; read here by tests, the bench and `room`.)
+    credits = property(lambda self: self.sub.credits, lambda self, v: setattr(self.sub, "credits", v))
+    in_flight = property(lambda self: self.sub.in_flight, lambda self, v: setattr(self.sub, "in_flight", v))
+    pushed = property(lambda self: self.sub.pushed)
+    after = property(lambda self: self.sub.after)
 
     def takes(self, req: P.Request) -> bool:
         """Whether `req` may take this ring (a chain longer than the credits takes the socket)."""
@@ -279,7 +300,7 @@ class RingLink:
     def fitting(self, reqs: Sequence[P.Request]) -> int:
         """How many of `reqs`, from the first, take this ring and fit in its room together
         (an event-loop client's held requests: those it may push now, in order)."""
-        n, used, room = 0, 0, self.credits - self.in_flight
+        n, used, room = 0, 0, self.sub.credits - self.sub.in_flight
         for r in reqs:
             k = _PLAIN_DESCRIPTORS.get(type(r))  # (a plain request, most of them: one lookup, no call)
             if k is None:
@@ -317,16 +338,13 @@ class RingLink:
         event-loop clients' unobserved list, since their caller has returned already)
         appended there for fence() to report."""
         reqs = reqs if type(reqs) is list else list(reqs)
-        fence = after if after > self.fenced else 0
+        push = self.sub.push  # (the fence goes on the first descriptor pushed, then not again)
         start = 0
         while True:
             try:
-                taken, used, published = self._push_requests(
-                    reqs, start, _KINDS, self.credits - self.in_flight, fence, pending, self.outstanding, _Sums)
-                if taken == len(reqs) and published == used and not fence:
-                    self.in_flight += used  # (all of them, at once: most pushes)
-                    self.pushed += used
-                    return
+                taken, used, published = push(reqs, start, after)
+                if taken == len(reqs) and published == used:
+                    return  # (all of them, at once: most pushes)
             except (OverflowError, TypeError, ValueError, struct.error) as exc:  # a field out of range
                 err = E.InvalidField(f"request field out of range: {exc}")
                 for r in reqs[start:]:  # nothing of these left: nobody will answer them
@@ -339,10 +357,6 @@ class RingLink:
                 return
             if published != used:  # cannot happen within credits unless the daemon broke the ring
                 raise E.ConnectionLost("the daemon stopped taking ring descriptors")
-            self.in_flight += used
-            self.pushed += used
-            if used and fence:  # (the fence, in the first descriptor, is out)
-                self.fenced, fence = fence, 0
             start += taken
             if start == len(reqs):
                 return
@@ -355,7 +369,8 @@ class RingLink:
         # Every other run comes back: id, status, result, flags, aux, then how many completions
         # in a row share that id (all successes, or a single one) and their results as packed words.
         total, freed, runs = self._pop_finished(self.outstanding, pending, _new_words)
-        self.in_flight -= freed
+        sub = self.sub
+        sub.in_flight -= freed
         out = self.outstanding
         for rid, status, result, flags, _, count, words in runs:
             entry = out.get(rid)
@@ -367,13 +382,13 @@ class RingLink:
             if type(valued) is _Sums and status and valued.chain:
                 # A verified copy_many failed: its one completion frees the whole chain.
                 used = 1
-                self.in_flight -= took - len(valued.values)
+                sub.in_flight -= took - len(valued.values)
             elif type(valued) is _Sums:
                 # A checksum_many (or a verified copy_many): one completion per range, in order,
                 # under its id (a run of them comes as one), never more than the ranges it still owes.
                 values = valued.values
                 used = min(count, took - len(values))
-                self.in_flight -= used
+                sub.in_flight -= used
                 # (A whole answer in one run is finished by pop_finished, unless a run before it
                 # came here: then it is gathered here like any part.)
                 if words is None:
@@ -387,7 +402,7 @@ class RingLink:
                 status, flags, result = valued.status, valued.flags, np.fromiter(values, np.uint64, took)
             else:
                 used = 1
-                self.in_flight -= took
+                sub.in_flight -= took
             del out[rid]
             if status == 0:
                 pending.pop(rid, None)
@@ -405,7 +420,7 @@ class RingLink:
         """A completion of a request already answered on the socket: give back its credits."""
         left = self.early.get(rid)
         if left is not None:
-            self.in_flight -= left[0]
+            self.sub.in_flight -= left[0]
             left[1] -= left[0]
             if left[1] <= 0:
                 del self.early[rid]
@@ -435,6 +450,7 @@ class RingLink:
             return False
 
     def close(self) -> None:
+        self.sub.detach()
         if not self.ring.closed:
             self.ring.close()
         for name in ("bell_fd", "cbell_fd"):

@@ -72,12 +72,15 @@ class Session:
         self.endpoint = endpoint
         self._core = ClientCore(pending_cls, waiter)
         self._batch: list[P.Request] | None = None
-        #: Frames (zmq messages) this client has sent: what deferred creation saves.
-        self.frames_sent = 0
         #: Held while touching shared state: the blocking client is thread-safe. A loop
         #: client runs in one thread and never contends; an uncontended RLock costs less to
         #: take than a Python-level null context manager, and submission takes it every call.
         self._lock = threading.RLock()
+
+    @property
+    def frames_sent(self) -> int:
+        """Frames (zmq messages) this client has sent: what deferred creation saves."""
+        return self._core.sub.frames
 
     # --- what each client supplies ----------------------------------------------------------
     def _run(self, op: Op[T], timeout: float | None = None) -> Any:
@@ -423,6 +426,10 @@ class Session:
         lock = self._lock
         lock.acquire()  # (not `with`: the statement costs twice the two calls, on every request)
         try:
+            if not blocking:  # most requests: made, routed and pushed in one native call
+                p = self._core.submit(cls, args)
+                if p is not None:
+                    return p
             reqs, pending = self._core.prepare(cls, args, objects, blocking)
             if self._batch is not None:
                 self._batch.extend(reqs)
@@ -457,13 +464,15 @@ class _Batch:
         self._outer = s._batch
         if s._batch is None:
             s._batch = []
+            s._core.sub.batching = True  # (submit leaves requests to the batch)
 
     def __exit__(self, *exc: object) -> None:
         s = self._session
         try:
             if self._outer is None:
                 reqs, s._batch = s._batch or [], None
-                if reqs:
+                s._core.sub.batching = False
+                if reqs and s._core.broken is None:  # (a failed session failed them already)
                     s._send(reqs)
         finally:
             s._lock.release()

@@ -140,7 +140,7 @@ class Client(Session):
                 failed = exc
 
     def _link(self, info: dict[str, Any]) -> RingLink:
-        return RingLink(info, self._core.shm_dir, self._core.collect)
+        return RingLink.open(info, self._core.shm_dir, self._core.collect, self._core.sub)
 
     def _ring_wait(self, done: Any, timeout: float | None) -> None:
         """Spin, then sleep on the completion futex, until done() after a reap; the socket
@@ -232,7 +232,7 @@ class Client(Session):
         core = self._core
         link = core.ring
         if link is not None:
-            after = core.ring_route(reqs, core.unsent(reqs, self._batch), self.frames_sent)
+            after = core.ring_route(reqs, core.unsent(reqs, self._batch))
             if after is not None:
                 link.push(reqs, core.pending, self._wait_room, after)
                 return
@@ -245,7 +245,7 @@ class Client(Session):
                 self._drain_until(lambda: core.socket_room(left) >= len(chunk), None)
             for frame in core.encode(chunk):
                 self._sock.send(frame, 0, copy=len(frame) < 65536)
-                self.frames_sent += 1
+                core.sub.frames += 1
         self._last_tx = time.monotonic()
 
     def _wait_room(self, need: int) -> None:

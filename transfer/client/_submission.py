@@ -1,0 +1,105 @@
+"""A client's submission state: ids, credits, the routing rule and the push (docs/ring.md).
+
+The numbers routing and credits read and write live in one object that the client's
+Python code and the native `submit` share: the next request id, the socket frames sent,
+the ring's credits and descriptors in flight, the last fence pushed, and the pending and
+outstanding tables (the client's own dicts). `route` decides ring or socket, `push`
+publishes within the credits and counts what went out: each rule once.
+
+`Submission` is the native extension's (native/submission.h) when it is built, else
+`PySubmission`, its pure-Python twin here. The native one's `submit` makes, routes and
+pushes one plain request (a copy, fill or checksum) in one call, with those same two
+rules, whenever nothing else is due; the twin's declines every request, and the client's
+general path (`ClientCore.prepare`, then `_send`) does the same work through `route` and
+`push`. A property test holds the two to the same descriptors, ids and counts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sized
+
+from .._native import native_module
+
+__all__ = ["Submission", "PySubmission"]
+
+
+class PySubmission:
+    """The pure-Python twin of the native `Submission`."""
+
+    __slots__ = ("_pending", "_pending_cls", "_waiter", "_outbox", "_push", "_outstanding", "_kinds", "_sums", "_buffers",
+                 "_holds", "_shift", "kick", "next_id", "frames", "fenced", "pushed", "in_flight", "credits", "after",
+                 "batching", "broken")
+
+    def __init__(self, pending: dict[int, Any], pending_cls: type, waiter: Callable[..., Any]) -> None:
+        self._pending = pending
+        self._pending_cls, self._waiter = pending_cls, waiter
+        self._outbox: Any = None
+        self._push: Callable[..., tuple[int, int, int]] | None = None
+        self._outstanding: dict[int, Any] = {}
+        self._kinds: dict[type, int] = {}
+        self._sums: Any = None
+        self._buffers: dict[int, Any] | None = None
+        self._holds: tuple[Sized, ...] = ()
+        self._shift = 40
+        #: Called after submit publishes (an event loop's reaper), or None.
+        self.kick: Callable[[], Any] | None = None
+        self.next_id = 1
+        self.frames = self.fenced = self.pushed = 0
+        self.in_flight = self.credits = 0
+        self.after = self.batching = self.broken = False
+
+    def attach(self, outbox: Any, push: Callable[..., tuple[int, int, int]], outstanding: dict[int, Any], credits: int,
+               after: bool, kinds: dict[type, int], sums: Any) -> None:
+        """The ring is open: its queue, push_requests, outstanding table and credits."""
+        if credits < 1:
+            raise ValueError("attach: credits must be at least 1")
+        self._outbox, self._push, self._outstanding = outbox, push, outstanding
+        self._kinds, self._sums = kinds, sums
+        self.credits, self.after = credits, bool(after)
+        self.in_flight = self.fenced = self.pushed = 0
+
+    def detach(self) -> None:
+        """The ring is closed: everything takes the socket."""
+        self._outbox = self._push = None
+
+    def watch(self, buffers: dict[int, Any] | None, shift: int, holds: tuple[Sized, ...]) -> None:
+        """What `submit` leaves to the general path (the native one reads these)."""
+        self._buffers, self._shift, self._holds = buffers, shift, holds
+
+    def route(self, unsent: int) -> int | None:
+        """None for the socket, else the frame count the descriptors wait for (0: none).
+        `unsent`: requests in the pending table not handed to any transport yet.
+
+        The ring keeps order only with itself: while a request sent on the socket is
+        pending, the daemon must read the frames sent so far before what is pushed now
+        (`FLAG_AFTER`). A daemon that cannot (`after` false) gets ring requests only when
+        nothing sent on the socket is pending."""
+        if self._outbox is None:
+            return None
+        if len(self._pending) - len(self._outstanding) == unsent:
+            return 0
+        return self.frames if self.after else None
+
+    def push(self, reqs: list[Any], start: int, after: int) -> tuple[int, int, int]:
+        """push_requests from reqs[start] within the credits left, the fence on the first
+        descriptor unless an earlier push carried it (`after`: what route() gave), and what
+        went out counted."""
+        if self._push is None:
+            raise ValueError("push: no ring attached")
+        fence = after if after > self.fenced else 0
+        taken, used, published = self._push(reqs, start, self._kinds, self.credits - self.in_flight, fence, self._pending,
+                                             self._outstanding, self._sums)
+        self.in_flight += published
+        self.pushed += published
+        if published and fence:
+            self.fenced = fence
+        return taken, used, published
+
+    def submit(self, cls: type, args: tuple[Any, ...]) -> Any:
+        """None: the general path takes every request here (the native one takes plain
+        requests itself, as that path would)."""
+        return None
+
+
+_native = native_module()
+Submission: Any = getattr(_native, "Submission", None) or PySubmission
