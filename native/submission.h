@@ -32,12 +32,113 @@ typedef struct {
     PyObject *buffers;     /* dict: segment id -> a deferred buffer not defined yet (or NULL) */
     PyObject *holds;       /* tuple of containers: submit declines while any is not empty */
     PyObject *kick;        /* called after submit publishes (an event loop's reaper), or None */
+    PyObject *acquire, *release; /* the client's lock (bound methods), or NULL: none to take */
+    /* A Pending made without running its __init__ (pending_template): the fields its class
+     * sets the same for every request, copied from one made by the class, then the two it is
+     * given. ntemplate < 0: no template; the class is called. */
+    struct { Py_ssize_t offset; PyObject *value; } template[12];
+    Py_ssize_t ntemplate, id_offset, waiter_offset;
     unsigned long long next_id, frames, fenced, pushed;
     long long in_flight, credits;
     char after, batching, broken; /* (T_BOOL members: one byte each) */
     int shift;
     unsigned fork;
 } SubmissionObject;
+
+static void template_clear(SubmissionObject *self)
+{
+    for (Py_ssize_t i = 0; i < self->ntemplate; i++)
+        Py_CLEAR(self->template[i].value);
+    self->ntemplate = -1;
+}
+
+/* Learn how pending_cls(id, waiter) fills a new object, so submit can make one without a
+ * Python frame: a class with __slots__ only (no __dict__, object's __new__), whose every
+ * field but `id` and `_waiter` holds, in one made by the class, nothing or an immutable
+ * value (None, a bool, an int), the same for every request. Anything else: no template. */
+static int template_learn(SubmissionObject *self, PyObject *cls)
+{
+    template_clear(self);
+    if (!PyType_Check(cls))
+        return 0;
+    PyTypeObject *t = (PyTypeObject *)cls;
+    if (t->tp_new != PyBaseObject_Type.tp_new || t->tp_dictoffset != 0 || t->tp_alloc != PyType_GenericAlloc)
+        return 0;
+    PyObject *zero = PyLong_FromLong(0), *made = NULL;
+    if (!zero)
+        return -1;
+    PyObject *cargs[2] = {zero, self->waiter};
+    made = PyObject_Vectorcall(cls, cargs, 2, NULL);
+    Py_DECREF(zero);
+    if (!made) {
+        PyErr_Clear(); /* (a class that cannot be made this way: submit calls it, and says so) */
+        return 0;
+    }
+    Py_ssize_t n = 0, id_off = -1, waiter_off = -1;
+    int ok = 1;
+    PyObject *mro = t->tp_mro;
+    for (Py_ssize_t k = 0; ok && mro && k < PyTuple_GET_SIZE(mro); k++) {
+        PyTypeObject *base = (PyTypeObject *)PyTuple_GET_ITEM(mro, k);
+        if (base == &PyBaseObject_Type || !base->tp_dict)
+            continue;
+        if (!(base->tp_flags & Py_TPFLAGS_HEAPTYPE)) { /* a C base: fields we cannot see */
+            ok = 0;
+            break;
+        }
+        Py_ssize_t pos = 0;
+        PyObject *key, *value;
+        while (ok && PyDict_Next(base->tp_dict, &pos, &key, &value)) {
+            if (Py_TYPE(value) != &PyMemberDescr_Type)
+                continue;
+            PyMemberDef *m = ((PyMemberDescrObject *)value)->d_member;
+            if (m->type != T_OBJECT_EX || (m->flags & READONLY) || m->offset <= 0 || m->offset >= t->tp_basicsize) {
+                ok = 0;
+                break;
+            }
+            PyObject *v = *(PyObject **)((char *)made + m->offset);
+            if (PyUnicode_CompareWithASCIIString(key, "id") == 0) {
+                id_off = m->offset;
+            } else if (PyUnicode_CompareWithASCIIString(key, "_waiter") == 0) {
+                waiter_off = m->offset;
+            } else if (v && v != Py_None && !PyBool_Check(v) && !PyLong_CheckExact(v)) {
+                ok = 0; /* a mutable field: each request needs its own */
+            } else if (n == (Py_ssize_t)(sizeof self->template / sizeof self->template[0])) {
+                ok = 0;
+            } else {
+                self->template[n].offset = m->offset;
+                self->template[n].value = Py_XNewRef(v);
+                self->ntemplate = ++n;
+            }
+        }
+    }
+    Py_DECREF(made);
+    if (!ok || id_off < 0 || waiter_off < 0) {
+        template_clear(self);
+        return 0;
+    }
+    self->ntemplate = n;
+    self->id_offset = id_off;
+    self->waiter_offset = waiter_off;
+    return 0;
+}
+
+/* A new Pending for request `id`: from the template, or by calling the class. */
+static PyObject *new_pending(SubmissionObject *self, PyObject *id)
+{
+    if (self->ntemplate < 0) {
+        PyObject *cargs[2] = {id, self->waiter};
+        return PyObject_Vectorcall(self->pending_cls, cargs, 2, NULL);
+    }
+    PyTypeObject *t = (PyTypeObject *)self->pending_cls;
+    PyObject *p = t->tp_alloc(t, 0);
+    if (!p)
+        return NULL;
+    for (Py_ssize_t i = 0; i < self->ntemplate; i++)
+        *(PyObject **)((char *)p + self->template[i].offset) = Py_XNewRef(self->template[i].value);
+    *(PyObject **)((char *)p + self->id_offset) = Py_NewRef(id);
+    *(PyObject **)((char *)p + self->waiter_offset) = Py_NewRef(self->waiter);
+    return p;
+}
 
 static int Submission_init(SubmissionObject *self, PyObject *args, PyObject *kwds)
 {
@@ -52,7 +153,9 @@ static int Submission_init(SubmissionObject *self, PyObject *args, PyObject *kwd
     Py_XSETREF(self->kick, Py_NewRef(Py_None));
     self->next_id = 1;
     self->fork = fork_generation;
-    return self->holds ? 0 : -1;
+    if (!self->holds)
+        return -1;
+    return template_learn(self, cls);
 }
 
 static int Submission_traverse(SubmissionObject *self, visitproc visit, void *arg)
@@ -68,6 +171,10 @@ static int Submission_traverse(SubmissionObject *self, visitproc visit, void *ar
     Py_VISIT(self->buffers);
     Py_VISIT(self->holds);
     Py_VISIT(self->kick);
+    Py_VISIT(self->acquire);
+    Py_VISIT(self->release);
+    for (Py_ssize_t i = 0; i < self->ntemplate; i++)
+        Py_VISIT(self->template[i].value);
     return 0;
 }
 
@@ -84,6 +191,9 @@ static int Submission_clear(SubmissionObject *self)
     Py_CLEAR(self->buffers);
     Py_CLEAR(self->holds);
     Py_CLEAR(self->kick);
+    Py_CLEAR(self->acquire);
+    Py_CLEAR(self->release);
+    template_clear(self);
     return 0;
 }
 
@@ -272,14 +382,8 @@ static int undefined_at(SubmissionObject *self, uint64_t va)
  * path names what is wrong), the session broken or forked, a batch open, something held or
  * owed first (frees, held requests, the definition of a deferred buffer it touches), no
  * ring, the socket's turn (route), or no credits left (the general path waits for them). */
-static PyObject *Submission_submit(SubmissionObject *self, PyObject *const *a, Py_ssize_t na)
+static PyObject *submit_locked(SubmissionObject *self, PyObject *const *a)
 {
-    if (na != 2 || !PyTuple_CheckExact(a[1])) {
-        PyErr_SetString(PyExc_TypeError, "submit(cls, args: tuple)");
-        return NULL;
-    }
-    if (!submission_ok(self))
-        return NULL;
     if (!self->outbox || Py_TYPE(self->outbox) != &QueueType || self->broken || self->batching ||
         self->fork != fork_generation || self->in_flight >= self->credits)
         Py_RETURN_NONE;
@@ -352,8 +456,7 @@ static PyObject *Submission_submit(SubmissionObject *self, PyObject *const *a, P
     PyObject *id = PyLong_FromUnsignedLongLong(rid), *p = NULL, *entry = NULL;
     if (!id)
         return NULL;
-    PyObject *cargs[2] = {id, self->waiter};
-    p = PyObject_Vectorcall(self->pending_cls, cargs, 2, NULL);
+    p = new_pending(self, id);
     if (!p || PyDict_SetItem(self->pending, id, p) < 0)
         goto fail;
     entry = PyTuple_New(3);
@@ -407,7 +510,58 @@ fail:
     return NULL;
 }
 
+static PyObject *Submission_submit(SubmissionObject *self, PyObject *const *a, Py_ssize_t na)
+{
+    if (na != 2 || !PyTuple_CheckExact(a[1])) {
+        PyErr_SetString(PyExc_TypeError, "submit(cls, args: tuple)");
+        return NULL;
+    }
+    if (!submission_ok(self))
+        return NULL;
+    if (!self->acquire)
+        return submit_locked(self, a);
+    /* The client's lock, without waiting: held by another thread, the general path waits. */
+    PyObject *got = PyObject_CallOneArg(self->acquire, Py_False);
+    if (!got)
+        return NULL;
+    int held = PyObject_IsTrue(got);
+    Py_DECREF(got);
+    if (held <= 0) {
+        if (held < 0)
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    PyObject *out = submit_locked(self, a);
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyObject *r = PyObject_CallNoArgs(self->release);
+    if (!r) {
+        Py_XDECREF(out);
+        Py_XDECREF(t);
+        Py_XDECREF(v);
+        Py_XDECREF(tb);
+        return NULL;
+    }
+    Py_DECREF(r);
+    PyErr_Restore(t, v, tb);
+    return out;
+}
+
+/* guard(lock): submit takes `lock` (the client's RLock) while it works, without waiting. */
+static PyObject *Submission_guard(SubmissionObject *self, PyObject *lock)
+{
+    PyObject *acq = PyObject_GetAttrString(lock, "acquire"), *rel = acq ? PyObject_GetAttrString(lock, "release") : NULL;
+    if (!rel) {
+        Py_XDECREF(acq);
+        return NULL;
+    }
+    Py_XSETREF(self->acquire, acq);
+    Py_XSETREF(self->release, rel);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef Submission_methods[] = {
+    {"guard", (PyCFunction)Submission_guard, METH_O, "guard(lock): submit holds the client's lock while it works"},
     {"attach", (PyCFunction)Submission_attach, METH_VARARGS,
      "attach(outbox, push_requests, outstanding, credits, after, kinds, sums): the ring is open"},
     {"detach", (PyCFunction)Submission_detach, METH_NOARGS, "detach(): the ring is closed"},
@@ -434,6 +588,15 @@ static PyMemberDef Submission_members[] = {
     {"kick", T_OBJECT, offsetof(SubmissionObject, kick), 0, "called after submit publishes, or None"},
     {NULL}};
 
+static PyObject *Submission_get_templated(SubmissionObject *self, void *c)
+{
+    return PyBool_FromLong(self->ntemplate >= 0);
+}
+
+static PyGetSetDef Submission_getset[] = {
+    {"templated", (getter)Submission_get_templated, NULL, "submit makes a Pending without calling its class", NULL},
+    {NULL}};
+
 static PyTypeObject SubmissionType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "transfer._ring_native.Submission",
     .tp_basicsize = sizeof(SubmissionObject),
@@ -446,4 +609,5 @@ static PyTypeObject SubmissionType = {
     .tp_dealloc = (destructor)Submission_dealloc,
     .tp_methods = Submission_methods,
     .tp_members = Submission_members,
+    .tp_getset = Submission_getset,
 };

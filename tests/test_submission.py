@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 from transfer import errors as E
 from transfer import protocol as P
 from transfer._ring import Ring
-from transfer.client._core import ClientCore
-from transfer.client._pending import Pending
+from transfer.client._pending import AwaitablePending, Pending
 from transfer.client._ringlink import RingLink
+from transfer.client._session import Session
 from transfer.client._submission import PySubmission, Submission
 from transfer.client._sync import Client
 
@@ -60,10 +60,8 @@ class _Socket:
 def _client(native: bool, ring: Ring, after: bool) -> Client:
     """A blocking client with no daemon: its socket keeps frames, its ring is `ring`'s client end."""
     c = object.__new__(Client)
-    c.endpoint = "ipc:///nowhere"
-    c._lock = threading.RLock()
-    c._batch = None
-    c._core = core = ClientCore(Pending, c._wait_for)
+    Session.__init__(c, "ipc:///nowhere", Pending, c._wait_for)  # (the core, the lock, and what they share)
+    core = c._core
     if not native:
         core.sub = PySubmission(core.pending, Pending, c._wait_for)
         core.submit = core.sub.submit
@@ -108,14 +106,14 @@ def _run(native: bool, ops: list[tuple[Any, ...]], after: bool, capacity: int) -
                     else:
                         got = None
                     if kind == "copy":
-                        got = c._submit(P.Copy, *a)
+                        got = c.copy(*a[:3], stream=a[3])
                     elif kind == "fill":
-                        got = c._submit(P.Fill, *a)
+                        got = c.fill(*a[:3], stream=a[3])
                     elif kind == "checksum":
-                        got = c._submit(P.Checksum, *a)
+                        got = c.checksum(*a[:2], stream=a[2])
                     elif kind == "deferred" and bufs:
                         b = bufs[a[0] % len(bufs)]
-                        got = c._submit(P.Copy, b.va, b.va + 64, 64, 0)
+                        got = c.copy(b.va, b.va + 64, 64)
                     elif kind == "alloc":
                         b = core.deferred.alloc(4096, -1, "test")  # type: ignore[union-attr]
                         bufs.append(b)
@@ -145,7 +143,7 @@ def _run(native: bool, ops: list[tuple[Any, ...]], after: bool, capacity: int) -
                         core.fail_all(E.SessionClosed("gone"))
                     if isinstance(got, Pending):
                         got = (type(got).__name__, got.id, got._done)
-                except E.TransferError as exc:
+                except (E.TransferError, TypeError, ValueError) as exc:
                     got = (type(exc).__name__, str(exc))
                 out.append((op, got, sorted(core.pending), {k: v[1:] for k, v in link.outstanding.items()},
                             core.sub.next_id, core.sub.frames, core.sub.fenced, core.sub.pushed, core.sub.in_flight,
@@ -181,8 +179,26 @@ def test_native_submit_takes_a_plain_copy_and_declines_the_rest() -> None:
         try:
             c = _client(True, cli, after=False)
             core = c._core
+            assert core.sub.templated  # (a Pending is made without a Python frame)
             p = core.submit(P.Copy, (1 << 41, 1 << 41, 8, 0))
             assert isinstance(p, Pending) and p.id == 1 and core.pending[1] is p and core.sub.in_flight == 1
+            made = Pending(1, c._wait_for)  # what the class makes: the same fields
+            assert [getattr(p, f) for f in Pending.__slots__] == [getattr(made, f) for f in Pending.__slots__]
+            held, done = threading.Event(), threading.Event()
+
+            def hold() -> None:
+                with c._lock:
+                    held.set()
+                    done.wait(10)
+
+            t = threading.Thread(target=hold)  # another thread holds the client's lock: submit leaves the
+            t.start()  # request to the general path, which waits for it
+            held.wait(10)
+            assert core.submit(P.Copy, (1 << 41, 1 << 41, 8, 0)) is None and core.sub.next_id == 2
+            done.set()
+            t.join(10)
+            assert c._lock.acquire(blocking=False)  # (and submit left it as it found it)
+            c._lock.release()
             assert srv.pop_many(8)["id"].tolist() == [1]
             for cls, args in [(P.Copy, (1, 2, np.uint64(3), 0)), (P.Copy, (1, 2, 3, 2**32)), (P.Fill, (1, 2, 256, 0)),
                               (P.Copy, (1, 2, -1, 0)), (P.Copy, (1, 2, True, 0)), (P.Copy, (1, 2, 3)), (P.Fence, (0,)),
@@ -202,6 +218,8 @@ def test_native_submit_takes_a_plain_copy_and_declines_the_rest() -> None:
             c._submit(P.Stats)  # a socket request pending, and a daemon that cannot order after it
             assert core.submit(P.Copy, (7 << 40, 7 << 40, 8, 0)) is None
             assert core.sub.next_id == 4 and core.sub.in_flight == 2  # (the Stats took id 3)
+            for cls in (Pending, AwaitablePending):
+                assert PySubmission({}, cls, print).templated is False and Submission({}, cls, print).templated
         finally:
             cli.close()
             srv.close()

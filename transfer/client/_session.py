@@ -76,6 +76,7 @@ class Session:
         #: client runs in one thread and never contends; an uncontended RLock costs less to
         #: take than a Python-level null context manager, and submission takes it every call.
         self._lock = threading.RLock()
+        self._core.sub.guard(self._lock)  # (the native submit takes it too)
 
     @property
     def frames_sent(self) -> int:
@@ -322,7 +323,8 @@ class Session:
             if not sizes:
                 raise TypeError("nbytes is required when copying between plain VAs")
             nbytes = min(sizes)
-        return self._submit(P.Copy, dst if type(dst) is int else resolve_va(dst), src if type(src) is int else resolve_va(src), nbytes, stream)
+        args = (dst if type(dst) is int else resolve_va(dst), src if type(src) is int else resolve_va(src), nbytes, stream)
+        return self._core.submit(P.Copy, args) or self._submit(P.Copy, *args)  # (one native call, most copies)
 
     def copy_many(self, dst: Sequence[int] | np.ndarray, src: Sequence[int] | np.ndarray, nbytes: Sequence[int] | np.ndarray, *,
                   stream: int = 0, checksum: bool = False) -> Any:
@@ -345,13 +347,15 @@ class Session:
 
     def fill(self, dst: Addressable, nbytes: int, value: int = 0, *, stream: int = 0) -> Any:
         """Set `nbytes` at `dst` to the byte `value`."""
-        return self._submit(P.Fill, resolve_va(dst), nbytes, value, stream)
+        args = (resolve_va(dst), nbytes, value, stream)
+        return self._core.submit(P.Fill, args) or self._submit(P.Fill, *args)
 
     def checksum(self, src: Addressable, nbytes: int | None = None, *, stream: int = 0) -> Any:
         """The daemon reads the range in place and answers its checksum64."""
         if nbytes is None:
             nbytes = int(getattr(src, "nbytes"))
-        return self._submit(P.Checksum, resolve_va(src), nbytes, stream)
+        args = (resolve_va(src), nbytes, stream)
+        return self._core.submit(P.Checksum, args) or self._submit(P.Checksum, *args)
 
     def checksum_many(self, srcs: Sequence[int] | np.ndarray, nbytes: Sequence[int] | np.ndarray, *, stream: int = 0) -> Any:
         """checksum64 of many ranges as one vector request: a Pending whose result is a uint64
@@ -422,14 +426,12 @@ class Session:
     # --- machinery ----------------------------------------------------------------------------
     def _submit(self, cls: type[P.Request], *args: Any, objects: Sequence[Any] = (), blocking: bool = False) -> Any:
         """Prepare one call's requests and send them (or hold them in a batch); never waits
-        unless the daemon's credits are used up (blocking client only)."""
+        unless the daemon's credits are used up (blocking client only). The general path:
+        `copy`, `fill` and `checksum` ask the submission state's native `submit` first,
+        which takes a plain request to the ring in one call when nothing else is due."""
         lock = self._lock
         lock.acquire()  # (not `with`: the statement costs twice the two calls, on every request)
         try:
-            if not blocking:  # most requests: made, routed and pushed in one native call
-                p = self._core.submit(cls, args)
-                if p is not None:
-                    return p
             reqs, pending = self._core.prepare(cls, args, objects, blocking)
             if self._batch is not None:
                 self._batch.extend(reqs)

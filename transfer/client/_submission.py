@@ -58,6 +58,14 @@ class PySubmission:
         self.credits, self.after = credits, bool(after)
         self.in_flight = self.fenced = self.pushed = 0
 
+    def guard(self, lock: Any) -> None:
+        """The client's lock, which the native `submit` takes while it works (the twin's
+        declines without it: the general path takes the lock)."""
+
+    #: Whether `submit` makes a Pending without calling its class (the native one learns
+    #: how from one the class made; the twin makes none).
+    templated = False
+
     def detach(self) -> None:
         """The ring is closed: everything takes the socket."""
         self._outbox = self._push = None
@@ -97,7 +105,7 @@ class PySubmission:
 
     def submit(self, cls: type, args: tuple[Any, ...]) -> Any:
         """None: the general path takes every request here (the native one takes plain
-        requests itself, as that path would)."""
+        requests itself, as that path would, under the client's lock if it is free)."""
         return None
 
 
