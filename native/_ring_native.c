@@ -1406,6 +1406,21 @@ static Py_ssize_t descriptors_for(PyObject *r, int kind)
     return k;
 }
 
+/* A vector request's k descriptors into w, one per range: `chain` sets FLAG_CHAIN on all
+ * but the last (a copy_many's pieces, done as one). */
+static void pack_ranges(uint64_t head, uint64_t rid, int chain, Py_ssize_t k, const vec_arg_t *d, const vec_arg_t *sv,
+                        const vec_arg_t *nb, uint64_t *w)
+{
+    for (Py_ssize_t i = 0; i < k; i++, w += DESC_WORDS) {
+        w[0] = head | (chain && i + 1 < k ? (uint64_t)TDP_FLAG_CHAIN << 16 : 0);
+        w[1] = rid;
+        w[2] = vec_at(d, i);
+        w[3] = vec_at(sv, i);
+        w[4] = vec_at(nb, i);
+        w[5] = w[6] = w[7] = 0;
+    }
+}
+
 /* One request's descriptors into w (room for all of them): the words of REQUEST_DTYPE.
  * `summed`: a verified copy_many (FLAG_SUM on every piece). */
 static int pack_request(PyObject *r, int kind, Py_ssize_t k, int summed, uint64_t *w)
@@ -1422,14 +1437,7 @@ static int pack_request(PyObject *r, int kind, Py_ssize_t k, int summed, uint64_
         int rc = -1;
         if (nbo && so && dso && vec_arg(nbo, "nbytes", &n, &nb) == 0 && vec_arg(dso, "dst", &n, &d) == 0 &&
             vec_arg(so, "src", &n, &sv) == 0) {
-            for (Py_ssize_t i = 0; i < k; i++, w += DESC_WORDS) {
-                w[0] = head | (kind == K_COPYV && i + 1 < k ? (uint64_t)TDP_FLAG_CHAIN << 16 : 0);
-                w[1] = rid;
-                w[2] = vec_at(&d, i);
-                w[3] = vec_at(&sv, i);
-                w[4] = vec_at(&nb, i);
-                w[5] = w[6] = w[7] = 0;
-            }
+            pack_ranges(head, rid, kind == K_COPYV, k, &d, &sv, &nb, w);
             rc = 0;
         }
         if (nb.is_buf)

@@ -6,10 +6,10 @@
  * code and this file's `submit` share: request ids, the socket frames sent, the ring's
  * credits, descriptors in flight, the last fence, and the pending and outstanding tables.
  * `route` (ring or socket, and the fence) and `push` (publish within the credits, count
- * what went out) are the rules, once. `submit` is one plain request (a copy, fill or
- * checksum) made, routed and pushed in one call, with the same two rules; it declines
- * (returns None) whenever anything else is due, and the client's general path then does
- * the same work in Python, through the same `route` and `push`. */
+ * what went out) are the rules, once. `submit` is one data request (a copy, fill,
+ * checksum, copy_many or checksum_many) made, routed and pushed in one call, with the same
+ * two rules; it declines (returns None) whenever anything else is due, and the client's
+ * general path then does the same work in Python, through the same `route` and `push`. */
 
 #include <pthread.h>
 #include <stddef.h>
@@ -39,7 +39,7 @@ typedef struct {
     struct { Py_ssize_t offset; PyObject *value; } template[12];
     Py_ssize_t ntemplate, id_offset, waiter_offset;
     unsigned long long next_id, frames, fenced, pushed;
-    long long in_flight, credits;
+    long long in_flight, credits, chain; /* chain: the most ranges a copy_many may have here */
     char after, batching, broken; /* (T_BOOL members: one byte each) */
     int shift;
     unsigned fork;
@@ -213,19 +213,21 @@ static int submission_ok(SubmissionObject *self)
     return 1;
 }
 
-/* attach(outbox, push_requests, outstanding, credits, after, kinds, sums): the ring is open. */
+/* attach(outbox, push_requests, outstanding, credits, chain, after, kinds, sums): the ring is
+ * open; `chain` is the longest copy_many it carries. */
 static PyObject *Submission_attach(SubmissionObject *self, PyObject *args)
 {
     PyObject *outbox, *push, *outstanding, *kinds, *sums;
-    long long credits;
+    long long credits, chain;
     int after;
-    if (!submission_ok(self) || !PyArg_ParseTuple(args, "OOO!LpO!O", &outbox, &push, &PyDict_Type, &outstanding, &credits,
-                                                   &after, &PyDict_Type, &kinds, &sums))
+    if (!submission_ok(self) || !PyArg_ParseTuple(args, "OOO!LLpO!O", &outbox, &push, &PyDict_Type, &outstanding, &credits,
+                                                   &chain, &after, &PyDict_Type, &kinds, &sums))
         return NULL;
-    if (credits < 1) {
-        PyErr_SetString(PyExc_ValueError, "attach: credits must be at least 1");
+    if (credits < 1 || chain < 1 || chain > credits) {
+        PyErr_SetString(PyExc_ValueError, "attach: credits must be at least 1, and chain within 1..credits");
         return NULL;
     }
+    self->chain = chain;
     Py_XSETREF(self->outbox, Py_NewRef(outbox));
     Py_XSETREF(self->push_fn, Py_NewRef(push));
     Py_XSETREF(self->outstanding, Py_NewRef(outstanding));
@@ -376,12 +378,29 @@ static int undefined_at(SubmissionObject *self, uint64_t va)
     return r;
 }
 
+/* A vector operand of submit: a 1-D uint64 array of `*k` ranges (the first sets *k); 1,
+ * or 0 with nothing held and no error set when it is anything else (the general path says
+ * what is wrong). */
+static int range_array(PyObject *o, Py_ssize_t *k, vec_arg_t *v)
+{
+    if (PyLong_Check(o) || !PyObject_CheckBuffer(o))
+        return 0;
+    if (vec_arg(o, "", k, v) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    return 1;
+}
+
 /* submit(cls, args) -> Pending | None: one copy, fill or checksum (args: its fields after the
- * id, every one given), made and pushed, when nothing else is due; None when the general
- * path must take it: another kind, a field that is not an exact int in range (the general
- * path names what is wrong), the session broken or forked, a batch open, something held or
- * owed first (frees, held requests, the definition of a deferred buffer it touches), no
- * ring, the socket's turn (route), or no credits left (the general path waits for them). */
+ * id, every one given), or one copy_many or checksum_many (its uint64 arrays, the stream, a
+ * copy_many's `sums`), made and pushed, when nothing else is due; None when the general
+ * path must take it: another kind, a field that is not an exact int in range or an array
+ * that is not 1-D uint64 of one length (the general path converts or names what is wrong),
+ * a vector longer than the ring carries, the session broken or forked, a batch open,
+ * something held or owed first (frees, held requests, the definition of a deferred buffer
+ * it touches: for a vector, any not defined yet), no ring, the socket's turn (route), or
+ * not enough credits (the general path waits for them). */
 static PyObject *submit_locked(SubmissionObject *self, PyObject *const *a)
 {
     if (!self->outbox || Py_TYPE(self->outbox) != &QueueType || self->broken || self->batching ||
@@ -403,10 +422,11 @@ static PyObject *submit_locked(SubmissionObject *self, PyObject *const *a)
     }
     long kind = PyLong_AsLong(ko);
     PyObject *args = a[1];
-    Py_ssize_t nargs = PyTuple_GET_SIZE(args);
-    uint64_t w[DESC_WORDS] = {0}, stream;
-    int ok;
-    /* The descriptor, as pack_request lays it out: op, stream; dst, src, nbytes, arg0. */
+    Py_ssize_t nargs = PyTuple_GET_SIZE(args), k = 1;
+    uint64_t one[DESC_WORDS] = {0}, *w = one, stream = 0;
+    vec_arg_t d = {0}, sv = {0}, nb = {0};
+    int ok, summed = 0, vector = kind == K_COPYV || kind == K_CHECKSUMV;
+    /* The fields, as pack_request lays them out: op, stream; dst, src, nbytes, arg0. */
     switch (kind) {
     case K_COPY: /* dst, src, nbytes, stream */
         ok = nargs == 4 && plain_u64(PyTuple_GET_ITEM(args, 0), UINT64_MAX, &w[2]) &&
@@ -422,79 +442,104 @@ static PyObject *submit_locked(SubmissionObject *self, PyObject *const *a)
         ok = nargs == 3 && plain_u64(PyTuple_GET_ITEM(args, 0), UINT64_MAX, &w[3]) &&
              plain_u64(PyTuple_GET_ITEM(args, 1), UINT64_MAX, &w[4]) && plain_u64(PyTuple_GET_ITEM(args, 2), UINT32_MAX, &stream);
         break;
+    case K_COPYV: /* dst[], src[], nbytes[], stream, sums (a bool, or left out) */
+        k = -1;
+        ok = (nargs == 4 || (nargs == 5 && PyBool_Check(PyTuple_GET_ITEM(args, 4)))) &&
+             plain_u64(PyTuple_GET_ITEM(args, 3), UINT32_MAX, &stream) && range_array(PyTuple_GET_ITEM(args, 2), &k, &nb) &&
+             range_array(PyTuple_GET_ITEM(args, 0), &k, &d) && range_array(PyTuple_GET_ITEM(args, 1), &k, &sv) &&
+             k >= 1 && k <= self->chain;
+        summed = ok && nargs == 5 && PyTuple_GET_ITEM(args, 4) == Py_True;
+        break;
+    case K_CHECKSUMV: /* src[], nbytes[], stream */
+        k = -1;
+        ok = nargs == 3 && plain_u64(PyTuple_GET_ITEM(args, 2), UINT32_MAX, &stream) &&
+             range_array(PyTuple_GET_ITEM(args, 1), &k, &nb) && range_array(PyTuple_GET_ITEM(args, 0), &k, &sv) &&
+             k >= 1 && k <= self->credits;
+        break;
     default:
         ok = 0;
     }
-    if (!ok)
-        Py_RETURN_NONE;
+    PyObject *out = NULL, *id = NULL, *p = NULL, *answers = NULL, *entry = NULL;
+    if (!ok || k > self->credits - self->in_flight)
+        goto decline;
     if (self->buffers && PyDict_GET_SIZE(self->buffers)) {
+        if (vector)
+            goto decline; /* (its definitions go first: the general path finds which) */
         int u = 0;
         if (kind != K_CHECKSUM)
             u = undefined_at(self, w[2]);
         if (u == 0 && kind != K_FILL)
             u = undefined_at(self, w[3]);
-        if (u != 0) {
-            if (u < 0)
-                return NULL;
-            Py_RETURN_NONE;
-        }
+        if (u < 0)
+            goto done;
+        if (u)
+            goto decline;
     }
     long long route = route_of(self, 0); /* (before this request is in the pending table) */
     if (route < 0)
-        Py_RETURN_NONE;
+        goto decline;
     QueueObject *q = (QueueObject *)self->outbox;
     if (check_role(q, 1) < 0) {
         PyErr_Clear(); /* (the general path says what is wrong) */
-        Py_RETURN_NONE;
+        goto decline;
     }
     unsigned long long fence = (unsigned long long)route > self->fenced ? (unsigned long long)route : 0;
     uint64_t rid = self->next_id;
-    w[0] = (uint64_t)kind_op[kind] | stream << 32 | (fence ? (uint64_t)TDP_FLAG_AFTER << 16 : 0);
-    w[1] = rid;
-    w[7] = fence;
+    uint64_t head = (uint64_t)kind_op[kind] | stream << 32 | (summed ? (uint64_t)TDP_FLAG_SUM << 16 : 0);
+    if (vector) {
+        if (k > 1 && !(w = PyMem_Malloc((size_t)k * DESC_WORDS * 8))) {
+            w = one;
+            PyErr_NoMemory();
+            goto done;
+        }
+        pack_ranges(head, rid, kind == K_COPYV, k, &d, &sv, &nb, w);
+    } else {
+        w[0] = head;
+        w[1] = rid;
+    }
+    if (fence) {
+        w[0] |= (uint64_t)TDP_FLAG_AFTER << 16;
+        w[7] = fence;
+    }
     /* Noted first (what can fail, fails before anything is published), then published. */
-    PyObject *id = PyLong_FromUnsignedLongLong(rid), *p = NULL, *entry = NULL;
-    if (!id)
-        return NULL;
-    p = new_pending(self, id);
-    if (!p || PyDict_SetItem(self->pending, id, p) < 0)
-        goto fail;
-    entry = PyTuple_New(3);
-    if (!entry)
+    if (!(id = PyLong_FromUnsignedLongLong(rid)) || !(p = new_pending(self, id)) || PyDict_SetItem(self->pending, id, p) < 0)
+        goto done;
+    answers = kind == K_CHECKSUMV ? PyObject_CallNoArgs(self->sums)
+              : summed            ? PyObject_CallOneArg(self->sums, Py_True)
+                                  : Py_NewRef(kind == K_CHECKSUM ? Py_True : Py_False);
+    if (!answers || !(entry = Py_BuildValue("(OOn)", p, answers, k)) || PyDict_SetItem(self->outstanding, id, entry) < 0)
         goto unnote;
-    PyTuple_SET_ITEM(entry, 0, Py_NewRef(p));
-    PyTuple_SET_ITEM(entry, 1, Py_NewRef(kind == K_CHECKSUM ? Py_True : Py_False));
-    PyTuple_SET_ITEM(entry, 2, PyLong_FromLong(1));
-    if (PyDict_SetItem(self->outstanding, id, entry) < 0)
-        goto unnote;
-    int64_t published = trq_push_from(&q->q, w, 1, 0);
-    if (published != 1) {
-        PyDict_DelItem(self->outstanding, id);
+    int64_t published = trq_push_from(&q->q, w, (uint64_t)k, 0);
+    if (published != k) {
+        if (published > 0) { /* part of a chain out: nothing to take back */
+            pushed_out(self, published, fence);
+            self->next_id = rid + 1;
+            PyErr_SetString(CorruptError ? CorruptError : PyExc_RuntimeError,
+                            "ring corrupted: the daemon took fewer descriptors than its free slots");
+            goto done;
+        }
+        if (PyDict_DelItem(self->outstanding, id) < 0)
+            PyErr_Clear();
         if (published < 0) {
             corrupt(q);
             goto unnote;
         }
         /* Full within the credits: the daemon broke the ring. The general path says so. */
-        PyDict_DelItem(self->pending, id);
-        Py_DECREF(entry);
-        Py_DECREF(p);
-        Py_DECREF(id);
-        Py_RETURN_NONE;
+        if (PyDict_DelItem(self->pending, id) < 0)
+            PyErr_Clear();
+        goto decline;
     }
     ring_peer(q);
     self->next_id = rid + 1;
-    pushed_out(self, 1, fence);
-    Py_DECREF(entry);
-    Py_DECREF(id);
+    pushed_out(self, k, fence);
     if (self->kick && self->kick != Py_None) {
         PyObject *r = PyObject_CallNoArgs(self->kick);
-        if (!r) {
-            Py_DECREF(p);
-            return NULL;
-        }
+        if (!r)
+            goto done;
         Py_DECREF(r);
     }
-    return p;
+    out = Py_NewRef(p);
+    goto done;
 unnote:
     {
         PyObject *t, *v, *tb;
@@ -503,11 +548,23 @@ unnote:
             PyErr_Clear();
         PyErr_Restore(t, v, tb);
     }
-fail:
+    goto done;
+decline:
+    out = Py_NewRef(Py_None);
+done:
+    if (w != one)
+        PyMem_Free(w);
+    if (d.is_buf)
+        PyBuffer_Release(&d.b);
+    if (sv.is_buf)
+        PyBuffer_Release(&sv.b);
+    if (nb.is_buf)
+        PyBuffer_Release(&nb.b);
     Py_XDECREF(entry);
+    Py_XDECREF(answers);
     Py_XDECREF(p);
-    Py_DECREF(id);
-    return NULL;
+    Py_XDECREF(id);
+    return out;
 }
 
 static PyObject *Submission_submit(SubmissionObject *self, PyObject *const *a, Py_ssize_t na)
@@ -563,7 +620,7 @@ static PyObject *Submission_guard(SubmissionObject *self, PyObject *lock)
 static PyMethodDef Submission_methods[] = {
     {"guard", (PyCFunction)Submission_guard, METH_O, "guard(lock): submit holds the client's lock while it works"},
     {"attach", (PyCFunction)Submission_attach, METH_VARARGS,
-     "attach(outbox, push_requests, outstanding, credits, after, kinds, sums): the ring is open"},
+     "attach(outbox, push_requests, outstanding, credits, chain, after, kinds, sums): the ring is open"},
     {"detach", (PyCFunction)Submission_detach, METH_NOARGS, "detach(): the ring is closed"},
     {"watch", (PyCFunction)Submission_watch, METH_VARARGS,
      "watch(buffers, shift, holds): what submit must leave to the general path"},

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from transfer import errors as E
 from transfer import protocol as P
-from transfer._ring import Ring
+from transfer._ring import MAX_CHAIN, Ring
 from transfer.client._pending import AwaitablePending, Pending
 from transfer.client._ringlink import RingLink
 from transfer.client._session import Session
@@ -41,7 +41,11 @@ _op = st.one_of(
     st.tuples(st.just("fill"), _good, _good, st.integers(0, 255), st.integers(0, 3)),
     st.tuples(st.just("fill"), _odd, _odd, _odd, _odd),
     st.tuples(st.just("checksum"), _odd, _odd, _odd),
-    st.tuples(st.just("deferred"), st.integers(0, 2)),  # a copy touching the n-th deferred buffer
+    # copy_many and checksum_many: ranges (dst, src, nbytes), a stream, verified or not
+    st.tuples(st.just("copy_many"), st.lists(st.tuples(_good, _good, _good), max_size=6), st.integers(0, 3), st.booleans(),
+              st.booleans()),
+    st.tuples(st.just("checksum_many"), st.lists(st.tuples(_good, _good), min_size=1, max_size=6), st.sampled_from([0, 2**32])),
+    st.tuples(st.sampled_from(["deferred", "deferred_many"]), st.integers(0, 2)),  # a copy (copy_many) touching a deferred buffer
     st.tuples(st.sampled_from(["alloc", "free", "socket", "answer", "open", "close", "fence", "break"])),
     st.tuples(st.just("serve"), st.integers(1, 8)),
 )
@@ -73,6 +77,11 @@ def _client(native: bool, ring: Ring, after: bool) -> Client:
     return c
 
 
+def _answers(a: Any) -> Any:
+    """An outstanding entry's answers, comparable across runs (a gathered answer by its state)."""
+    return a if type(a) is bool else ("sums", a.chain, list(a.values), a.status)
+
+
 def _run(native: bool, ops: list[tuple[Any, ...]], after: bool, capacity: int) -> list[Any]:
     """What each op did, and the state after it."""
     out: list[Any] = []
@@ -101,7 +110,7 @@ def _run(native: bool, ops: list[tuple[Any, ...]], after: bool, capacity: int) -
                 try:
                     if kind == "serve":
                         got: Any = serve(a[0])
-                    elif link.room == 0 and kind in ("copy", "fill", "checksum", "deferred", "fence"):
+                    elif link.room < 8 and kind in ("copy", "fill", "checksum", "deferred", "deferred_many", "fence", "copy_many", "checksum_many"):
                         got = ("full", serve(capacity))  # (the general path would wait for credits)
                     else:
                         got = None
@@ -111,9 +120,19 @@ def _run(native: bool, ops: list[tuple[Any, ...]], after: bool, capacity: int) -
                         got = c.fill(*a[:3], stream=a[3])
                     elif kind == "checksum":
                         got = c.checksum(*a[:2], stream=a[2])
+                    elif kind == "copy_many":  # (strided arrays too: every other element of a longer one)
+                        ranges, stream, verified, strided = a
+                        cols = [np.array([r[i] for r in ranges for _ in range(1 + strided)], np.uint64)[::1 + strided] for i in range(3)]
+                        got = c.copy_many(*cols, stream=stream, checksum=verified)
+                    elif kind == "checksum_many":
+                        ranges, stream = a
+                        got = c.checksum_many([r[0] for r in ranges], [r[1] for r in ranges], stream=stream)
                     elif kind == "deferred" and bufs:
                         b = bufs[a[0] % len(bufs)]
                         got = c.copy(b.va, b.va + 64, 64)
+                    elif kind == "deferred_many" and bufs:
+                        b = bufs[a[0] % len(bufs)]
+                        got = c.copy_many([7 << 40, b.va], [7 << 40, b.va + 64], [8, 64])
                     elif kind == "alloc":
                         b = core.deferred.alloc(4096, -1, "test")  # type: ignore[union-attr]
                         bufs.append(b)
@@ -145,7 +164,7 @@ def _run(native: bool, ops: list[tuple[Any, ...]], after: bool, capacity: int) -
                         got = (type(got).__name__, got.id, got._done)
                 except (E.TransferError, TypeError, ValueError) as exc:
                     got = (type(exc).__name__, str(exc))
-                out.append((op, got, sorted(core.pending), {k: v[1:] for k, v in link.outstanding.items()},
+                out.append((op, got, sorted(core.pending), {k: (_answers(v[1]), v[2]) for k, v in link.outstanding.items()},
                             core.sub.next_id, core.sub.frames, core.sub.fenced, core.sub.pushed, core.sub.in_flight,
                             core.sub.batching, core.sub.broken, list(c._sock.frames), list(waited)))
             while batches:
@@ -158,6 +177,7 @@ def _run(native: bool, ops: list[tuple[Any, ...]], after: bool, capacity: int) -
 
 
 @example([("socket",), ("copy", 1, 2, 3, 0), ("copy", 4, 5, 6, 0), ("socket",), ("fill", 1, 2, 3, 0)], True, 64)  # fences
+@example([("alloc",), ("deferred_many", 0), ("deferred", 0)], False, 64)  # definitions go first
 @settings(max_examples=150, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink])
 @given(st.lists(_op, max_size=30), st.booleans(), st.sampled_from([2, 4, 64]))
 def test_native_submit_is_the_general_path(ops: list[tuple[Any, ...]], after: bool, capacity: int) -> None:
@@ -218,6 +238,32 @@ def test_native_submit_takes_a_plain_copy_and_declines_the_rest() -> None:
             c._submit(P.Stats)  # a socket request pending, and a daemon that cannot order after it
             assert core.submit(P.Copy, (7 << 40, 7 << 40, 8, 0)) is None
             assert core.sub.next_id == 4 and core.sub.in_flight == 2  # (the Stats took id 3)
+            # Vectors: taken when each operand is a 1-D uint64 array of one length, within the
+            # chain and the credits left (here 8 - 2), and no deferred buffer awaits its definition.
+            u = np.arange(3, dtype=np.uint64) + np.uint64(7 << 40)
+            core.deferred.buffers.clear()  # type: ignore[union-attr]
+            for cls, args in [(P.CopyV, (u, u, u[:2], 0)), (P.CopyV, (u, u, u.astype(np.int64), 0)), (P.CopyV, (u, 1, u, 0)),
+                              (P.CopyV, (u, u, u, 0, 1)), (P.CopyV, (u[:0], u[:0], u[:0], 0)), (P.ChecksumV, (u, u, 2**32)),
+                              (P.CopyV, (*[np.arange(7, dtype=np.uint64)] * 3, 0))]:
+                assert core.submit(cls, args) is None, (cls, args)
+            core.pending.pop(3)  # (the Stats: answered)
+            v = core.submit(P.CopyV, (u, u, u, 0, True))
+            assert v is not None and core.ring.outstanding[v.id][2] == 3 and core.sub.in_flight == 5  # type: ignore[union-attr]
+            descs = srv.pop_many(16)
+            assert (descs["flags"][-3:] & 0x5).tolist() == [5, 5, 4]  # (FLAG_CHAIN | FLAG_SUM; the last FLAG_SUM)
+            # The longest copy_many a ring carries is the daemon's chain (MAX_CHAIN), below its credits on a large ring.
+            srv2 = Ring.create(Path(d) / "big", 8192, 8192, impl="native")
+            cli2 = Ring.attach(Path(d) / "big", impl="native")
+            try:
+                c2 = _client(True, cli2, after=False)
+                longest = c2._core.ring.max_chain  # type: ignore[union-attr]
+                assert longest == MAX_CHAIN < 8192
+                big = np.arange(longest + 1, dtype=np.uint64)
+                assert c2._core.submit(P.CopyV, (big, big, big, 0)) is None
+                assert c2._core.submit(P.CopyV, (big[:-1], big[:-1], big[:-1], 0)) is not None
+            finally:
+                cli2.close()
+                srv2.close()
             for cls in (Pending, AwaitablePending):
                 assert PySubmission({}, cls, print).templated is False and Submission({}, cls, print).templated
         finally:

@@ -232,7 +232,7 @@ class RingLink:
         #: descriptors after socket frames (`FLAG_AFTER`; else the ring is taken only while
         #: nothing sent on the socket is pending) goes there too.
         sub.attach(self._outbox, getattr(self._outbox, "push_requests", functools.partial(_py_push_requests, self._outbox)),
-                   self.outstanding, credits, info.get("after") is True, _KINDS, _Sums)
+                   self.outstanding, credits, self.max_chain, info.get("after") is True, _KINDS, _Sums)
         #: Pop the completions and finish the lone successes in one native call.
         self._pop_finished: Callable[..., tuple[int, int, list[Any]]] = getattr(
             self._inbox, "pop_finished", functools.partial(_py_pop_finished, self._inbox))

@@ -339,11 +339,10 @@ class Session:
         n = nbytes if type(nbytes) is np.ndarray and nbytes.dtype is _U64 else np.asarray(nbytes, _U64)
         if not (d.ndim == s.ndim == n.ndim == 1 and len(d) == len(s) == len(n)):
             raise ValueError("copy_many needs three 1-D sequences of equal length")
-        if checksum:
-            if not len(n):
-                raise ValueError("copy_many(checksum=True) needs at least one range")
-            return self._submit(P.CopyV, d, s, n, stream, True)
-        return self._submit(P.CopyV, d, s, n, stream)
+        if checksum and not len(n):
+            raise ValueError("copy_many(checksum=True) needs at least one range")
+        args = (d, s, n, stream, True) if checksum else (d, s, n, stream)
+        return self._core.submit(P.CopyV, args) or self._submit(P.CopyV, *args)  # (one native call, most groups)
 
     def fill(self, dst: Addressable, nbytes: int, value: int = 0, *, stream: int = 0) -> Any:
         """Set `nbytes` at `dst` to the byte `value`."""
@@ -366,7 +365,8 @@ class Session:
             raise ValueError("checksum_many needs two 1-D sequences of equal length")
         if not len(s):
             raise ValueError("checksum_many needs at least one range")
-        return self._submit(P.ChecksumV, s, n, stream)
+        args = (s, n, stream)
+        return self._core.submit(P.ChecksumV, args) or self._submit(P.ChecksumV, *args)
 
     def compute(
         self,

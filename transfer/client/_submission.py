@@ -8,10 +8,11 @@ publishes within the credits and counts what went out: each rule once.
 
 `Submission` is the native extension's (native/submission.h) when it is built, else
 `PySubmission`, its pure-Python twin here. The native one's `submit` makes, routes and
-pushes one plain request (a copy, fill or checksum) in one call, with those same two
-rules, whenever nothing else is due; the twin's declines every request, and the client's
-general path (`ClientCore.prepare`, then `_send`) does the same work through `route` and
-`push`. A property test holds the two to the same descriptors, ids and counts.
+pushes one data request (a copy, fill, checksum, copy_many or checksum_many) in one call,
+with those same two rules, whenever nothing else is due; the twin's declines every
+request, and the client's general path (`ClientCore.prepare`, then `_send`) does the same
+work through `route` and `push`. A property test (tests/test_submission.py) holds the two
+to the same ids, errors, descriptors, frames, tables and counts.
 """
 
 from __future__ import annotations
@@ -49,10 +50,11 @@ class PySubmission:
         self.after = self.batching = self.broken = False
 
     def attach(self, outbox: Any, push: Callable[..., tuple[int, int, int]], outstanding: dict[int, Any], credits: int,
-               after: bool, kinds: dict[type, int], sums: Any) -> None:
-        """The ring is open: its queue, push_requests, outstanding table and credits."""
-        if credits < 1:
-            raise ValueError("attach: credits must be at least 1")
+               chain: int, after: bool, kinds: dict[type, int], sums: Any) -> None:
+        """The ring is open: its queue, push_requests, outstanding table, credits and the
+        longest copy_many it carries (`chain`: the native submit's bound)."""
+        if credits < 1 or not 1 <= chain <= credits:
+            raise ValueError("attach: credits must be at least 1, and chain within 1..credits")
         self._outbox, self._push, self._outstanding = outbox, push, outstanding
         self._kinds, self._sums = kinds, sums
         self.credits, self.after = credits, bool(after)
