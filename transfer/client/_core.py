@@ -49,7 +49,7 @@ class ClientCore:
         self.pending: dict[int, Pending] = {}
         #: Ids, credits, the routing rule and the push (`_submission`), shared with the ring link.
         self.sub: PySubmission = Submission(self.pending, pending_cls, waiter)  # (the native one, when built)
-        #: One plain request made, routed and pushed in one call, or None when the general
+        #: One data request made, routed and pushed in one call, or None when the general
         #: path (`prepare`, then the client's `_send`) must take it.
         self.submit: Callable[[type[P.Request], tuple[Any, ...]], Pending | None] = self.sub.submit
         #: Containers `submit` waits to be empty (an event loop's held requests).
