@@ -1406,6 +1406,46 @@ static Py_ssize_t descriptors_for(PyObject *r, int kind)
     return k;
 }
 
+/* A descriptor's first word: its op, its stream, and FLAG_SUM on a verified copy_many's pieces. */
+static inline uint64_t desc_head(int kind, uint64_t stream, int summed)
+{
+    return (uint64_t)kind_op[kind] | stream << 32 | (summed ? (uint64_t)TDP_FLAG_SUM << 16 : 0);
+}
+
+/* One descriptor into w: the words of REQUEST_DTYPE (op and flags, id, dst, src, nbytes, arg0). */
+static inline void pack_one(uint64_t head, uint64_t rid, uint64_t dst, uint64_t src, uint64_t nbytes, uint64_t arg0,
+                            uint64_t *w)
+{
+    w[0] = head;
+    w[1] = rid;
+    w[2] = dst;
+    w[3] = src;
+    w[4] = nbytes;
+    w[5] = arg0;
+    w[6] = w[7] = 0;
+}
+
+/* The fence on a push's first descriptor: FLAG_AFTER, and the frame count in arg2. */
+static inline void put_fence(uint64_t *w, uint64_t fence)
+{
+    w[0] |= (uint64_t)TDP_FLAG_AFTER << 16;
+    w[7] = fence;
+}
+
+/* outstanding[id] = (p, what it answers, its k descriptors): a new sums() for a
+ * checksum_many, sums(True) for a verified copy_many, True for a checksum, else False. */
+static int note_outstanding(PyObject *outstanding, PyObject *sums, PyObject *id, PyObject *p, int kind, int summed,
+                            Py_ssize_t k)
+{
+    PyObject *answers = kind == K_CHECKSUMV ? PyObject_CallNoArgs(sums)
+                        : summed            ? PyObject_CallOneArg(sums, Py_True)
+                                            : Py_NewRef(kind == K_CHECKSUM ? Py_True : Py_False);
+    PyObject *entry = answers ? Py_BuildValue("(ONn)", p, answers, k) : NULL;
+    int rc = entry ? PyDict_SetItem(outstanding, id, entry) : -1;
+    Py_XDECREF(entry);
+    return rc;
+}
+
 /* A vector request's k descriptors into w, one per range: `chain` sets FLAG_CHAIN on all
  * but the last (a copy_many's pieces, done as one). */
 static void pack_ranges(uint64_t head, uint64_t rid, int chain, Py_ssize_t k, const vec_arg_t *d, const vec_arg_t *sv,
@@ -1428,7 +1468,7 @@ static int pack_request(PyObject *r, int kind, Py_ssize_t k, int summed, uint64_
     uint64_t rid, stream, dst = 0, src = 0, nbytes = 0, arg0 = 0;
     if (attr_u64(r, s_id, UINT64_MAX, &rid) < 0 || attr_u64(r, s_stream, UINT32_MAX, &stream) < 0)
         return -1;
-    uint64_t head = (uint64_t)kind_op[kind] | stream << 32 | (summed ? (uint64_t)TDP_FLAG_SUM << 16 : 0);
+    uint64_t head = desc_head(kind, stream, summed);
     if (kind == K_COPYV || kind == K_CHECKSUMV) {
         PyObject *nbo = PyObject_GetAttr(r, s_nbytes), *so = PyObject_GetAttr(r, s_src);
         PyObject *dso = kind == K_COPYV ? PyObject_GetAttr(r, s_dst) : PyLong_FromLong(0);
@@ -1471,13 +1511,7 @@ static int pack_request(PyObject *r, int kind, Py_ssize_t k, int summed, uint64_
     }
     if (bad)
         return -1;
-    w[0] = head;
-    w[1] = rid;
-    w[2] = dst;
-    w[3] = src;
-    w[4] = nbytes;
-    w[5] = arg0;
-    w[6] = w[7] = 0;
+    pack_one(head, rid, dst, src, nbytes, arg0, w);
     return 0;
 }
 
@@ -1557,10 +1591,8 @@ static PyObject *Queue_push_requests(QueueObject *self, PyObject *const *a, Py_s
             goto done;
         w += k * DESC_WORDS;
     }
-    if (after && used) {
-        buf[0] |= (uint64_t)TDP_FLAG_AFTER << 16;
-        buf[7] = after;
-    }
+    if (after && used)
+        put_fence(buf, after);
     int64_t published = used ? trq_push_from(&self->q, buf, (uint64_t)used, 0) : 0;
     if (published < 0) {
         corrupt(self);
@@ -1583,12 +1615,7 @@ static PyObject *Queue_push_requests(QueueObject *self, PyObject *const *a, Py_s
             Py_DECREF(rid);
             goto done;
         }
-        PyObject *answers = kind == K_CHECKSUMV ? PyObject_CallNoArgs(sums)
-                            : info[i - start].summed ? PyObject_CallOneArg(sums, Py_True)
-                                                     : Py_NewRef(kind == K_CHECKSUM ? Py_True : Py_False);
-        PyObject *entry = answers ? Py_BuildValue("(ONn)", p, answers, info[i - start].k) : NULL;
-        int rc = entry ? PyDict_SetItem(outstanding, rid, entry) : -1;
-        Py_XDECREF(entry);
+        int rc = note_outstanding(outstanding, sums, rid, p, kind, info[i - start].summed, info[i - start].k);
         Py_DECREF(rid);
         if (rc < 0)
             goto done;

@@ -423,24 +423,23 @@ static PyObject *submit_locked(SubmissionObject *self, PyObject *const *a)
     long kind = PyLong_AsLong(ko);
     PyObject *args = a[1];
     Py_ssize_t nargs = PyTuple_GET_SIZE(args), k = 1;
-    uint64_t one[DESC_WORDS] = {0}, *w = one, stream = 0;
+    uint64_t one[DESC_WORDS], *w = one, stream = 0, dst = 0, src = 0, nbytes = 0, arg0 = 0;
     vec_arg_t d = {0}, sv = {0}, nb = {0};
     int ok, summed = 0, vector = kind == K_COPYV || kind == K_CHECKSUMV;
-    /* The fields, as pack_request lays them out: op, stream; dst, src, nbytes, arg0. */
     switch (kind) {
     case K_COPY: /* dst, src, nbytes, stream */
-        ok = nargs == 4 && plain_u64(PyTuple_GET_ITEM(args, 0), UINT64_MAX, &w[2]) &&
-             plain_u64(PyTuple_GET_ITEM(args, 1), UINT64_MAX, &w[3]) && plain_u64(PyTuple_GET_ITEM(args, 2), UINT64_MAX, &w[4]) &&
+        ok = nargs == 4 && plain_u64(PyTuple_GET_ITEM(args, 0), UINT64_MAX, &dst) &&
+             plain_u64(PyTuple_GET_ITEM(args, 1), UINT64_MAX, &src) && plain_u64(PyTuple_GET_ITEM(args, 2), UINT64_MAX, &nbytes) &&
              plain_u64(PyTuple_GET_ITEM(args, 3), UINT32_MAX, &stream);
         break;
     case K_FILL: /* dst, nbytes, value, stream */
-        ok = nargs == 4 && plain_u64(PyTuple_GET_ITEM(args, 0), UINT64_MAX, &w[2]) &&
-             plain_u64(PyTuple_GET_ITEM(args, 1), UINT64_MAX, &w[4]) && plain_u64(PyTuple_GET_ITEM(args, 2), 255, &w[5]) &&
+        ok = nargs == 4 && plain_u64(PyTuple_GET_ITEM(args, 0), UINT64_MAX, &dst) &&
+             plain_u64(PyTuple_GET_ITEM(args, 1), UINT64_MAX, &nbytes) && plain_u64(PyTuple_GET_ITEM(args, 2), 255, &arg0) &&
              plain_u64(PyTuple_GET_ITEM(args, 3), UINT32_MAX, &stream);
         break;
     case K_CHECKSUM: /* src, nbytes, stream */
-        ok = nargs == 3 && plain_u64(PyTuple_GET_ITEM(args, 0), UINT64_MAX, &w[3]) &&
-             plain_u64(PyTuple_GET_ITEM(args, 1), UINT64_MAX, &w[4]) && plain_u64(PyTuple_GET_ITEM(args, 2), UINT32_MAX, &stream);
+        ok = nargs == 3 && plain_u64(PyTuple_GET_ITEM(args, 0), UINT64_MAX, &src) &&
+             plain_u64(PyTuple_GET_ITEM(args, 1), UINT64_MAX, &nbytes) && plain_u64(PyTuple_GET_ITEM(args, 2), UINT32_MAX, &stream);
         break;
     case K_COPYV: /* dst[], src[], nbytes[], stream, sums (a bool, or left out) */
         k = -1;
@@ -459,7 +458,7 @@ static PyObject *submit_locked(SubmissionObject *self, PyObject *const *a)
     default:
         ok = 0;
     }
-    PyObject *out = NULL, *id = NULL, *p = NULL, *answers = NULL, *entry = NULL;
+    PyObject *out = NULL, *id = NULL, *p = NULL;
     if (!ok || k > self->credits - self->in_flight)
         goto decline;
     if (self->buffers && PyDict_GET_SIZE(self->buffers)) {
@@ -467,9 +466,9 @@ static PyObject *submit_locked(SubmissionObject *self, PyObject *const *a)
             goto decline; /* (its definitions go first: the general path finds which) */
         int u = 0;
         if (kind != K_CHECKSUM)
-            u = undefined_at(self, w[2]);
+            u = undefined_at(self, dst);
         if (u == 0 && kind != K_FILL)
-            u = undefined_at(self, w[3]);
+            u = undefined_at(self, src);
         if (u < 0)
             goto done;
         if (u)
@@ -485,7 +484,7 @@ static PyObject *submit_locked(SubmissionObject *self, PyObject *const *a)
     }
     unsigned long long fence = (unsigned long long)route > self->fenced ? (unsigned long long)route : 0;
     uint64_t rid = self->next_id;
-    uint64_t head = (uint64_t)kind_op[kind] | stream << 32 | (summed ? (uint64_t)TDP_FLAG_SUM << 16 : 0);
+    uint64_t head = desc_head(kind, stream, summed);
     if (vector) {
         if (k > 1 && !(w = PyMem_Malloc((size_t)k * DESC_WORDS * 8))) {
             w = one;
@@ -494,20 +493,14 @@ static PyObject *submit_locked(SubmissionObject *self, PyObject *const *a)
         }
         pack_ranges(head, rid, kind == K_COPYV, k, &d, &sv, &nb, w);
     } else {
-        w[0] = head;
-        w[1] = rid;
+        pack_one(head, rid, dst, src, nbytes, arg0, w);
     }
-    if (fence) {
-        w[0] |= (uint64_t)TDP_FLAG_AFTER << 16;
-        w[7] = fence;
-    }
+    if (fence)
+        put_fence(w, fence);
     /* Noted first (what can fail, fails before anything is published), then published. */
     if (!(id = PyLong_FromUnsignedLongLong(rid)) || !(p = new_pending(self, id)) || PyDict_SetItem(self->pending, id, p) < 0)
         goto done;
-    answers = kind == K_CHECKSUMV ? PyObject_CallNoArgs(self->sums)
-              : summed            ? PyObject_CallOneArg(self->sums, Py_True)
-                                  : Py_NewRef(kind == K_CHECKSUM ? Py_True : Py_False);
-    if (!answers || !(entry = Py_BuildValue("(OOn)", p, answers, k)) || PyDict_SetItem(self->outstanding, id, entry) < 0)
+    if (note_outstanding(self->outstanding, self->sums, id, p, kind, summed, k) < 0)
         goto unnote;
     int64_t published = trq_push_from(&q->q, w, (uint64_t)k, 0);
     if (published != k) {
@@ -560,8 +553,6 @@ done:
         PyBuffer_Release(&sv.b);
     if (nb.is_buf)
         PyBuffer_Release(&nb.b);
-    Py_XDECREF(entry);
-    Py_XDECREF(answers);
     Py_XDECREF(p);
     Py_XDECREF(id);
     return out;

@@ -761,7 +761,7 @@ def test_fitting_is_the_longest_prefix_that_takes_the_ring_within_its_room(
         reqs.insert(chain % (len(reqs) + 1), P.Ping(99))
     link = RingLink.__new__(RingLink)  # (only its credits and limits: no ring needed)
     link.sub = PySubmission({}, Pending, lambda *a: None)
-    link.credits, link.in_flight, link.graphs = room + in_flight, in_flight, graphs
+    link.sub.credits, link.in_flight, link.graphs = room + in_flight, in_flight, graphs
     link.longest = {P.CopyV: chain, P.ChecksumV: room + in_flight}
     used, want = 0, 0
     for r in reqs:

@@ -279,11 +279,9 @@ class RingLink:
         """Descriptors that may still be pushed before some complete."""
         return self.sub.credits - self.sub.in_flight
 
-    # (The counts, kept in the submission state; read here by tests, the bench and `room`.)
-    credits = property(lambda self: self.sub.credits, lambda self, v: setattr(self.sub, "credits", v))
+    # (Counts kept in the submission state, read here by tests and the bench.)
     in_flight = property(lambda self: self.sub.in_flight, lambda self, v: setattr(self.sub, "in_flight", v))
     pushed = property(lambda self: self.sub.pushed)
-    after = property(lambda self: self.sub.after)
 
     def takes(self, req: P.Request) -> bool:
         """Whether `req` may take this ring (a chain longer than the credits takes the socket)."""
