@@ -213,29 +213,31 @@ class Planner:
 
         return Op(rid, reads, writes, dev, total, run, host_only=all(seg.kind == SegmentKind.HOST for seg in segs.values()))
 
-    def plan_verified(self, owner: Any, rid: int, dst: np.ndarray, src: np.ndarray, size: np.ndarray) -> Op | list[Op]:
+    def plan_verified(self, owner: Any, rid: int, dst: np.ndarray, src: np.ndarray, size: np.ndarray) -> Op:
         """A verified CopyV (`sums`): piece by piece, each followed by the checksum64 of its
         destination, answered as one packed uint64 array (what the native worker sums as it
-        copies). With remote segments, the copies as `plan_copies` posts them, made an
-        internal op (an RDMA post cannot sum what it moves), then an op that sums each piece's
-        end in this daemon: a READ's destination once it has landed, a WRITE's source. That op
-        reads what the copies wrote, so it runs after them, and fails with their error."""
+        copies). With remote segments, the copies as `plan_copies` posts them; an RDMA post
+        cannot sum what it moves, so once the transfer is done the daemon sums each piece's
+        end (`RemoteWork.then`): a READ's destination once it has landed, a WRITE's source.
+        A failed transfer fails the request with its reason, and nothing is summed."""
         if not len(size):
             return Op(rid, [], [], self.devices[0], 0, lambda: b"")
         dsid, doff, ssid, soff, segs, reads, writes = self._translate_copies(owner, dst, src, size)
         rows = _rows(dsid, doff, ssid, soff, size)
         span = self._span
         if any(seg.kind == SegmentKind.REMOTE for seg in segs.values()):
-            copy = plan_remote_rows(self, owner, 0, rows, segs, reads, writes)  # (the rows, made once)
+            copy = plan_remote_rows(self, owner, rid, rows, segs, reads, writes)  # (the rows, made once)
             ends = [(d, do, n) if segs[d].kind != SegmentKind.REMOTE else (s_, so, n) for d, do, s_, so, n in rows]
-            dev = copy.device
+            checksum = copy.device.backend.checksum
 
             def sums() -> bytes:
-                if copy.error is not None:
-                    raise copy.error  # the bytes never arrived: the request fails with the reason
-                return np.fromiter((dev.backend.checksum(span(segs[s], o, n)) for s, o, n in ends), "<u8", len(ends)).tobytes()
+                return b"".join([checksum(span(segs[s], o, n)).to_bytes(8, "little") for s, o, n in ends])
 
-            return [copy, Op(rid, [*copy.writes, *((s, o, o + n) for s, o, n in ends)], [], dev, copy.nbytes, sums, work=len(ends) << 12)]
+            if copy.remote is None:  # nothing to move (every piece empty): the sums of nothing
+                copy.run = sums
+            else:
+                copy.remote.then = sums  # once the transfer is done (`_waves._landed`)
+            return copy
         total = int(size.sum(dtype=np.uint64))
         dev = self._device_of(segs.values(), total)
         pieces = [(span(segs[d], o, n), span(segs[s_], so, n), self._copy_backend(segs[d], segs[s_], dev)) for d, o, s_, so, n in rows]

@@ -28,7 +28,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -59,8 +59,13 @@ class RemoteWork:
     plane: "RemotePlane"
     peer: str
     op: str  # "READ" (remote -> local) or "WRITE" (local -> remote)
-    local: np.ndarray  # (N, 2) uint64: (address, nbytes) in the daemon's memory
-    remote: np.ndarray  # (N, 2) uint64: (address, nbytes) in the peer's memory
+    #: NIXL's descriptor rows, as the post takes them: (N, 3) uint64 (address, nbytes, 0).
+    local: np.ndarray  # in the daemon's memory
+    remote: np.ndarray  # in the peer's memory
+    nbytes: int  # the rows' total
+    #: What the op answers, computed once its transfer is done (a verified copy's sums of
+    #: what landed); None: it answers nothing (a plain copy).
+    then: Callable[[], Any] | None = None
 
 
 @dataclass
@@ -243,14 +248,14 @@ class RemotePlane:
                     log.warning("deregistering segment %d: %s", seg.id, exc)
 
     # --- transfers -------------------------------------------------------------------------------
-    def post(self, peer: str, op: str, local: np.ndarray, remote: np.ndarray) -> None:
+    def post(self, peer: str, op: str, local: np.ndarray, remote: np.ndarray, nbytes: int) -> None:
         """ONE NIXL transfer for the whole list; blocks until done (call on a worker thread)."""
-        xfer = self.start(peer, op, local, remote)
+        xfer = self.start(peer, op, local, remote, nbytes)
         self.finish(xfer, wait=True)
 
-    def start(self, peer: str, op: str, local: np.ndarray, remote: np.ndarray) -> Any:
-        """Post ONE transfer for the whole descriptor list; return it (maybe done already:
-        a same-host `cma` transfer copies inside the post)."""
+    def start(self, peer: str, op: str, local: np.ndarray, remote: np.ndarray, nbytes: int) -> Any:
+        """Post ONE transfer for the whole descriptor list (`RemoteWork`'s rows, `nbytes` in
+        all); return it (maybe done already: a same-host `cma` transfer copies inside the post)."""
         ep = self.ep
         if ep is None:
             raise E.BackendError("the NIXL agent is not running")
@@ -264,7 +269,9 @@ class RemotePlane:
         try:
             with self._lock:
                 # Rows the planner built from translated ranges (plan_remote_rows, pull_input): checked.
-                return ep.read(peer, local, remote, checked=True) if op == "READ" else ep.write(peer, local, remote, checked=True)
+                if op == "READ":
+                    return ep.read(peer, local, remote, checked=True, nbytes=nbytes)
+                return ep.write(peer, local, remote, checked=True, nbytes=nbytes)
         except E.NixlError as exc:
             self._failed(p, exc)
             raise
@@ -403,11 +410,11 @@ def plan_remote_rows(
             last[2] += n
         else:
             merged.append([la, ra, n])
-    # One conversion: (local, remote, nbytes) rows, seen as (local, nbytes) and (remote, nbytes).
-    table = np.array(merged, np.uint64)
-    local, far = table[:, 0::2], table[:, 1:]
-    work = RemoteWork(plane, peer, op, local, far)
-    return Op(rid, reads, writes, dev, total, lambda: plane.post(peer, op, local, far), remote=work)
+    # NIXL's descriptor rows, made here once: the post hands them over as they are.
+    local = np.array([(la, n, 0) for la, _, n in merged], np.uint64)
+    far = np.array([(ra, n, 0) for _, ra, n in merged], np.uint64)
+    work = RemoteWork(plane, peer, op, local, far, total)
+    return Op(rid, reads, writes, dev, total, lambda: plane.post(peer, op, local, far, total), remote=work)
 
 
 def pull_input(planner: Any, owner: Any, rseg: Segment[Any], roff: int, nbytes: int) -> tuple[Op, Any, int]:
@@ -422,10 +429,10 @@ def pull_input(planner: Any, owner: Any, rseg: Segment[Any], roff: int, nbytes: 
     arr, staging = plane.staging(nbytes, planner.host_backend)
     reg = staging[0]
     staged = Staged(arr)
-    work = RemoteWork(plane, handle.peer, "READ", np.array([[reg.addr, nbytes]], np.uint64), np.array([[raddr, nbytes]], np.uint64))
+    work = RemoteWork(plane, handle.peer, "READ", np.array([[reg.addr, nbytes, 0]], np.uint64), np.array([[raddr, nbytes, 0]], np.uint64), nbytes)
     pull = Op(
         0, [(rseg.id, roff, roff + nbytes)], [(staged.id, 0, nbytes)], planner.devices[0], nbytes,
-        lambda: plane.post(work.peer, work.op, work.local, work.remote), remote=work,
+        lambda: plane.post(work.peer, work.op, work.local, work.remote, work.nbytes), remote=work,
     )
     pull.info = staging
     return pull, staged, 0

@@ -1,8 +1,10 @@
 """Schedule and execute: ops cut into hazard-free waves, coalesced, run, made visible.
 
-Ops are cut into *waves* in arrival order: an op starts a new wave when it
-conflicts with the current one (read-after-write, write-after-read,
-write-after-write on overlapping ranges). Inside a wave nothing conflicts, so
+Ops are placed in *waves*: each in the wave just after the latest one holding
+an op it conflicts with (read-after-write, write-after-read, write-after-write
+on overlapping ranges), so it runs after every earlier op it conflicts with,
+and ops that conflict with nothing before them share the first wave. Inside a
+wave nothing conflicts, so
 ops may run in any order, on several devices at once, and copies that
 continue one another are merged into one. Waves run one after the other, so
 the bytes end up exactly as one-at-a-time execution in arrival order would
@@ -72,40 +74,58 @@ class _Intervals:
         ends[i:j] = [b]
 
 
+#: How many of the latest waves an op may be placed before (`assign_waves`): bounds the work
+#: per op; an op that conflicts with none of them goes in the earliest of them.
+_LOOKBACK = 8
+
+
 def assign_waves(ops: Sequence[Op]) -> list[list[Op]]:
-    """Cut ops (in arrival order) into consecutive waves with no internal hazard."""
+    """Place ops (in arrival order) in consecutive waves with no internal hazard.
+
+    Each op goes in the wave just after the latest wave holding an op it conflicts with
+    (read-after-write, write-after-read, write-after-write), looking back at most
+    `_LOOKBACK` waves: so every op runs after each earlier op it conflicts with, and
+    nothing in a wave conflicts. Not simply a new wave at each conflict: a group of
+    READs each followed by the sums of what it read is then two waves (the READs, one
+    post; then the sums), not two per group."""
     if len(ops) <= 1:
         return [list(ops)] if ops else []
     waves: list[list[Op]] = []
-    cur: list[Op] = []
-    reads: dict[int, _Intervals] = defaultdict(_Intervals)
-    writes: dict[int, _Intervals] = defaultdict(_Intervals)
+    marks: list[tuple[dict[int, _Intervals], dict[int, _Intervals]]] = []  # per wave: (reads, writes)
     for op in ops:
-        conflict = False
-        for s, a, b in op.reads:
-            w = writes.get(s)
-            if w is not None and w.overlaps(a, b):
-                conflict = True
-                break
-        if not conflict:
-            for s, a, b in op.writes:
-                w, r = writes.get(s), reads.get(s)
-                if (w is not None and w.overlaps(a, b)) or (r is not None and r.overlaps(a, b)):
-                    conflict = True
-                    break
-        if conflict and cur:
-            waves.append(cur)
-            cur = []
-            reads = defaultdict(_Intervals)
-            writes = defaultdict(_Intervals)
-        cur.append(op)
-        for s, a, b in op.reads:
-            reads[s].add(a, b)
-        for s, a, b in op.writes:
-            writes[s].add(a, b)
-    if cur:
-        waves.append(cur)
+        w = len(waves)
+        lowest = w - _LOOKBACK if w > _LOOKBACK else 0
+        while w > lowest and not _conflicts(op, *marks[w - 1]):
+            w -= 1
+        if w == len(waves):
+            waves.append([])
+            marks.append(({}, {}))
+        waves[w].append(op)
+        reads, writes = marks[w]
+        for sid, a, b in op.reads:
+            iv = reads.get(sid)
+            if iv is None:
+                iv = reads[sid] = _Intervals()
+            iv.add(a, b)
+        for sid, a, b in op.writes:
+            iv = writes.get(sid)
+            if iv is None:
+                iv = writes[sid] = _Intervals()
+            iv.add(a, b)
     return waves
+
+
+def _conflicts(op: Op, reads: dict[int, _Intervals], writes: dict[int, _Intervals]) -> bool:
+    """Whether `op` conflicts with a wave that read `reads` and wrote `writes`."""
+    for sid, a, b in op.reads:
+        w = writes.get(sid)
+        if w is not None and w.overlaps(a, b):
+            return True
+    for sid, a, b in op.writes:
+        w, r = writes.get(sid), reads.get(sid)
+        if (w is not None and w.overlaps(a, b)) or (r is not None and r.overlaps(a, b)):
+            return True
+    return False
 
 
 def coalesce(wave: Sequence[Op]) -> list[tuple[list[Op], Callable[[], Any] | None]]:
@@ -232,10 +252,13 @@ def _remote_groups(wave: Sequence[Op]) -> tuple[list[Op], list[list[Op]]]:
     return local, list(groups.values())
 
 
-def _group_ranges(ops: Sequence[Op]) -> tuple[np.ndarray, np.ndarray]:
+def _group_ranges(ops: Sequence[Op]) -> tuple[np.ndarray, np.ndarray, int]:
+    """One post's rows (local, remote) and bytes, for a group of remote ops."""
     if len(ops) == 1:
-        return ops[0].remote.local, ops[0].remote.remote
-    return np.concatenate([o.remote.local for o in ops]), np.concatenate([o.remote.remote for o in ops])
+        w = ops[0].remote
+        return w.local, w.remote, w.nbytes
+    return (np.concatenate([o.remote.local for o in ops]), np.concatenate([o.remote.remote for o in ops]),
+            sum(o.remote.nbytes for o in ops))
 
 
 def _fail_ops(ops: Sequence[Op], exc: BaseException) -> None:
@@ -249,30 +272,45 @@ async def _post_remote_on_loop(ops: Sequence[Op]) -> None:
     """Small groups: post from the loop (a same-host post of <= inline_bytes takes tens of
     microseconds, less than a thread hop), then poll with short sleeps until done."""
     w = ops[0].remote
-    local, remote = _group_ranges(ops)
+    local, remote, nbytes = _group_ranges(ops)
     try:
-        xfer = w.plane.start(w.peer, w.op, local, remote)
-        if w.plane.finish(xfer, wait=False):
-            return  # a same-host (cma) post copies in place: done already, nothing to wait for
-        delay = 20e-6
-        # Shielded: a cancelled session must not free memory a transfer still writes into
-        # (the wait is bounded by the plane's timeout; a dead peer fails it within ms).
-        with trio.CancelScope(shield=True):
-            while not w.plane.finish(xfer, wait=False):
-                await trio.sleep(delay)
-                delay = min(delay * 2, 1e-3)
+        xfer = w.plane.start(w.peer, w.op, local, remote, nbytes)
+        if not w.plane.finish(xfer, wait=False):  # (a same-host cma post copies in place: done)
+            delay = 20e-6
+            # Shielded: a cancelled session must not free memory a transfer still writes into
+            # (the wait is bounded by the plane's timeout; a dead peer fails it within ms).
+            with trio.CancelScope(shield=True):
+                while not w.plane.finish(xfer, wait=False):
+                    await trio.sleep(delay)
+                    delay = min(delay * 2, 1e-3)
     except Exception as exc:  # a NIXL failure fails these requests, not the daemon
         _fail_ops(ops, exc)
+        return
+    _landed(ops)
 
 
 def _post_remote(ops: Sequence[Op]) -> None:
     """Post one group as one transfer and wait (blocking: a worker thread's job)."""
     w = ops[0].remote
-    local, remote = _group_ranges(ops)
+    local, remote, nbytes = _group_ranges(ops)
     try:
-        w.plane.post(w.peer, w.op, local, remote)
+        w.plane.post(w.peer, w.op, local, remote, nbytes)
     except Exception as exc:  # a NIXL failure fails these requests, not the daemon
         _fail_ops(ops, exc)
+        return
+    _landed(ops)
+
+
+def _landed(ops: Sequence[Op]) -> None:
+    """A group's transfer is done: each op's answer that needs its bytes (`RemoteWork.then`:
+    a verified copy's sums), where the post ran, while they are still in cache."""
+    for op in ops:
+        then = op.remote.then
+        if then is not None:
+            try:
+                op.result = then()
+            except Exception as exc:
+                _fail_ops([op], exc)
 
 
 def _loop_posts(group: list[Op], limit: int) -> list[list[Op]]:

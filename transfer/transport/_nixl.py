@@ -677,16 +677,20 @@ class NixlEndpoint:
 
     # -- transfers ------------------------------------------------------------------
     def _dlist(self, ranges: np.ndarray) -> Any:
+        if ranges.shape[1] == 3:  # already NIXL's rows: (address, nbytes, device id)
+            return self._xfer_dlist(self._dram, ranges)
         rows = np.zeros((ranges.shape[0], 3), dtype=np.uint64)
         rows[:, :2] = ranges
         return self._xfer_dlist(self._dram, rows)
 
-    def _post(self, op: str, peer: str, local: RangeList, remote: RangeList, notif: bytes, checked: bool) -> Transfer:
+    def _post(self, op: str, peer: str, local: RangeList, remote: RangeList, notif: bytes, checked: bool,
+              nbytes: int | None = None) -> Transfer:
         self._check_open()
         if peer not in self._peers:
             raise NixlError(f"unknown peer {peer!r}: add_peer() its metadata first")
-        if checked:  # the caller's own (N, 2) uint64 rows: non-empty, lengths equal and > 0
-            loc, rem = np.asarray(local), np.asarray(remote)
+        if checked:  # the caller's own uint64 rows, (N, 2) or NIXL's (N, 3): non-empty, lengths equal and > 0
+            loc, rem = local, remote
+            assert isinstance(loc, np.ndarray) and isinstance(rem, np.ndarray)
         else:
             loc = _as_ranges(local, "local ranges")
             rem = _as_ranges(remote, "remote ranges")
@@ -706,7 +710,9 @@ class NixlEndpoint:
                 f"preparing {op} of {loc.shape[0]} ranges with {peer!r} (a NOT_FOUND here means a range "
                 "is outside our registrations or the peer's metadata)",
             ) from exc
-        xfer = Transfer(self, handle, op, peer, int(loc[:, 1].sum(dtype=np.uint64)), int(loc.shape[0]))
+        if nbytes is None:
+            nbytes = int(loc[:, 1].sum(dtype=np.uint64))
+        xfer = Transfer(self, handle, op, peer, nbytes, int(loc.shape[0]))
         try:
             state = self._agent.transfer(handle)
         except Exception as exc:
@@ -728,7 +734,8 @@ class NixlEndpoint:
         except NixlError:
             log.warning("could not release failed %r", xfer)
 
-    def read(self, peer: str, local: RangeList, remote: RangeList, *, notif: bytes = b"", checked: bool = False) -> Transfer:
+    def read(self, peer: str, local: RangeList, remote: RangeList, *, notif: bytes = b"", checked: bool = False,
+             nbytes: int | None = None) -> Transfer:
         """One-sided READ: copy each ``remote[i]`` of ``peer`` into ``local[i]``.
 
         ``local`` must lie in our registrations, ``remote`` in the peer's (as
@@ -738,14 +745,16 @@ class NixlEndpoint:
         :func:`check_ranges_within` first: NIXL accepts any range inside any
         of the peer's registrations. ``checked``: the caller has validated both
         lists already, as (N, 2) uint64 arrays of equal, non-zero lengths that
-        do not wrap (the daemon's planner, which checked them against its
-        mapping table), so they are not validated again.
+        do not wrap, or as NIXL's own (N, 3) rows (address, nbytes, device id)
+        (the daemon's planner, which checked them against its mapping table),
+        so they are not validated again; ``nbytes``, their total if known.
         """
-        return self._post("READ", peer, local, remote, notif, checked)
+        return self._post("READ", peer, local, remote, notif, checked, nbytes)
 
-    def write(self, peer: str, local: RangeList, remote: RangeList, *, notif: bytes = b"", checked: bool = False) -> Transfer:
-        """One-sided WRITE: copy each ``local[i]`` into ``remote[i]`` of ``peer`` (``checked``: as for read)."""
-        return self._post("WRITE", peer, local, remote, notif, checked)
+    def write(self, peer: str, local: RangeList, remote: RangeList, *, notif: bytes = b"", checked: bool = False,
+              nbytes: int | None = None) -> Transfer:
+        """One-sided WRITE: copy each ``local[i]`` into ``remote[i]`` of ``peer`` (``checked``, ``nbytes``: as for read)."""
+        return self._post("WRITE", peer, local, remote, notif, checked, nbytes)
 
     # -- notifications --------------------------------------------------------------
     def get_notifs(self) -> dict[str, list[bytes]]:
