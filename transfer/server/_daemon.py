@@ -139,7 +139,16 @@ async def serve(
             if secure is not None else None
         )
         # Signal receivers need the main thread; an embedded daemon is stopped by its event instead.
-        receiver = trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) if stop is None else contextlib.nullcontext(None)
+        # Beneath the receiver: a signal after the first (a second SIGTERM during the drain, or
+        # one during the cleanup after it) is logged, not the default death that would leave the
+        # sockets and shared-memory files behind, or exit -15 once they are gone. trio's receiver
+        # restores this handler when it closes and re-delivers what it still held into it.
+        # Ignored once the cleanup is done (the interpreter's exit would restore the default
+        # death): a daemon that stops on signals is its process's main, and exits next.
+        if stop is None:
+            for sig in _STOP_SIGNALS:
+                signal.signal(sig, _late_signal)
+        receiver = trio.open_signal_receiver(*_STOP_SIGNALS) if stop is None else contextlib.nullcontext(None)
         with receiver as signals:
             async with trio.open_nursery() as nursery:
                 server.attach(nursery, _route(pump, secure_pump))
@@ -176,6 +185,18 @@ async def serve(
         ctx.term()
         for p in ipc_paths:
             p.unlink(missing_ok=True)
+        if stop is None:
+            for sig in _STOP_SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)  # stopped: nothing is left for a signal to stop
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _late_signal(signum: int, frame: object) -> None:
+    """A stop signal once the daemon is stopping already: it goes on stopping."""
+    log.warning("signal %d: already shutting down (the drain and cleanup go on; SIGKILL stops the daemon at once, "
+                "leaving its files for the next daemon's sweep)", signum)
 
 
 PLAIN_PREFIX, SECURE_PREFIX = b"\x00", b"\x01"
