@@ -4,7 +4,8 @@ usage: python _remote_producer.py ENDPOINT NBYTES [SERVER_KEY CLIENT_SECRET]
 
 Registers a patterned buffer as a remote segment, prints one JSON line
 ({"va", "checksum", "pid"}), then copies the whole buffer into a daemon
-buffer again and again (a stream of one-sided READs) until killed.
+buffer again and again (a stream of one-sided READs) until killed; verified
+copies (`copy_many(checksum=True)`) when TRANSFER_TEST_VERIFIED is set.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ def main() -> None:
     buf = c.alloc(nbytes)
     c.copy(buf, seg).result()
     print(json.dumps({"va": seg.va, "checksum": c.checksum(buf).result(), "pid": os.getpid()}), flush=True)
+    if os.environ.get("TRANSFER_TEST_VERIFIED"):
+        while True:
+            c.copy_many([buf.va], [seg.va], [nbytes], checksum=True).result()
     while True:
         c.copy(buf, seg).result()
 

@@ -239,12 +239,16 @@ def test_freed_remote_segment_is_dead(client: transfer.Client) -> None:
     client.free(buf)
 
 
-def test_producer_killed_mid_transfer(tcp_daemon: tuple[DaemonProcess, str], client: transfer.Client) -> None:
+@pytest.mark.parametrize("verified", [False, True], ids=["copies", "verified-copies"])
+def test_producer_killed_mid_transfer(tcp_daemon: tuple[DaemonProcess, str], client: transfer.Client, verified: bool) -> None:
+    """A producer killed while the daemon READs from it: its session and NIXL peer go, and
+    the daemon serves on (verified copies too, whose sums wait for the READ)."""
     d, endpoint = tcp_daemon
     base = client.stats()["daemon"]
+    env = {**os.environ, "TRANSFER_TEST_VERIFIED": "1"} if verified else None
     proc = subprocess.Popen(
         [sys.executable, str(HERE / "_remote_producer.py"), endpoint, str(32 << 20)],
-        stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+        stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env,
     )
     try:
         line = proc.stdout.readline()  # type: ignore[union-attr]
