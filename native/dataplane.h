@@ -364,6 +364,7 @@ typedef struct {
     _Atomic int signalled;     /* the bell was rung for Python; it clears this when it looks */
     /* counters (read by Python at any time; relaxed) */
     _Atomic uint64_t n_copy, n_fill, n_checksum, n_fence, n_bytes, n_batches, n_wakes;
+    _Atomic uint64_t n_sleeps;  /* waits for descriptors or completion room that slept on the futex */
     _Atomic uint64_t handovers[TDP_WHY_COUNT];
     _Atomic int why;
     /* Latency from the peek that took a request to the push of its completion. */
@@ -1001,11 +1002,14 @@ static void *tdp_run(void *arg)
         uint64_t cneed = w->cneed ? w->cneed : 1;
         w->cneed = 0;
         int64_t f = trq_free(w->cq);
+        uint64_t slept = trq_sleeps;
         if (f >= 0 && (uint64_t)f < cneed)
             f = trq_wait(w->cq, TRQ_WAIT_SPACE, cneed, TRQ_SLICE_NS, spin, &w->interrupt);
         int64_t a = f > 0 ? trq_wait_armed(w->rq, TRQ_WAIT_DATA, need, TRQ_SLICE_NS, spin,
                                            &w->interrupt, TDP_ARMED)
                           : 0;
+        if (trq_sleeps != slept)
+            atomic_fetch_add_explicit(&w->n_sleeps, trq_sleeps - slept, memory_order_relaxed);
         if (f < 0 || a < 0) {
             atomic_store_explicit(&w->mode, TDP_BROKEN, memory_order_release);
             tdp_signal(w);

@@ -245,6 +245,10 @@ static inline int64_t trq_push_from(trq_t *q, const void *src, uint64_t n, int w
 /* While spinning, sched_yield() at most this often (see trq_wait). */
 #define TRQ_YIELD_NS 5000ull
 
+/* Futex sleeps of this thread's waits, so far: a native worker adds its own to its counters
+ * (each is a wake-up its next submission paid for). */
+static _Thread_local uint64_t trq_sleeps;
+
 /*
  * Wait until the condition holds, the peer closes, *interrupt becomes
  * non-zero (local close from another thread), or timeout_ns passes
@@ -309,6 +313,7 @@ static inline int64_t trq_wait_armed(trq_t *q, int what, uint64_t need, uint64_t
         uint64_t ns = deadline - now;
         if (ns > TRQ_SLICE_NS)
             ns = TRQ_SLICE_NS;
+        trq_sleeps++;
         trq_futex_wait(w, armed, ns);                                      /* C4 */
         /* woken, EAGAIN (word already cleared), EINTR or slice over: re-check */
     }

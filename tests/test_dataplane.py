@@ -454,6 +454,20 @@ def test_idle_workers_sleep(daemon: DaemonProcess) -> None:
         assert used < 0.1, f"an idle daemon with two ring workers used {used:.3f} s of CPU in 2 s"
 
 
+def test_a_worker_that_slept_is_counted(daemon: DaemonProcess) -> None:
+    """`ring_worker_sleeps`: a request after an idle gap longer than the worker's spin woke a
+    sleeping worker, and the counter says so (the metric is its STATS_FAMILIES entry)."""
+    with transfer.connect(daemon.endpoint) as c:
+        s = c.segment(4096)
+        c.copy(s.va + 64, s.va, 64).result()
+        base = c.stats()["daemon"]["ring_worker_sleeps"]
+        for _ in range(3):
+            time.sleep(0.05)  # far past the spin (at most 10 ms)
+            c.copy(s.va + 64, s.va, 64).result()
+        slept = c.stats()["daemon"]["ring_worker_sleeps"] - base
+        assert slept >= 3, slept
+
+
 def test_ring_only_traffic_keeps_a_session_alive(daemon: DaemonProcess) -> None:
     """A client that only pushes ring descriptors (no pings) for longer than the session
     timeout is busy, not silent: its worker's progress counts as traffic."""

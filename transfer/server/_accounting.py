@@ -41,6 +41,9 @@ class Accounting:
             "fused_checksums": 0,
             # Of those, large copies a worker shared with the copy helpers (docs/ring.md, "Copy helpers").
             "shared_copies": 0,
+            # Times a worker found its ring idle past its spin and slept: the submission that
+            # woke it paid for the wake-up (tens of microseconds on a VM; docs/ring.md).
+            "ring_worker_sleeps": 0,
         }
 
     def native(self, session: Session, counts: dict[str, int], latency: dict[str, tuple[list[int], float]]) -> None:
@@ -52,6 +55,7 @@ class Accounting:
         c["ring_handovers"] += counts["handovers"]
         c["fused_checksums"] += counts["fused"]
         c["shared_copies"] += counts["shared"]
+        c["ring_worker_sleeps"] += counts["sleeps"]
         c["bytes_moved"] += counts["bytes"]
         session.stats.requests += n
         session.stats.bytes_moved += counts["bytes"]

@@ -37,7 +37,7 @@ log = logging.getLogger("transfer.server")
 
 _native = native_module()
 NATIVE, PYTHON, BROKEN = 0, 1, 2
-_COUNTED = ("copy", "fill", "checksum", "fused", "shared", "fence", "bytes", "handovers")
+_COUNTED = ("copy", "fill", "checksum", "fused", "shared", "fence", "bytes", "handovers", "sleeps")
 
 
 #: The cores this daemon may run on (its workers and, on this host, its clients).
