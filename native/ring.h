@@ -275,6 +275,13 @@ static inline int64_t trq_wait_armed(trq_t *q, int what, uint64_t need, uint64_t
     if (spin_ns > timeout_ns)
         spin_ns = timeout_ns;
     uint64_t spin_until = start + spin_ns, last_yield = start;
+    /* Hand the CPU over once before spinning: where the peer (a daemon's worker, or its
+     * client) is runnable on this CPU, it answers now rather than after TRQ_YIELD_NS of our
+     * spin and then its own. Two spinners sharing a CPU made a 64 B round trip ~18 us instead
+     * of ~1.3 in about one run in ten on a 2-vCPU VM; with this yield, 3.5-5.6 us. Alone on
+     * the CPU it returns at once (~0.3 us), while the peer works on its own. */
+    if (spin_ns)
+        sched_yield();
     for (unsigned i = 1;; i++) {
         TRQ_CHECK();
         if ((i & 63) == 0) {
