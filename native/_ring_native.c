@@ -1278,6 +1278,15 @@ typedef struct {
     int is_buf;
 } vec_arg_t;
 
+/* Let go of what vec_arg took (nothing for a scalar, or one that failed). */
+static inline void vec_release(vec_arg_t *a)
+{
+    if (a->is_buf) {
+        PyBuffer_Release(&a->b);
+        a->is_buf = 0;
+    }
+}
+
 /* A buffer of native-order 64-bit unsigned integers (a uint64 NumPy array: "L" or "Q"). */
 static int u64_format(const Py_buffer *b)
 {
@@ -1308,8 +1317,7 @@ static int vec_arg(PyObject *o, const char *name, Py_ssize_t *k, vec_arg_t *a)
     *k = a->b.shape[0];
     return 0;
 bad:
-    PyBuffer_Release(&a->b);
-    a->is_buf = 0;
+    vec_release(a);
     return -1;
 }
 
@@ -1480,12 +1488,9 @@ static int pack_request(PyObject *r, int kind, Py_ssize_t k, int summed, uint64_
             pack_ranges(head, rid, kind == K_COPYV, k, &d, &sv, &nb, w);
             rc = 0;
         }
-        if (nb.is_buf)
-            PyBuffer_Release(&nb.b);
-        if (d.is_buf)
-            PyBuffer_Release(&d.b);
-        if (sv.is_buf)
-            PyBuffer_Release(&sv.b);
+        vec_release(&nb);
+        vec_release(&d);
+        vec_release(&sv);
         Py_XDECREF(nbo);
         Py_XDECREF(so);
         Py_XDECREF(dso);

@@ -547,12 +547,9 @@ decline:
 done:
     if (w != one)
         PyMem_Free(w);
-    if (d.is_buf)
-        PyBuffer_Release(&d.b);
-    if (sv.is_buf)
-        PyBuffer_Release(&sv.b);
-    if (nb.is_buf)
-        PyBuffer_Release(&nb.b);
+    vec_release(&d);
+    vec_release(&sv);
+    vec_release(&nb);
     Py_XDECREF(p);
     Py_XDECREF(id);
     return out;
