@@ -59,10 +59,10 @@ class RemoteWork:
     plane: "RemotePlane"
     peer: str
     op: str  # "READ" (remote -> local) or "WRITE" (local -> remote)
-    #: NIXL's descriptor rows, as the post takes them: (N, 3) uint64 (address, nbytes, 0).
+    #: NIXL's descriptor rows, as the post takes them: (N, 3) uint64 (address, nbytes, 0);
+    #: they total the op's `nbytes`.
     local: np.ndarray  # in the daemon's memory
     remote: np.ndarray  # in the peer's memory
-    nbytes: int  # the rows' total
     #: What the op answers, computed once its transfer is done (a verified copy's sums of
     #: what landed); None: it answers nothing (a plain copy).
     then: Callable[[], Any] | None = None
@@ -413,7 +413,7 @@ def plan_remote_rows(
     # NIXL's descriptor rows, made here once: the post hands them over as they are.
     local = np.array([(la, n, 0) for la, _, n in merged], np.uint64)
     far = np.array([(ra, n, 0) for _, ra, n in merged], np.uint64)
-    work = RemoteWork(plane, peer, op, local, far, total)
+    work = RemoteWork(plane, peer, op, local, far)
     return Op(rid, reads, writes, dev, total, lambda: plane.post(peer, op, local, far, total), remote=work)
 
 
@@ -429,10 +429,10 @@ def pull_input(planner: Any, owner: Any, rseg: Segment[Any], roff: int, nbytes: 
     arr, staging = plane.staging(nbytes, planner.host_backend)
     reg = staging[0]
     staged = Staged(arr)
-    work = RemoteWork(plane, handle.peer, "READ", np.array([[reg.addr, nbytes, 0]], np.uint64), np.array([[raddr, nbytes, 0]], np.uint64), nbytes)
+    work = RemoteWork(plane, handle.peer, "READ", np.array([[reg.addr, nbytes, 0]], np.uint64), np.array([[raddr, nbytes, 0]], np.uint64))
     pull = Op(
         0, [(rseg.id, roff, roff + nbytes)], [(staged.id, 0, nbytes)], planner.devices[0], nbytes,
-        lambda: plane.post(work.peer, work.op, work.local, work.remote, work.nbytes), remote=work,
+        lambda: plane.post(work.peer, work.op, work.local, work.remote, nbytes), remote=work,
     )
     pull.info = staging
     return pull, staged, 0

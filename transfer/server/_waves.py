@@ -255,10 +255,10 @@ def _remote_groups(wave: Sequence[Op]) -> tuple[list[Op], list[list[Op]]]:
 def _group_ranges(ops: Sequence[Op]) -> tuple[np.ndarray, np.ndarray, int]:
     """One post's rows (local, remote) and bytes, for a group of remote ops."""
     if len(ops) == 1:
-        w = ops[0].remote
-        return w.local, w.remote, w.nbytes
+        op = ops[0]
+        return op.remote.local, op.remote.remote, op.nbytes
     return (np.concatenate([o.remote.local for o in ops]), np.concatenate([o.remote.remote for o in ops]),
-            sum(o.remote.nbytes for o in ops))
+            sum(o.nbytes for o in ops))
 
 
 def _fail_ops(ops: Sequence[Op], exc: BaseException) -> None:
