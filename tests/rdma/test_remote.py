@@ -121,6 +121,48 @@ def test_verified_remote_copies_answer_what_landed(client: transfer.Client) -> N
     client.free(seg)
 
 
+def test_a_repeated_vector_is_checked_against_the_table_each_time(tcp_daemon: tuple[DaemonProcess, str], client: transfer.Client) -> None:
+    """A producer's fixed slots send the same copy vector again and again: the daemon keeps
+    its plan (`RemotePlan`) and checks it against the table each time. So each answer is of
+    the bytes as they are then, and a freed segment, an ended share or another session is
+    refused as a first translation would refuse it."""
+    u = np.uint64
+    arr = np.zeros(1 << 20, np.uint8)
+    seg = client.register_remote(arr)
+    buf = client.alloc(1 << 20)
+    offs, sizes = np.array([0, 4096, 65536], u), np.array([4096, 8192, 100_000], u)
+    vec = (buf.va + offs, seg.va + offs, sizes)
+
+    def want() -> list[int]:
+        return [transfer.checksum64(arr[o:o + n]) for o, n in zip(offs.tolist(), sizes.tolist())]
+
+    for fill in (1, 2, 3):  # the same vector each time, new bytes each time
+        arr[:] = fill
+        assert client.copy_many(*vec, checksum=True).result().tolist() == want()
+    with transfer.connect(tcp_daemon[1], name="rdma-other") as other:  # the same VAs, not its own
+        with pytest.raises(transfer.NotOwner):
+            other.copy_many(*vec, checksum=True).result()
+        shm = other.segment(1 << 20)  # a guest's copies into a segment shared with it ...
+        shared = client.attach(other.share(shm))
+        into_shared = (shared.va + offs, seg.va + offs, sizes)
+        for _ in range(2):
+            assert client.copy_many(*into_shared, checksum=True).result().tolist() == want()
+        assert shm.buffer[:4096].tolist() == [3] * 4096
+        client._call(P.Unregister, shared.va)  # ... until it lets go (the guest's free detaches)
+        with pytest.raises(transfer.NotOwner):
+            client.copy_many(*into_shared, checksum=True).result()
+        other.free(shm)
+    client.free(seg)  # the remote segment goes: the vector that named it is refused
+    with pytest.raises(transfer.SegmentFreed):
+        client.copy_many(*vec, checksum=True).result()
+    seg2 = client.register_remote(arr)  # a new one: new VAs, the same bytes
+    assert client.copy_many(buf.va + offs, seg2.va + offs, sizes, checksum=True).result().tolist() == want()
+    client.free(buf)  # the destination goes (its id was of the session's arena)
+    with pytest.raises(transfer.InvalidAddress, match="freed"):
+        client.copy_many(buf.va + offs, seg2.va + offs, sizes, checksum=True).result()
+    client.free(seg2)
+
+
 def test_compute_pulls_remote_inputs_first(client: transfer.Client) -> None:
     """A compute naming a remote VA: the daemon READs it into staging, then runs the kernel."""
     x = np.arange(4096, dtype=np.float32)

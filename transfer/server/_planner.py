@@ -20,13 +20,17 @@ from ..kernels import FAILED, OPERATORS, REGISTRY, SKIPPED, TensorRef, signature
 from ._graphplan import GraphPlan, NodePlan
 from ._ops import SOCKET, Op, Range, lane_of
 from ._placement import Placement, VirtualDevice
-from ._remote import names_remote, plan_remote_copy, plan_remote_rows, pull_input
+from ._remote import RemotePlan, names_remote, plan_remote_copy, pull_input, remote_op, remote_plan
 
 __all__ = ["Planner", "CopyRun", "Refusal", "plan_batch", "VECTOR_RUN"]
 
 _KIND_NAMES = {P.Copy: "copy", P.CopyV: "copyv", P.Fill: "fill", P.Checksum: "checksum", P.ChecksumV: "checksum", P.Compute: "compute", P.RunGraph: "compute"}
 #: Plain copies in a row planned as one vector op (validated at once by `translate_many`).
 VECTOR_RUN = 8
+#: Remote copy vectors of at most this many pieces have their plans kept for the same vector
+#: again (`Planner._copies`), at most this many plans in all (then they start over).
+_RECALL_PIECES = 16
+_RECALL_PLANS = 1024
 #: A request refused at planning: (id, route, error).
 Refusal = tuple[int, int, E.TransferError]
 
@@ -59,7 +63,7 @@ def answers(req: Any, ring: bool = False) -> int:
 
 def _rows(dsid: np.ndarray, doff: np.ndarray, ssid: np.ndarray, soff: np.ndarray, size: np.ndarray) -> list[tuple[int, int, int, int, int]]:
     """Translated copies as rows (dst segment, dst offset, src segment, src offset, nbytes) of
-    Python ints: what `plan_remote_rows` and the verified copies' checks take."""
+    Python ints: what `remote_plan` and the verified copies' checks take."""
     return list(zip(dsid.tolist(), doff.tolist(), ssid.tolist(), soff.tolist(), size.tolist()))
 
 
@@ -172,14 +176,44 @@ class Planner:
         ssid, soff, ssegs, reads = self.table.translate_many(src, size, owner)
         return dsid, doff, ssid, soff, {**dsegs, **ssegs}, reads, writes
 
+    def _copies(self, owner: Any, dst: np.ndarray, src: np.ndarray, size: np.ndarray) -> RemotePlan | _Copies:
+        """A vector of copies, validated: its `RemotePlan` when it names a remote segment, else
+        its translation (`_translate_copies`).
+
+        A remote plan is kept for the same vector again (a producer's fixed slots): then it is
+        only checked against the table (`RemotePlan.holds`: the same segments, still usable by
+        `owner`, still declared) instead of translated and laid out again. The plane drops
+        every kept plan whenever a segment goes."""
+        remote = self.remote
+        key = None
+        if remote is not None and remote.ep is not None and len(size) <= _RECALL_PIECES:
+            key = (owner, dst.tobytes(), src.tobytes(), size.tobytes())
+            plan: RemotePlan | None = remote.plans.get(key)
+            if plan is not None:
+                if plan.holds(self.table, owner):
+                    plan.device = self._device_of(plan.local_segs, plan.nbytes)  # (placement may vary)
+                    return plan
+                del remote.plans[key]
+        copies = self._translate_copies(owner, dst, src, size)
+        dsid, doff, ssid, soff, segs, reads, writes = copies
+        if not any(seg.kind == SegmentKind.REMOTE for seg in segs.values()):
+            return copies
+        plan = remote_plan(self, owner, _rows(dsid, doff, ssid, soff, size), segs, reads, writes)
+        if key is not None and plan.nbytes:
+            if len(remote.plans) >= _RECALL_PLANS:
+                remote.plans.clear()
+            remote.plans[key] = plan
+        return plan
+
     def plan_copies(self, owner: Any, rid: int, dst: np.ndarray, src: np.ndarray, size: np.ndarray) -> Op:
         """Copies validated at once (`translate_many`), contiguous runs merged, executed in order."""
         n = len(size)
         if n == 0:
             return Op(rid, [], [], self.devices[0], 0, lambda: None)
-        dsid, doff, ssid, soff, segs, reads, writes = self._translate_copies(owner, dst, src, size)
-        if any(seg.kind == SegmentKind.REMOTE for seg in segs.values()):
-            return plan_remote_rows(self, owner, rid, _rows(dsid, doff, ssid, soff, size), segs, reads, writes)
+        copies = self._copies(owner, dst, src, size)
+        if isinstance(copies, RemotePlan):
+            return remote_op(rid, copies)
+        dsid, doff, ssid, soff, segs, reads, writes = copies
         total = int(size.sum(dtype=np.uint64))
         dev = self._device_of(segs.values(), total)
         cont = np.zeros(n, dtype=bool)
@@ -222,22 +256,22 @@ class Planner:
         A failed transfer fails the request with its reason, and nothing is summed."""
         if not len(size):
             return Op(rid, [], [], self.devices[0], 0, lambda: b"")
-        dsid, doff, ssid, soff, segs, reads, writes = self._translate_copies(owner, dst, src, size)
-        rows = _rows(dsid, doff, ssid, soff, size)
+        copies = self._copies(owner, dst, src, size)
         span = self._span
-        if any(seg.kind == SegmentKind.REMOTE for seg in segs.values()):
-            copy = plan_remote_rows(self, owner, rid, rows, segs, reads, writes)  # (the rows, made once)
-            ends = [(d, do, n) if segs[d].kind != SegmentKind.REMOTE else (s_, so, n) for d, do, s_, so, n in rows]
-            checksum = copy.device.backend.checksum
+        if isinstance(copies, RemotePlan):
+            copy = remote_op(rid, copies)
+            checksum, ends = copy.device.backend.checksum, copies.ends
 
             def sums() -> bytes:
-                return b"".join([checksum(span(segs[s], o, n)).to_bytes(8, "little") for s, o, n in ends])
+                return b"".join([checksum(span(seg, o, n)).to_bytes(8, "little") for seg, o, n in ends])
 
             if copy.remote is None:  # nothing to move (every piece empty): the sums of nothing
                 copy.run = sums
             else:
                 copy.remote.then = sums  # once the transfer is done (`_waves._landed`)
             return copy
+        dsid, doff, ssid, soff, segs, reads, writes = copies
+        rows = _rows(dsid, doff, ssid, soff, size)
         total = int(size.sum(dtype=np.uint64))
         dev = self._device_of(segs.values(), total)
         pieces = [(span(segs[d], o, n), span(segs[s_], so, n), self._copy_backend(segs[d], segs[s_], dev)) for d, o, s_, so, n in rows]

@@ -17,7 +17,7 @@ need it). It knows:
 `post()` runs ONE NIXL transfer for a whole descriptor list and waits for it;
 it blocks (a same-host `cma` READ copies inside the post), so the scheduler
 calls it on a worker thread. The planning of copies that name remote
-segments lives here too (`plan_remote_copy`, `plan_remote_rows`,
+segments lives here too (`plan_remote_copy`, `remote_plan`, `remote_op`,
 `pull_input`): the planner calls them when a VA falls in a remote segment.
 """
 
@@ -37,7 +37,10 @@ from ..addressing import Segment, SegmentKind
 from ..transport import _nixl as N
 from ._ops import Op, Range, Staged
 
-__all__ = ["RemotePlane", "RemoteHandle", "RemoteWork", "names_remote", "plan_remote_copy", "plan_remote_rows", "pull_input"]
+__all__ = ["RemotePlane", "RemoteHandle", "RemotePlan", "RemoteWork", "names_remote", "plan_remote_copy", "pull_input",
+           "remote_op", "remote_plan"]
+
+_NO_ROWS = np.zeros((0, 3), np.uint64)
 
 log = logging.getLogger("transfer.remote")
 
@@ -68,6 +71,45 @@ class RemoteWork:
     then: Callable[[], Any] | None = None
 
 
+@dataclass(eq=False, slots=True)
+class RemotePlan:
+    """A vector of copies between one peer's remote segments and the daemon's memory, as
+    `remote_plan` derives it from the mapping table. The plane keeps it (`RemotePlane.plans`),
+    so that the same vector again, a producer's fixed slots, is checked against the table
+    (`holds`) instead of translated and laid out again: ~15 us of the daemon's thread per
+    1 MiB request."""
+
+    plane: "RemotePlane"
+    peer: str
+    op: str  # "READ" or "WRITE"
+    #: NIXL's descriptor rows (`RemoteWork`'s), totalling `nbytes`; empty when nothing moves.
+    local: np.ndarray
+    remote: np.ndarray
+    nbytes: int
+    reads: list[Range]
+    writes: list[Range]
+    #: Every segment the copies name; the daemon's own among them; the device they run on.
+    segs: list[Segment[Any]]
+    local_segs: list[Segment[Any]]
+    device: Any
+    #: Per piece, the daemon's end of it (segment, offset, nbytes): what a verified copy sums.
+    ends: list[tuple[Segment[Any], int, int]]
+
+    def holds(self, table: Any, owner: Any) -> bool:
+        """Whether the table still says what this plan was made from: each segment is the one
+        still in the table under its id, `owner` may use it, and each remote one is still
+        declared by its peer. (A segment's size never changes, so its ranges stay in bounds.)"""
+        for seg in self.segs:
+            if table.get(seg.id) is not seg:
+                return False
+            if seg.kind == SegmentKind.REMOTE:
+                if seg.owner != owner or not self.plane.declares(seg.handle):
+                    return False
+            elif seg.owner != owner and owner not in seg.guests:
+                return False
+        return True
+
+
 @dataclass
 class _Peer:
     name: str
@@ -88,6 +130,9 @@ class RemotePlane:
         self._lock = threading.Lock()  # NIXL calls from the loop and from post threads
         self._peers: dict[str, _Peer] = {}
         self._by_session: dict[int, str] = {}
+        #: Plans of copy vectors, by (owner, the request's vectors as bytes) (`RemotePlan`;
+        #: the planner's `_recall`). Emptied whenever a segment goes, so no plan keeps one.
+        self.plans: dict[tuple[Any, bytes, bytes, bytes], RemotePlan] = {}
         self.counters = {"nixl_posts": 0, "nixl_descs": 0, "nixl_bytes": 0, "nixl_failures": 0, "nixl_peers": 0}
 
     # --- lifecycle -----------------------------------------------------------------------
@@ -109,6 +154,7 @@ class RemotePlane:
             return self.ep
 
     def close(self) -> None:
+        self.plans.clear()
         with self._lock:
             if self.ep is not None:
                 self.ep.close()
@@ -152,6 +198,7 @@ class RemotePlane:
 
     def drop_segment(self, handle: RemoteHandle) -> None:
         """Forget one declared range (before the producer may deregister it)."""
+        self.plans.clear()
         with self._lock:
             peer = self._peers.get(handle.peer)
             if peer is None:
@@ -164,6 +211,7 @@ class RemotePlane:
 
     def drop_session(self, session: int) -> None:
         """The session ended: forget its peer and disconnect from it."""
+        self.plans.clear()
         with self._lock:
             name = self._by_session.pop(session, None)
             if name is None:
@@ -183,11 +231,17 @@ class RemotePlane:
         every range by its segment, so each range the daemon reads or writes on a peer
         lies inside what that peer declared for as long as this holds.
         """
+        if self.declares(handle):
+            return
         peer = self._peers.get(handle.peer)
         if peer is None or peer.session != handle.session:
             raise E.SegmentFreed(f"NIXL peer {handle.peer!r} is gone")
-        if (handle.addr, handle.nbytes) not in peer.declared:
-            raise E.SegmentFreed(f"remote range (0x{handle.addr:x}, {handle.nbytes} bytes) is no longer registered")
+        raise E.SegmentFreed(f"remote range (0x{handle.addr:x}, {handle.nbytes} bytes) is no longer registered")
+
+    def declares(self, handle: RemoteHandle) -> bool:
+        """`check_declared` as a question."""
+        peer = self._peers.get(handle.peer)
+        return peer is not None and peer.session == handle.session and (handle.addr, handle.nbytes) in peer.declared
 
     # --- the daemon's own memory ---------------------------------------------------------------
     def local_base(self, seg: Any) -> int:
@@ -239,6 +293,8 @@ class RemotePlane:
             backend.free(arr)
 
     def forget_local(self, seg: Any) -> None:
+        """A segment of the daemon's own goes (every one, registered or not: plans name it)."""
+        self.plans.clear()
         reg = seg.info.pop("nixl_reg", None)
         if reg is not None and self.ep is not None:
             with self._lock:
@@ -268,7 +324,7 @@ class RemotePlane:
         self.counters["nixl_descs"] += int(local.shape[0])
         try:
             with self._lock:
-                # Rows the planner built from translated ranges (plan_remote_rows, pull_input): checked.
+                # Rows the planner built from translated ranges (remote_plan, pull_input): checked.
                 if op == "READ":
                     return ep.read(peer, local, remote, checked=True, nbytes=nbytes)
                 return ep.write(peer, local, remote, checked=True, nbytes=nbytes)
@@ -329,19 +385,20 @@ def _check_owner(seg: Segment[Any], owner: Any) -> None:
 
 
 def plan_remote_copy(planner: Any, owner: Any, req: Any) -> Op:
-    """One copy to or from a remote segment: `plan_remote_rows` of one row."""
+    """One copy to or from a remote segment: `remote_plan` of one row."""
     n = req.nbytes
     dseg, doff = planner.table.translate(req.dst, n, owner)
     sseg, soff = planner.table.translate(req.src, n, owner)
-    return plan_remote_rows(planner, owner, req.id, [(dseg.id, doff, sseg.id, soff, n)], {dseg.id: dseg, sseg.id: sseg},
-                            [(sseg.id, soff, soff + n)], [(dseg.id, doff, doff + n)])
+    plan = remote_plan(planner, owner, [(dseg.id, doff, sseg.id, soff, n)], {dseg.id: dseg, sseg.id: sseg},
+                       [(sseg.id, soff, soff + n)], [(dseg.id, doff, doff + n)])
+    return remote_op(req.id, plan)
 
 
-def plan_remote_rows(
-    planner: Any, owner: Any, rid: int, rows: list[tuple[int, int, int, int, int]], segs: dict[int, Segment[Any]],
+def remote_plan(
+    planner: Any, owner: Any, rows: list[tuple[int, int, int, int, int]], segs: dict[int, Segment[Any]],
     reads: list[Range], writes: list[Range],
-) -> Op:
-    """Copies between a remote (NIXL) segment and the daemon's memory: one descriptor list.
+) -> RemotePlan:
+    """Plan copies between a remote (NIXL) segment and the daemon's memory.
 
     `rows` are (dst segment, dst offset, src segment, src offset, nbytes), bounds and
     ownership checked by the table; `reads` and `writes` their hazard ranges. All READs
@@ -360,6 +417,8 @@ def plan_remote_rows(
         if seg.kind == SegmentKind.REMOTE:
             _check_owner(seg, owner)
             remote[sid] = seg
+    # Per piece, empty ones too, the daemon's end: the memory a verified copy sums.
+    ends = [(segs[ss], so, n) if ds in remote else (segs[ds], do, n) for ds, do, ss, so, n in rows]
     rows = [r for r in rows if r[4]]
     both = local_only = False
     writes_n = total = 0  # rows writing to a remote segment; bytes
@@ -379,17 +438,18 @@ def plan_remote_rows(
         raise E.InvalidField("a vector mixing reads from and writes to remote segments: send them as separate requests")
     write = writes_n > 0
     op = "WRITE" if write else "READ"
-    local_segs = {r[2] if write else r[0]: None for r in rows}
-    dev = planner._device_of([segs[s] for s in local_segs], total)
+    local_segs = [segs[s] for s in {r[2] if write else r[0]: None for r in rows}]
+    dev = planner._device_of(local_segs, total)
+    plan = RemotePlan(plane, "", op, _NO_ROWS, _NO_ROWS, 0, reads, writes, list(segs.values()), local_segs, dev, ends)
     if not rows:
-        return Op(rid, [], [], dev, 0, lambda: None)
+        return plan
     peers = {seg.handle.peer for seg in remote.values()}
     if len(peers) != 1:
         raise E.InvalidField("copies name remote segments of several NIXL agents")
-    (peer,) = peers
+    (plan.peer,) = peers
     for seg in remote.values():
         plane.check_declared(seg.handle)
-    lbase = {s: plane.local_base(segs[s]) for s in local_segs}
+    lbase = {seg.id: plane.local_base(seg) for seg in local_segs}
     # (local address, remote address, nbytes) per row
     if write:
         pairs = [(lbase[ss] + so, remote[ds].handle.addr + do, n) for ds, do, ss, so, n in rows]
@@ -410,11 +470,20 @@ def plan_remote_rows(
             last[2] += n
         else:
             merged.append([la, ra, n])
-    # NIXL's descriptor rows, made here once: the post hands them over as they are.
-    local = np.array([(la, n, 0) for la, _, n in merged], np.uint64)
-    far = np.array([(ra, n, 0) for _, ra, n in merged], np.uint64)
-    work = RemoteWork(plane, peer, op, local, far)
-    return Op(rid, reads, writes, dev, total, lambda: plane.post(peer, op, local, far, total), remote=work)
+    # NIXL's descriptor rows, made here once: each post hands them over as they are.
+    plan.local = np.array([(la, n, 0) for la, _, n in merged], np.uint64)
+    plan.remote = np.array([(ra, n, 0) for _, ra, n in merged], np.uint64)
+    plan.nbytes = total
+    return plan
+
+
+def remote_op(rid: int, plan: RemotePlan) -> Op:
+    """The op that runs a plan: one NIXL post (none when nothing moves)."""
+    if not plan.nbytes:
+        return Op(rid, [], [], plan.device, 0, lambda: None)
+    plane, peer, op, local, far, total = plan.plane, plan.peer, plan.op, plan.local, plan.remote, plan.nbytes
+    return Op(rid, list(plan.reads), list(plan.writes), plan.device, total, lambda: plane.post(peer, op, local, far, total),
+              remote=RemoteWork(plane, peer, op, local, far))
 
 
 def pull_input(planner: Any, owner: Any, rseg: Segment[Any], roff: int, nbytes: int) -> tuple[Op, Any, int]:
