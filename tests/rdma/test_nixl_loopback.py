@@ -144,6 +144,33 @@ def test_write_then_peer_checksum_and_notif(peer: Peer, server: Any) -> None:
     assert peer.call("crc", 0, DECLARED) == zlib.crc32(want)
 
 
+def test_a_prepared_read_posted_again_reads_what_is_there_then(peer: Peer, server: Any) -> None:
+    """`prepare` once, `post_prepared` again and again: one NIXL request, made at the first
+    post, and each post moves the bytes as they are at that post."""
+    ep, name, local, reg = server
+    off, n = 2 << 20, 64 << 10
+    read = ep.prepare("READ", name, np.array([[reg.addr, n, 0]], np.uint64), np.array([[peer.base + off, n, 0]], np.uint64))
+    assert read.handle is None  # nothing asked of NIXL yet
+    handles = []
+    for k in (1, 2, 3):
+        local[n : 2 * n] = k  # new bytes on the peer first (a WRITE from the other half)
+        ep.write(name, [(reg.addr + n, n)], [(peer.base + off, n)]).wait(5)
+        x = ep.post_prepared(read, n)
+        x.wait(5)
+        with pytest.raises(_nixl.NixlError, match="once at a time"):
+            ep.post_prepared(read, n)  # not while a posting of it is out
+        x.release()
+        assert (local[:n] == k).all() and x.nbytes == n
+        handles.append(read.handle)
+    assert handles[0] is not None and all(h is handles[0] for h in handles)
+    with pytest.raises(_nixl.InvalidField):
+        ep.prepare("MOVE", name, read.local, read.remote)
+    want = pattern(DECLARED, SEED)  # the producer's pattern back, for the other tests
+    local[:n] = want[off : off + n]
+    ep.write(name, [(reg.addr, n)], [(peer.base + off, n)]).wait(5)
+    assert peer.call("crc", 0, DECLARED) == zlib.crc32(want)
+
+
 def test_batch_of_1000_small_reads_is_one_transfer(peer: Peer, server: Any) -> None:
     ep, name, local, reg = server
     local[:] = 0

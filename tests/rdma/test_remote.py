@@ -136,9 +136,11 @@ def test_a_repeated_vector_is_checked_against_the_table_each_time(tcp_daemon: tu
     def want() -> list[int]:
         return [transfer.checksum64(arr[o:o + n]) for o, n in zip(offs.tolist(), sizes.tolist())]
 
+    reposts = client.stats()["daemon"]["nixl_reposts"]
     for fill in (1, 2, 3):  # the same vector each time, new bytes each time
         arr[:] = fill
         assert client.copy_many(*vec, checksum=True).result().tolist() == want()
+    assert client.stats()["daemon"]["nixl_reposts"] == reposts + 2  # its NIXL request made once, posted again
     with transfer.connect(tcp_daemon[1], name="rdma-other") as other:  # the same VAs, not its own
         with pytest.raises(transfer.NotOwner):
             other.copy_many(*vec, checksum=True).result()

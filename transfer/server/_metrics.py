@@ -72,6 +72,7 @@ STATS_FAMILIES: dict[str, tuple[str, str, str]] = {
     "ops": ("ops_total", "counter", "Planned ops executed (a run of copies planned as one vector is one op)"),
     "pipelined_passes": ("pipelined_passes_total", "counter", "Passes queued on a GPU lane behind one still running"),
     "nixl_posts": ("nixl_posts_total", "counter", "NIXL transfers posted (one per peer and direction per wave)"),
+    "nixl_reposts": ("nixl_reposts_total", "counter", "NIXL posts of a request kept from an earlier post (a producer's repeated transfer)"),
     "nixl_descs": ("nixl_descriptors_total", "counter", "NIXL descriptors posted"),
     "nixl_bytes": ("nixl_bytes_total", "counter", "Bytes moved by NIXL (RDMA) transfers"),
     "nixl_failures": ("nixl_failures_total", "counter", "NIXL transfers that failed"),

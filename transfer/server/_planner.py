@@ -193,7 +193,7 @@ class Planner:
                 if plan.holds(self.table, owner):
                     plan.device = self._device_of(plan.local_segs, plan.nbytes)  # (placement may vary)
                     return plan
-                del remote.plans[key]
+                remote.plans.pop(key, None)  # (a worker thread loading a peer may have emptied them)
         copies = self._translate_copies(owner, dst, src, size)
         dsid, doff, ssid, soff, segs, reads, writes = copies
         if not any(seg.kind == SegmentKind.REMOTE for seg in segs.values()):

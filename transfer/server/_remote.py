@@ -69,6 +69,8 @@ class RemoteWork:
     #: What the op answers, computed once its transfer is done (a verified copy's sums of
     #: what landed); None: it answers nothing (a plain copy).
     then: Callable[[], Any] | None = None
+    #: The plan it runs, whose NIXL request a post of this op alone reuses (`RemotePlan.prepared`).
+    plan: "RemotePlan | None" = None
 
 
 @dataclass(eq=False, slots=True)
@@ -94,6 +96,8 @@ class RemotePlan:
     device: Any
     #: Per piece, the daemon's end of it (segment, offset, nbytes): what a verified copy sums.
     ends: list[tuple[Segment[Any], int, int]]
+    #: Its NIXL request, made at its first post alone and posted again after (`N.Prepared`).
+    prepared: Any = None
 
     def holds(self, table: Any, owner: Any) -> bool:
         """Whether the table still says what this plan was made from: each segment is the one
@@ -133,7 +137,7 @@ class RemotePlane:
         #: Plans of copy vectors, by (owner, the request's vectors as bytes) (`RemotePlan`;
         #: the planner's `_recall`). Emptied whenever a segment goes, so no plan keeps one.
         self.plans: dict[tuple[Any, bytes, bytes, bytes], RemotePlan] = {}
-        self.counters = {"nixl_posts": 0, "nixl_descs": 0, "nixl_bytes": 0, "nixl_failures": 0, "nixl_peers": 0}
+        self.counters = {"nixl_posts": 0, "nixl_reposts": 0, "nixl_descs": 0, "nixl_bytes": 0, "nixl_failures": 0, "nixl_peers": 0}
 
     # --- lifecycle -----------------------------------------------------------------------
     def available(self) -> bool:
@@ -176,6 +180,7 @@ class RemotePlane:
             raise E.InvalidField(f"descriptor length {length} != nbytes {nbytes}")
         name = N.peek_agent_name(metadata)
         ep = self.ensure_started()
+        self.plans.clear()  # (the peer's metadata is loaded again: no request made from the old is kept)
         with self._lock:
             known = self._by_session.get(session)
             if known is not None and name != known:
@@ -304,14 +309,16 @@ class RemotePlane:
                     log.warning("deregistering segment %d: %s", seg.id, exc)
 
     # --- transfers -------------------------------------------------------------------------------
-    def post(self, peer: str, op: str, local: np.ndarray, remote: np.ndarray, nbytes: int) -> None:
+    def post(self, peer: str, op: str, local: np.ndarray, remote: np.ndarray, nbytes: int, plan: RemotePlan | None = None) -> None:
         """ONE NIXL transfer for the whole list; blocks until done (call on a worker thread)."""
-        xfer = self.start(peer, op, local, remote, nbytes)
+        xfer = self.start(peer, op, local, remote, nbytes, plan)
         self.finish(xfer, wait=True)
 
-    def start(self, peer: str, op: str, local: np.ndarray, remote: np.ndarray, nbytes: int) -> Any:
+    def start(self, peer: str, op: str, local: np.ndarray, remote: np.ndarray, nbytes: int, plan: RemotePlan | None = None) -> Any:
         """Post ONE transfer for the whole descriptor list (`RemoteWork`'s rows, `nbytes` in
-        all); return it (maybe done already: a same-host `cma` transfer copies inside the post)."""
+        all); return it (maybe done already: a same-host `cma` transfer copies inside the post).
+        `plan`: the rows are that plan's alone, and its NIXL request is posted again
+        (`RemotePlan.prepared`), unless a posting of it is still out."""
         ep = self.ep
         if ep is None:
             raise E.BackendError("the NIXL agent is not running")
@@ -325,6 +332,12 @@ class RemotePlane:
         try:
             with self._lock:
                 # Rows the planner built from translated ranges (remote_plan, pull_input): checked.
+                if plan is not None:
+                    if plan.prepared is None:
+                        plan.prepared = ep.prepare(op, peer, local, remote)
+                    if not plan.prepared.busy:
+                        self.counters["nixl_reposts"] += plan.prepared.handle is not None
+                        return ep.post_prepared(plan.prepared, nbytes)
                 if op == "READ":
                     return ep.read(peer, local, remote, checked=True, nbytes=nbytes)
                 return ep.write(peer, local, remote, checked=True, nbytes=nbytes)
@@ -482,8 +495,8 @@ def remote_op(rid: int, plan: RemotePlan) -> Op:
     if not plan.nbytes:
         return Op(rid, [], [], plan.device, 0, lambda: None)
     plane, peer, op, local, far, total = plan.plane, plan.peer, plan.op, plan.local, plan.remote, plan.nbytes
-    return Op(rid, list(plan.reads), list(plan.writes), plan.device, total, lambda: plane.post(peer, op, local, far, total),
-              remote=RemoteWork(plane, peer, op, local, far))
+    return Op(rid, list(plan.reads), list(plan.writes), plan.device, total, lambda: plane.post(peer, op, local, far, total, plan),
+              remote=RemoteWork(plane, peer, op, local, far, plan=plan))
 
 
 def pull_input(planner: Any, owner: Any, rseg: Segment[Any], roff: int, nbytes: int) -> tuple[Op, Any, int]:

@@ -274,7 +274,7 @@ async def _post_remote_on_loop(ops: Sequence[Op]) -> None:
     w = ops[0].remote
     local, remote, nbytes = _group_ranges(ops)
     try:
-        xfer = w.plane.start(w.peer, w.op, local, remote, nbytes)
+        xfer = w.plane.start(w.peer, w.op, local, remote, nbytes, w.plan if len(ops) == 1 else None)
         if not w.plane.finish(xfer, wait=False):  # (a same-host cma post copies in place: done)
             delay = 20e-6
             # Shielded: a cancelled session must not free memory a transfer still writes into
@@ -294,7 +294,7 @@ def _post_remote(ops: Sequence[Op]) -> None:
     w = ops[0].remote
     local, remote, nbytes = _group_ranges(ops)
     try:
-        w.plane.post(w.peer, w.op, local, remote, nbytes)
+        w.plane.post(w.peer, w.op, local, remote, nbytes, w.plan if len(ops) == 1 else None)
     except Exception as exc:  # a NIXL failure fails these requests, not the daemon
         _fail_ops(ops, exc)
         return

@@ -360,11 +360,14 @@ class Transfer:
     Usable as a context manager (releases on exit).
     """
 
-    __slots__ = ("_ep", "_handle", "op", "peer", "nbytes", "count", "_state", "_error", "posted_at", "__weakref__")
+    __slots__ = ("_ep", "_handle", "op", "peer", "nbytes", "count", "_state", "_error", "posted_at", "_prepared", "__weakref__")
 
-    def __init__(self, ep: "NixlEndpoint", handle: Any, op: str, peer: str, nbytes: int, count: int) -> None:
+    def __init__(self, ep: "NixlEndpoint", handle: Any, op: str, peer: str, nbytes: int, count: int,
+                 prepared: "Prepared | None" = None) -> None:
         self._ep = ep
         self._handle = handle
+        #: The `Prepared` whose NIXL request this posting is: done, it keeps the request.
+        self._prepared = prepared
         self.op = op
         self.peer = peer
         self.nbytes = nbytes
@@ -437,6 +440,14 @@ class Transfer:
         h = self._handle
         if h is None:
             return
+        prepared = self._prepared
+        if prepared is not None:
+            prepared.busy = False
+            if self._state == "DONE":  # the request stays with its `Prepared`, for the next post
+                self._handle = None
+                self._ep._transfers.discard(self)
+                return
+            prepared.handle = None  # failed or in flight: released (aborted) here; the next post makes one
         try:
             h.release()
         except Exception as exc:
@@ -454,6 +465,24 @@ class Transfer:
             if exc[0] is None:
                 raise
             log.warning("could not release %r while unwinding", self)
+
+
+class Prepared:
+    """One transfer's descriptor lists, to post again and again (`NixlEndpoint.post_prepared`).
+
+    NIXL makes a request from two descriptor lists once (`initialize_xfer`: the lists, their
+    checks against the registrations, the request), and a request that is done may be
+    posted again. A producer's fixed slots repeat their transfers, so reposting skips that
+    work and the release after each post: ~6 us of the daemon's thread per request. The
+    request is made at the first post and released with this object (or when a posting of
+    it fails, the next post making a new one); one posting at a time (`busy`)."""
+
+    __slots__ = ("op", "peer", "local", "remote", "handle", "busy")
+
+    def __init__(self, op: str, peer: str, local: np.ndarray, remote: np.ndarray) -> None:
+        self.op, self.peer, self.local, self.remote = op, peer, local, remote
+        self.handle: Any = None
+        self.busy = False
 
 
 # --------------------------------------------------------------------------- endpoint
@@ -702,17 +731,43 @@ class NixlEndpoint:
             if unequal.any():
                 i = int(unequal.argmax())
                 raise InvalidField(f"range {i}: local length {int(loc[i, 1])} != remote length {int(rem[i, 1])}")
+        handle = self._request(op, peer, loc, rem, notif)
+        if nbytes is None:
+            nbytes = int(loc[:, 1].sum(dtype=np.uint64))
+        return self._launch(Transfer(self, handle, op, peer, nbytes, int(loc.shape[0])))
+
+    def _request(self, op: str, peer: str, loc: np.ndarray, rem: np.ndarray, notif: bytes) -> Any:
         try:
-            handle = self._agent.initialize_xfer(op, self._dlist(loc), self._dlist(rem), peer, bytes(notif))
+            return self._agent.initialize_xfer(op, self._dlist(loc), self._dlist(rem), peer, bytes(notif))
         except Exception as exc:
             raise _translate(
                 exc,
                 f"preparing {op} of {loc.shape[0]} ranges with {peer!r} (a NOT_FOUND here means a range "
                 "is outside our registrations or the peer's metadata)",
             ) from exc
-        if nbytes is None:
-            nbytes = int(loc[:, 1].sum(dtype=np.uint64))
-        xfer = Transfer(self, handle, op, peer, nbytes, int(loc.shape[0]))
+
+    def prepare(self, op: str, peer: str, local: np.ndarray, remote: np.ndarray) -> Prepared:
+        """A transfer to post again and again (`post_prepared`): rows as `read(checked=True)`
+        takes them (the caller validated them); nothing is asked of NIXL until the first post."""
+        if op not in ("READ", "WRITE"):
+            raise InvalidField(f"op must be READ or WRITE, got {op!r}")
+        return Prepared(op, peer, local, remote)
+
+    def post_prepared(self, prepared: Prepared, nbytes: int) -> Transfer:
+        """Post a `Prepared` transfer (`nbytes` in all), as `read`/`write` would post its lists."""
+        self._check_open()
+        if prepared.peer not in self._peers:
+            raise NixlError(f"unknown peer {prepared.peer!r}: add_peer() its metadata first")
+        if prepared.busy:
+            raise NixlError("a prepared transfer is posted once at a time (the last posting is not released)")
+        if prepared.handle is None:
+            prepared.handle = self._request(prepared.op, prepared.peer, prepared.local, prepared.remote, b"")
+        prepared.busy = True
+        return self._launch(Transfer(self, prepared.handle, prepared.op, prepared.peer, nbytes, int(prepared.local.shape[0]), prepared))
+
+    def _launch(self, xfer: Transfer) -> Transfer:
+        """Post a transfer's request: done (a same-host post copies in place) or in flight."""
+        op, peer, handle = xfer.op, xfer.peer, xfer._handle
         try:
             state = self._agent.transfer(handle)
         except Exception as exc:
