@@ -154,6 +154,12 @@ class Pass:
             tail = session.pipeline[-1] if session.pipeline else None
             if tail is not None and (tail.fence is not None or type(session.queue[0][0]) in _BARRIERS):
                 break  # a GPU pipeline, or a barrier that waits for the pipeline: the task's
+            if self.planner.remote_bound(session.queue[0][0]):
+                # Never inline (it waits on a NIXL post): the task takes it, with what the pump
+                # delivers before the task runs (the rest of this burst). Taken here, it was a
+                # pass of its own: 1.6 requests a pass against 2.0, each pass one post and one
+                # reply (~4 us of the daemon's thread per 1 MiB request).
+                break
             batch = self.take(session)
             if _joins(batch, tail):
                 # Only queued (what `run` would do, without the hop to the session's task):

@@ -111,6 +111,16 @@ class Planner:
             raise E.InvalidField(f"unknown placement {policy!r}; choose one of {', '.join(self.policies)}")
         return chooser.choose(self.devices, nbytes, work)
 
+    def remote_bound(self, req: Any) -> bool:
+        """Whether a queued request is a copy naming a remote segment, by its first VAs
+        (unchecked: only to route; planning checks every VA)."""
+        if self.remote is None or self.remote.ep is None:
+            return False
+        t = type(req)
+        if t is P.CopyV:
+            return len(req.dst) > 0 and names_remote(self.table, (int(req.dst[0]), int(req.src[0])))
+        return t is P.Copy and names_remote(self.table, (req.dst, req.src))
+
     @staticmethod
     def _span(seg: Segment[Any], off: int, nbytes: int) -> Span:
         return Span(seg.kind, seg.handle, off, nbytes)
