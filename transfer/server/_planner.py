@@ -28,8 +28,9 @@ _KIND_NAMES = {P.Copy: "copy", P.CopyV: "copyv", P.Fill: "fill", P.Checksum: "ch
 #: Plain copies in a row planned as one vector op (validated at once by `translate_many`).
 VECTOR_RUN = 8
 #: Remote copy vectors of at most this many pieces have their plans kept for the same vector
-#: again (`Planner._copies`), at most this many plans in all (then they start over).
-_RECALL_PIECES = 16
+#: again (`Planner._copies`), at most this many plans in all (then they start over): ~14 MB
+#: at worst, ~13 KB a 64-piece plan with its key.
+_RECALL_PIECES = 64
 _RECALL_PLANS = 1024
 #: A request refused at planning: (id, route, error).
 Refusal = tuple[int, int, E.TransferError]
