@@ -252,13 +252,14 @@ def _remote_groups(wave: Sequence[Op]) -> tuple[list[Op], list[list[Op]]]:
     return local, list(groups.values())
 
 
-def _group_ranges(ops: Sequence[Op]) -> tuple[np.ndarray, np.ndarray, int]:
-    """One post's rows (local, remote) and bytes, for a group of remote ops."""
+def _group_ranges(ops: Sequence[Op]) -> tuple[np.ndarray, np.ndarray, int, Any]:
+    """One post's rows (local, remote), bytes, and the plan whose NIXL request it posts
+    again (an op posted alone: its `RemoteWork.plan`), for a group of remote ops."""
     if len(ops) == 1:
-        op = ops[0]
-        return op.remote.local, op.remote.remote, op.nbytes
+        w = ops[0].remote
+        return w.local, w.remote, ops[0].nbytes, w.plan
     return (np.concatenate([o.remote.local for o in ops]), np.concatenate([o.remote.remote for o in ops]),
-            sum(o.nbytes for o in ops))
+            sum(o.nbytes for o in ops), None)
 
 
 def _fail_ops(ops: Sequence[Op], exc: BaseException) -> None:
@@ -272,9 +273,9 @@ async def _post_remote_on_loop(ops: Sequence[Op]) -> None:
     """Small groups: post from the loop (a same-host post of <= inline_bytes takes tens of
     microseconds, less than a thread hop), then poll with short sleeps until done."""
     w = ops[0].remote
-    local, remote, nbytes = _group_ranges(ops)
+    local, remote, nbytes, plan = _group_ranges(ops)
     try:
-        xfer = w.plane.start(w.peer, w.op, local, remote, nbytes, w.plan if len(ops) == 1 else None)
+        xfer = w.plane.start(w.peer, w.op, local, remote, nbytes, plan)
         if not w.plane.finish(xfer, wait=False):  # (a same-host cma post copies in place: done)
             delay = 20e-6
             # Shielded: a cancelled session must not free memory a transfer still writes into
@@ -292,9 +293,9 @@ async def _post_remote_on_loop(ops: Sequence[Op]) -> None:
 def _post_remote(ops: Sequence[Op]) -> None:
     """Post one group as one transfer and wait (blocking: a worker thread's job)."""
     w = ops[0].remote
-    local, remote, nbytes = _group_ranges(ops)
+    local, remote, nbytes, plan = _group_ranges(ops)
     try:
-        w.plane.post(w.peer, w.op, local, remote, nbytes, w.plan if len(ops) == 1 else None)
+        w.plane.post(w.peer, w.op, local, remote, nbytes, plan)
     except Exception as exc:  # a NIXL failure fails these requests, not the daemon
         _fail_ops(ops, exc)
         return
