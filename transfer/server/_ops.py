@@ -44,6 +44,8 @@ class Op:
     writes: list[Range]
     device: VirtualDevice
     nbytes: int
+    #: The work, run where the wave runs it. None for a remote copy: its wave posts it with
+    #: the wave's other remote copies (`remote`, `_waves._post_remote`).
     run: Callable[[], Any] | None = None
     #: Plain copies keep their spans so a wave can merge them.
     copy: tuple[int, int, Span, Span] | None = None  # (dst segment id, src segment id, dst, src)

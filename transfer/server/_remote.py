@@ -494,9 +494,9 @@ def remote_op(rid: int, plan: RemotePlan) -> Op:
     """The op that runs a plan: one NIXL post (none when nothing moves)."""
     if not plan.nbytes:
         return Op(rid, [], [], plan.device, 0, lambda: None)
-    plane, peer, op, local, far, total = plan.plane, plan.peer, plan.op, plan.local, plan.remote, plan.nbytes
-    return Op(rid, list(plan.reads), list(plan.writes), plan.device, total, lambda: plane.post(peer, op, local, far, total, plan),
-              remote=RemoteWork(plane, peer, op, local, far, plan=plan))
+    # No `run`: a wave posts its remote ops itself, grouped (`_waves._post_remote`).
+    return Op(rid, list(plan.reads), list(plan.writes), plan.device, plan.nbytes,
+              remote=RemoteWork(plan.plane, plan.peer, plan.op, plan.local, plan.remote, plan=plan))
 
 
 def pull_input(planner: Any, owner: Any, rseg: Segment[Any], roff: int, nbytes: int) -> tuple[Op, Any, int]:
@@ -512,9 +512,6 @@ def pull_input(planner: Any, owner: Any, rseg: Segment[Any], roff: int, nbytes: 
     reg = staging[0]
     staged = Staged(arr)
     work = RemoteWork(plane, handle.peer, "READ", np.array([[reg.addr, nbytes, 0]], np.uint64), np.array([[raddr, nbytes, 0]], np.uint64))
-    pull = Op(
-        0, [(rseg.id, roff, roff + nbytes)], [(staged.id, 0, nbytes)], planner.devices[0], nbytes,
-        lambda: plane.post(work.peer, work.op, work.local, work.remote, nbytes), remote=work,
-    )
+    pull = Op(0, [(rseg.id, roff, roff + nbytes)], [(staged.id, 0, nbytes)], planner.devices[0], nbytes, remote=work)
     pull.info = staging
     return pull, staged, 0
