@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable
 import trio
 import zmq
 
-from ..transport._zmq import SocketPump, check_endpoint, ipc_path
+from ..transport._zmq import SocketPump, check_endpoint, ipc_path, monitor_socket, stop_monitor
 from ._config import DaemonConfig, connection_limit, session_limit
 from ._preflight import STARTUP_LOGGER, check_memory, check_shm_dir, startup_line
 from ._server import Server
@@ -230,7 +230,7 @@ async def _guard_connections(sock: zmq.Socket[bytes], limit: int) -> None:
     connection beyond the limit is shut down as soon as it is accepted (the client sees the
     connection close; one that says hello within the limit gets an answer). A burst faster
     than this task can close connections is bounded only by the fd limit's headroom."""
-    monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+    monitor = monitor_socket(sock, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
     open_fds: set[int] = set()
     refused = 0
 
@@ -263,7 +263,7 @@ async def _guard_connections(sock: zmq.Socket[bytes], limit: int) -> None:
         await SocketPump(monitor).run(on_event)
     finally:
         with contextlib.suppress(zmq.ZMQError):
-            sock.disable_monitor()
+            stop_monitor(sock)
         monitor.close(0)
 
 

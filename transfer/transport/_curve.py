@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, TypeGuard, Union
 import zmq
 import zmq.auth
 
+from ._zmq import monitor_socket, stop_monitor
+
 if TYPE_CHECKING:
     from zmq.auth.thread import ThreadAuthenticator
 
@@ -137,7 +139,7 @@ def monitor(sock: zmq.Socket[bytes]) -> zmq.Socket[bytes]:
     events = _SUCCEEDED | zmq.EVENT_DISCONNECTED
     for ev in _FAILED:
         events |= ev
-    return sock.get_monitor_socket(events)
+    return monitor_socket(sock, events)
 
 
 def wait_handshake(sock: zmq.Socket[bytes], mon: zmq.Socket[bytes], endpoint: str, timeout: float, curve: bool) -> None:
@@ -162,5 +164,5 @@ def wait_handshake(sock: zmq.Socket[bytes], mon: zmq.Socket[bytes], endpoint: st
                 )
                 raise E.DaemonUnavailable(f"handshake with {endpoint} failed ({why}): {hint}")
     finally:
-        sock.disable_monitor()
+        stop_monitor(sock)
         mon.close(0)

@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 import trio
 import zmq
 
-__all__ = ["SocketPump", "ipc_path", "check_endpoint", "endpoint_error", "default_endpoint"]
+__all__ = ["SocketPump", "monitor_socket", "stop_monitor", "ipc_path", "check_endpoint", "endpoint_error", "default_endpoint"]
 
 #: Messages received per pass before yielding to other tasks (fairness).
 _RECV_BURST = 256
@@ -154,6 +154,30 @@ class SocketPump:
             finally:
                 self._wait_scope = None
             await trio.lowlevel.checkpoint_if_cancelled()
+
+
+def monitor_socket(sock: zmq.Socket[bytes], events: int) -> zmq.Socket[bytes]:
+    """`sock.get_monitor_socket(events)`, retried when a signal interrupts it.
+
+    pyzmq retries its send, recv, bind and poll calls on EINTR but not zmq_socket_monitor,
+    whose inproc bind can see one: a SIGTERM landing as a daemon starts would otherwise
+    crash it (rc 1) instead of draining it. A failed try leaves no monitor behind (libzmq
+    fails the bind before it registers anything), so trying again is safe."""
+    while True:
+        try:
+            return sock.get_monitor_socket(events)
+        except zmq.InterruptedSystemCall:
+            continue
+
+
+def stop_monitor(sock: zmq.Socket[bytes]) -> None:
+    """`sock.disable_monitor()`, retried when a signal interrupts it (as `monitor_socket`)."""
+    while True:
+        try:
+            sock.disable_monitor()
+            return
+        except zmq.InterruptedSystemCall:
+            continue
 
 
 def ipc_path(endpoint: str) -> Path | None:
