@@ -156,8 +156,8 @@ class SocketPump:
             await trio.lowlevel.checkpoint_if_cancelled()
 
 
-def monitor_socket(sock: zmq.Socket[bytes], events: int) -> zmq.Socket[bytes]:
-    """`sock.get_monitor_socket(events)`, retried when a signal interrupts it.
+def monitor_socket(sock: zmq.Socket[bytes], events: int, addr: str | None = None) -> zmq.Socket[bytes]:
+    """`sock.get_monitor_socket(events, addr)`, retried when a signal interrupts it.
 
     pyzmq retries its send, recv, bind and poll calls on EINTR but not zmq_socket_monitor,
     whose inproc bind can see one: a SIGTERM landing as a daemon starts would otherwise
@@ -165,7 +165,7 @@ def monitor_socket(sock: zmq.Socket[bytes], events: int) -> zmq.Socket[bytes]:
     fails the bind before it registers anything), so trying again is safe."""
     while True:
         try:
-            return sock.get_monitor_socket(events)
+            return sock.get_monitor_socket(events, addr)
         except zmq.InterruptedSystemCall:
             continue
 
