@@ -296,11 +296,12 @@ class TransferProducer:
             self.seg = self.client.segment(cell.buffer_bytes)
             self.buffer = self.seg.ndarray((cell.buffer_bytes,), np.uint8)
             self.buffer[:] = 0
-        # The "device" buffer: in local mode one slot's worth, which every group overwrites in
-        # turn, as every other method's consumer does (the daemon runs a session's requests in
-        # order, and a verified copy answers what it copied); in remote mode one per slot, since
-        # the check reads what the READ delivered, after it landed.
-        self.dev = self.client.alloc(cell.slot_bytes if cell.mode == "local" else cell.buffer_bytes) if cell.mode in ("local", "remote") else None
+        # The "device" buffer: one slot's worth, which every group overwrites in turn, as every
+        # other method's consumer does (nixl-raw's READs land in one slot-sized buffer too). The
+        # daemon runs a session's requests in order, and a verified copy answers what it copied
+        # (remote: its sums are the READ's own answer, taken as soon as it landed), so a group
+        # that overwrites the last one's destination is ordered after it.
+        self.dev = self.client.alloc(cell.slot_bytes) if cell.mode in ("local", "remote") else None
         # FIFO of (g, pendings, cks, expected)
         self.inflight: list[tuple[int, list[Pending], list[Pending], Sequence[int] | None]] = []
         S, K = cell.size, cell.batch
@@ -336,7 +337,7 @@ class TransferProducer:
         """A slot's items' (copy destinations, sources): a producer with fixed slots computes
         them once."""
         src0 = self.seg.va + slot * self.cell.slot_bytes
-        dst0 = 0 if self.dev is None else self.dev.va + (slot * self.cell.slot_bytes if self.remote else 0)
+        dst0 = 0 if self.dev is None else self.dev.va
         vas = self._vas[slot] = (np.uint64(dst0) + self._offsets, np.uint64(src0) + self._offsets)
         return vas
 
