@@ -40,7 +40,7 @@ def _threads() -> dict[tuple[int, int], tuple[str, str, int]]:
                 continue
             for t in (d / "task").iterdir():
                 stat = (t / "stat").read_text()
-                name = stat[stat.index("(") + 1 : stat.rindex(")")]
+                name = stat[stat.index("(") + 1 : stat.rindex(")")] + (" (main)" if t.name == d.name else "")
                 fields = stat.rsplit(")", 1)[1].split()
                 out[(int(d.name), int(t.name))] = (cmd, name, int(fields[11]) + int(fields[12]))
         except OSError:
@@ -93,7 +93,7 @@ def main() -> None:
     rows.sort(key=lambda r: -r["cores"])
     print(f"{args.method} {args.mode} {args.size}: {cell['gbps']:.2f} GB/s, {rps:,.0f} requests/s")
     for r in rows:
-        print(f"  {r['role']:7s} pid {r['pid']:7d} {r['thread']:16s} {r['cores']:5.2f} cores  {r['cpu_us_per_request']:7.1f} us/request")
+        print(f"  {r['role']:7s} pid {r['pid']:7d} {r['thread']:23s} {r['cores']:5.2f} cores  {r['cpu_us_per_request']:7.1f} us/request")
     print(f"  all     {sum(r['cores'] for r in rows):5.2f} cores  {sum(r['cpu_us_per_request'] for r in rows):7.1f} us/request")
     if args.json:
         args.json.write_text(json.dumps({"method": args.method, "mode": args.mode, "size": args.size, "gbps": cell["gbps"],
