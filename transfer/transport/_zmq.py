@@ -16,7 +16,7 @@ import errno
 import os
 from collections import deque
 from pathlib import Path
-from typing import Callable, cast
+from typing import Callable, TypeVar, cast
 from urllib.parse import urlparse
 
 import trio
@@ -163,19 +163,22 @@ def monitor_socket(sock: zmq.Socket[bytes], events: int, addr: str | None = None
     whose inproc bind can see one: a SIGTERM landing as a daemon starts would otherwise
     crash it (rc 1) instead of draining it. A failed try leaves no monitor behind (libzmq
     fails the bind before it registers anything), so trying again is safe."""
-    while True:
-        try:
-            return sock.get_monitor_socket(events, addr)
-        except zmq.InterruptedSystemCall:
-            continue
+    return _retried(lambda: sock.get_monitor_socket(events, addr))
 
 
 def stop_monitor(sock: zmq.Socket[bytes]) -> None:
     """`sock.disable_monitor()`, retried when a signal interrupts it (as `monitor_socket`)."""
+    _retried(sock.disable_monitor)
+
+
+_T = TypeVar("_T")
+
+
+def _retried(call: Callable[[], _T]) -> _T:
+    """`call()` again for as long as a signal interrupts it (zmq.InterruptedSystemCall)."""
     while True:
         try:
-            sock.disable_monitor()
-            return
+            return call()
         except zmq.InterruptedSystemCall:
             continue
 
