@@ -3,17 +3,23 @@
 pyzmq has no trio integration, and `zmq.FD` is edge-triggered: it signals
 that `zmq.EVENTS` *may* have changed, and any send or recv can consume that
 edge. So the socket is touched only by `SocketPump`: its task (`run`), and
-`send_nowait` while that task is parked on the FD. Before every wait the
-task reads `zmq.EVENTS` and loops while anything is ready; `send_nowait`
-sends what is queued and, having read `zmq.EVENTS` after the send, wakes
-the task (by cancelling its wait) when anything is ready for it. A message
-can therefore never sit unseen.
+`send_nowait` while that task is parked. Before every wait the task reads
+`zmq.EVENTS` and loops while anything is ready; `send_nowait` sends what is
+queued and, having read `zmq.EVENTS` after the send, rings the task's bell
+when anything is ready for it. A message can therefore never sit unseen.
+
+The task parks on one epoll set holding the socket's FD and that bell (an
+eventfd): ringing it is a write, where cancelling a wait (the other way to
+wake a trio task) costs a cancel scope per wait and an exception per wake,
+~20 us of the loop's thread per message on a 2-core VM (`bench/pump_cost.py`).
+Linux only, as the rest of the package.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import select
 from collections import deque
 from pathlib import Path
 from typing import Callable, TypeVar, cast
@@ -45,9 +51,11 @@ class SocketPump:
         self.sock = sock
         self._fd = sock.fileno()  # zmq.FD
         self._out: deque[list[bytes]] = deque()
-        self._wait_scope: trio.CancelScope | None = None
-        self._drained = trio.Event()
-        self._drained.set()
+        #: While the task is parked: the eventfd that wakes it (`_ring`); else None.
+        self._bell: int | None = None
+        self._rung = False
+        #: Set up by `wait_drained` (a wait for every queued message to be handed to zmq).
+        self._drained: trio.Event | None = None
         self.dropped = 0  # replies to peers that have gone away
         #: Per-peer backlogs (ROUTER): identity -> (messages, bytes).
         self._parked: dict[bytes, tuple[deque[list[bytes]], list[int]]] = {}
@@ -59,19 +67,25 @@ class SocketPump:
         """Queue a multipart message; the pump sends it on its next pass, or at once when
         the pump is parked waiting for the socket: the same flush, then `EVENTS` read, as
         after every send, and the pump woken only if zmq has something for it (a message,
-        or one that could not go yet). Waking it instead cost a cancel, a pass of its loop
-        and a new wait (an epoll registration each way) per reply."""
+        or one that could not go yet)."""
         self._out.append(parts)
-        if self._drained.is_set():
-            self._drained = trio.Event()
-        scope = self._wait_scope
-        if scope is not None:
+        if self._bell is not None:
             self._flush()
             if self._out or self._parked or int(self.sock.getsockopt(_EVENTS)) & _POLLIN:
-                scope.cancel()
+                self._ring()
+
+    def _ring(self) -> None:
+        if not self._rung and self._bell is not None:
+            self._rung = True
+            os.eventfd_write(self._bell, 1)
 
     async def wait_drained(self) -> None:
         """Until every queued message has been handed to zmq (or dropped with its peer)."""
+        if not self._out and not self._parked:
+            await trio.lowlevel.checkpoint()
+            return
+        if self._drained is None:
+            self._drained = trio.Event()
         await self._drained.wait()
 
     def backlog(self, identity: bytes) -> int:
@@ -121,39 +135,51 @@ class SocketPump:
         self._check_drained()
 
     def _check_drained(self) -> None:
-        if not self._out and not self._parked:
+        if self._drained is not None and not self._out and not self._parked:
             self._drained.set()
+            self._drained = None
 
     async def run(self, on_message: Callable[[list[bytes]], None]) -> None:
         """Pump forever: flush outgoing, deliver incoming to `on_message` (synchronous)."""
         sock = self.sock
         events_of = cast("Callable[[int], int]", sock.getsockopt)  # EVENTS is an int option
-        while True:
-            self._flush()
-            received = 0
-            # Ask EVENTS rather than catching zmq.Again: raising it costs more than a recv. (Each
-            # read costs microseconds, pyzmq converting the option per call: the last one of
-            # the burst also decides what comes next.)
-            events = events_of(_EVENTS)
-            while events & _POLLIN and received < _RECV_BURST:
-                on_message(sock.recv_multipart(_NOBLOCK))
-                received += 1
+        bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        waits = select.epoll()  # (level-triggered: readable while the FD or the bell is)
+        try:
+            waits.register(self._fd, select.EPOLLIN)
+            waits.register(bell, select.EPOLLIN)
+            while True:
+                self._flush()
+                received = 0
+                # Ask EVENTS rather than catching zmq.Again: raising it costs more than a recv.
+                # (Each read costs microseconds, pyzmq converting the option per call: the last
+                # one of the burst also decides what comes next.)
                 events = events_of(_EVENTS)
-            if received == _RECV_BURST:
-                await trio.sleep(0)
-                continue
-            if events & _POLLIN or (self._out and events & _POLLOUT):
-                continue
-            self._wait_scope = trio.CancelScope()
-            if self._parked:
-                # A ROUTER says nothing when a peer's pipe drains: look again soon.
-                self._wait_scope.deadline = trio.current_time() + _BACKLOG_RETRY_S
-            try:
-                with self._wait_scope:
-                    await trio.lowlevel.wait_readable(self._fd)
-            finally:
-                self._wait_scope = None
-            await trio.lowlevel.checkpoint_if_cancelled()
+                while events & _POLLIN and received < _RECV_BURST:
+                    on_message(sock.recv_multipart(_NOBLOCK))
+                    received += 1
+                    events = events_of(_EVENTS)
+                if received == _RECV_BURST:
+                    await trio.sleep(0)
+                    continue
+                if events & _POLLIN or (self._out and events & _POLLOUT):
+                    continue
+                self._bell = bell
+                try:
+                    if self._parked:
+                        # A ROUTER says nothing when a peer's pipe drains: look again soon.
+                        with trio.move_on_after(_BACKLOG_RETRY_S):
+                            await trio.lowlevel.wait_readable(waits.fileno())
+                    else:
+                        await trio.lowlevel.wait_readable(waits.fileno())
+                finally:
+                    self._bell = None
+                if self._rung:
+                    self._rung = False
+                    os.eventfd_read(bell)
+        finally:
+            waits.close()
+            os.close(bell)
 
 
 def monitor_socket(sock: zmq.Socket[bytes], events: int, addr: str | None = None) -> zmq.Socket[bytes]:
