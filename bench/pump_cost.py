@@ -9,7 +9,9 @@ messages answered:
 * ``pump``: `SocketPump.run` under trio, answering from `on_message` (the daemon's inline
   passes), this tree or `--baseline DIR`'s;
 * ``pump-task``: the same, answering from a second task after a checkpoint (the daemon's
-  session tasks, which send while the pump is parked).
+  session tasks, which send while the pump is parked);
+* ``transferd``: the daemon itself, a 64-byte `copy(...).result()` over the socket
+  (`ring=False`): everything a socket request costs the daemon's thread.
 
 Rounds alternate the servers, so each sees the same phases of a noisy machine:
 
@@ -118,6 +120,39 @@ def _measure(kind: str, tree: str | None, seconds: float) -> dict[str, Any]:
             "rtt_p50_us": statistics.median(rtts) * 1e6}
 
 
+def _measure_daemon(tree: str | None, seconds: float) -> dict[str, Any]:
+    """A real transferd from `tree` (started there, its Python first on PYTHONPATH: `-m` puts the
+    working directory first), one socket request in flight."""
+    import transfer
+    from transfer.testing import run_daemon
+
+    old, cwd = os.environ.get("PYTHONPATH"), os.getcwd()
+    if tree:
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (tree, old)))
+        os.chdir(tree)
+    try:
+        with run_daemon(["--backend", "numpy"]) as d, transfer.connect(d.endpoint, ring=False) as c:
+            seg, dev = c.segment(1 << 16), c.alloc(1 << 16)
+            for _ in range(2000):
+                c.copy(dev.va, seg.va, 64).result()
+            pid = d.proc.pid
+            cpu0, n, rtts = _cpu_s(pid), 0, []
+            t_end = time.perf_counter() + seconds
+            while (t := time.perf_counter()) < t_end:
+                c.copy(dev.va, seg.va, 64).result()
+                rtts.append(time.perf_counter() - t)
+                n += 1
+            cpu = _cpu_s(pid) - cpu0
+    finally:
+        os.chdir(cwd)
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+    return {"server": "transferd", "tree": tree or "this", "messages": n, "server_cpu_us": cpu / n * 1e6,
+            "rtt_p50_us": statistics.median(rtts) * 1e6}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=2.0)
@@ -126,14 +161,15 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     here = str(Path(__file__).resolve().parents[1])
-    servers: list[tuple[str, str | None, str]] = [("plain", None, "plain"), ("pump", here, "pump"), ("pump-task", here, "pump-task")]
+    servers: list[tuple[str, str | None, str]] = [("plain", None, "plain"), ("pump", here, "pump"), ("pump-task", here, "pump-task"),
+                                                  ("transferd", here, "transferd")]
     if args.baseline:
         base = str(args.baseline.resolve())
-        servers += [("pump", base, "baseline pump"), ("pump-task", base, "baseline pump-task")]
+        servers += [("pump", base, "baseline pump"), ("pump-task", base, "baseline pump-task"), ("transferd", base, "baseline transferd")]
     rows = []
     for _ in range(args.rounds):
         for kind, tree, label in servers:
-            r = _measure(kind, tree, args.seconds)
+            r = _measure_daemon(tree, args.seconds) if kind == "transferd" else _measure(kind, tree, args.seconds)
             r["label"] = label
             rows.append(r)
             print(f"{label:20s} server thread {r['server_cpu_us']:6.1f} us/message   round trip p50 {r['rtt_p50_us']:6.1f} us", flush=True)
