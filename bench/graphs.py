@@ -78,6 +78,7 @@ from transfer.kernels import REGISTRY
 from transfer.testing import run_daemon
 
 from _examples import load as load_example  # (bench/ is the script's directory: on sys.path)
+from _trees import started_from
 
 _MLP, _IMAGES = load_example("mlp_forward"), load_example("image_preprocess")
 SIZES, make_weights, mlp, mlp_graph, upload_weights = _MLP.SIZES, _MLP.make_weights, _MLP.reference, _MLP.build, _MLP.upload_weights
@@ -424,29 +425,13 @@ def bench_latency(clients: dict[str, transfer.Client], n: int, reps: int) -> lis
 
 
 @contextlib.contextmanager
-def _started_from(cwd: str, pythonpath: str) -> Iterator[None]:
-    """Processes started inside see this working directory and PYTHONPATH; both restored after."""
-    saved_cwd, saved_path = os.getcwd(), os.environ.get("PYTHONPATH")
-    os.chdir(cwd)
-    os.environ["PYTHONPATH"] = pythonpath
-    try:
-        yield
-    finally:
-        os.chdir(saved_cwd)
-        if saved_path is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved_path
-
-
-@contextlib.contextmanager
 def baseline_daemon(checkout: Path, backend: str) -> Iterator[Any]:
     """A transferd whose package comes from `checkout`, started from a directory with no
     `transfer` in it (`python -m` puts the working directory first on the path)."""
     if not (checkout / "transfer" / "__init__.py").is_file():
         raise SystemExit(f"--baseline {checkout}: no transfer package there")
     with tempfile.TemporaryDirectory(prefix="graphs-baseline-") as neutral, contextlib.ExitStack() as stack:
-        with _started_from(neutral, str(checkout.resolve())):
+        with started_from(neutral, str(checkout.resolve())):
             d = stack.enter_context(run_daemon(["--backend", backend]))
         yield d
 

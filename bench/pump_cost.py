@@ -21,6 +21,7 @@ Rounds alternate the servers, so each sees the same phases of a noisy machine:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -33,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+
+from _trees import started_from  # (bench/ is the script's directory: on sys.path)
 
 _TICK = os.sysconf("SC_CLK_TCK")
 _PAYLOAD = b"x" * 38
@@ -126,29 +129,19 @@ def _measure_daemon(tree: str | None, seconds: float) -> dict[str, Any]:
     import transfer
     from transfer.testing import run_daemon
 
-    old, cwd = os.environ.get("PYTHONPATH"), os.getcwd()
-    if tree:
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (tree, old)))
-        os.chdir(tree)
-    try:
-        with run_daemon(["--backend", "numpy"]) as d, transfer.connect(d.endpoint, ring=False) as c:
-            seg, dev = c.segment(1 << 16), c.alloc(1 << 16)
-            for _ in range(2000):
-                c.copy(dev.va, seg.va, 64).result()
-            pid = d.proc.pid
-            cpu0, n, rtts = _cpu_s(pid), 0, []
-            t_end = time.perf_counter() + seconds
-            while (t := time.perf_counter()) < t_end:
-                c.copy(dev.va, seg.va, 64).result()
-                rtts.append(time.perf_counter() - t)
-                n += 1
-            cpu = _cpu_s(pid) - cpu0
-    finally:
-        os.chdir(cwd)
-        if old is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old
+    where = started_from(tree, os.pathsep.join(filter(None, (tree, os.environ.get("PYTHONPATH"))))) if tree else contextlib.nullcontext()
+    with where, run_daemon(["--backend", "numpy"]) as d, transfer.connect(d.endpoint, ring=False) as c:
+        seg, dev = c.segment(1 << 16), c.alloc(1 << 16)
+        for _ in range(2000):
+            c.copy(dev.va, seg.va, 64).result()
+        pid = d.proc.pid
+        cpu0, n, rtts = _cpu_s(pid), 0, []
+        t_end = time.perf_counter() + seconds
+        while (t := time.perf_counter()) < t_end:
+            c.copy(dev.va, seg.va, 64).result()
+            rtts.append(time.perf_counter() - t)
+            n += 1
+        cpu = _cpu_s(pid) - cpu0
     return {"server": "transferd", "tree": tree or "this", "messages": n, "server_cpu_us": cpu / n * 1e6,
             "rtt_p50_us": statistics.median(rtts) * 1e6}
 

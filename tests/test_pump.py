@@ -18,14 +18,13 @@ import zmq
 from transfer.transport._zmq import SocketPump
 
 
-def _peer(endpoint: str, n: int, window: int, got: list[bytes], ready: threading.Event) -> None:
+def _peer(endpoint: str, n: int, window: int, got: list[bytes]) -> None:
     """A DEALER that keeps `window` requests in flight until `n` replies are in."""
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.RCVTIMEO, 10_000)
     s.connect(endpoint)
-    ready.set()
     sent = 0
     try:
         while len(got) < n:
@@ -40,63 +39,22 @@ def _peer(endpoint: str, n: int, window: int, got: list[bytes], ready: threading
         ctx.term()
 
 
-@pytest.mark.parametrize("window", [1, 8])
-def test_replies_sent_from_another_task_never_strand_a_request(tmp_path: Path, window: int) -> None:
-    """Replies go out from a second task while the pump is parked (as the daemon's session
-    tasks send theirs); requests keep arriving meanwhile. Every request gets its reply."""
-    n = 3000
+def _echo(tmp_path: Path, n: int, window: int, idle_s: float = 0.0) -> tuple[list[bytes], float]:
+    """A pump on a ROUTER answering a peer's `n` requests from a second task, each reply sent
+    after a checkpoint, so while the pump is parked (as the daemon's session tasks send theirs);
+    then `idle_s` seconds with nothing to do. Returns the replies the peer got, and the CPU
+    time the pump's thread used while idle."""
     endpoint = f"ipc://{tmp_path}/pump.sock"
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(endpoint)
     got: list[bytes] = []
-    ready = threading.Event()
-    peer = threading.Thread(target=_peer, args=(endpoint, n, window, got, ready), daemon=True)
-
-    async def main() -> None:
-        pump = SocketPump(sock)
-        to_answer, answers = trio.open_memory_channel[list[bytes]](n)
-
-        async def answer() -> None:
-            async for parts in answers:
-                await trio.sleep(0)  # the pump parks before the reply leaves
-                pump.send_nowait(parts)
-
-        with trio.fail_after(60):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(pump.run, to_answer.send_nowait)
-                nursery.start_soon(answer)
-                peer.start()
-                while peer.is_alive():
-                    await trio.sleep(0.01)
-                await pump.wait_drained()
-                nursery.cancel_scope.cancel()
-
-    try:
-        trio.run(main)
-        peer.join(5)
-    finally:
-        sock.close()
-        ctx.term()
-    assert sorted(got, key=int) == [b"%d" % i for i in range(n)]
-
-
-def test_an_idle_pump_sleeps(tmp_path: Path) -> None:
-    """After traffic (its FD signalled, its bell rung), the parked pump's thread uses no CPU:
-    nothing left readable in its epoll set wakes it again and again."""
-    endpoint = f"ipc://{tmp_path}/idle.sock"
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(endpoint)
-    got: list[bytes] = []
-    ready = threading.Event()
-    peer = threading.Thread(target=_peer, args=(endpoint, 50, 4, got, ready), daemon=True)
+    peer = threading.Thread(target=_peer, args=(endpoint, n, window, got), daemon=True)
 
     async def main() -> float:
         pump = SocketPump(sock)
-        to_answer, answers = trio.open_memory_channel[list[bytes]](100)
+        to_answer, answers = trio.open_memory_channel[list[bytes]](n)
 
         async def answer() -> None:
             async for parts in answers:
@@ -107,20 +65,36 @@ def test_an_idle_pump_sleeps(tmp_path: Path) -> None:
             nursery.start_soon(pump.run, to_answer.send_nowait)
             nursery.start_soon(answer)
             peer.start()
-            with trio.fail_after(30):
+            with trio.fail_after(60):
                 while peer.is_alive():
                     await trio.sleep(0.01)
-            await trio.sleep(0.1)
+                await pump.wait_drained()
             cpu = time.thread_time()
-            await trio.sleep(1.0)
+            await trio.sleep(idle_s)
             used = time.thread_time() - cpu
             nursery.cancel_scope.cancel()
         return used
 
     try:
         used = trio.run(main)
+        peer.join(5)
     finally:
         sock.close()
         ctx.term()
+    return got, used
+
+
+@pytest.mark.parametrize("window", [1, 8])
+def test_replies_sent_from_another_task_never_strand_a_request(tmp_path: Path, window: int) -> None:
+    """Requests keep arriving while replies leave from another task: every request gets its reply."""
+    n = 3000
+    got, _ = _echo(tmp_path, n, window)
+    assert sorted(got, key=int) == [b"%d" % i for i in range(n)]
+
+
+def test_an_idle_pump_sleeps(tmp_path: Path) -> None:
+    """After traffic (its FD signalled, its bell rung), the parked pump's thread uses no CPU:
+    nothing left readable in its epoll set wakes it again and again."""
+    got, used = _echo(tmp_path, 50, 4, idle_s=1.0)
     assert len(got) == 50
     assert used < 0.05, f"an idle pump used {used:.3f} s of CPU in 1 s"
