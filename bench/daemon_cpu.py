@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-_TICK = os.sysconf("SC_CLK_TCK")
+from _proc import main_thread_cpu_s  # (bench/ is the script's directory: on sys.path)
 
 
 def _daemons() -> set[int]:
@@ -43,12 +43,6 @@ def _daemons() -> set[int]:
             except OSError:
                 pass
     return out
-
-
-def _cpu_s(pid: int) -> float:
-    """utime + stime of the process's main thread, in seconds."""
-    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
 
 
 def _counters(endpoint: str) -> tuple[int, int]:
@@ -80,10 +74,10 @@ def run(root: Path, mode: str, size: str, settle: float, window: float) -> dict[
             raise RuntimeError("transferd has no --endpoint")
         time.sleep(settle)
         r0, p0 = _counters(endpoint.group(1).decode())
-        c0, t0 = _cpu_s(pid), time.monotonic()
+        c0, t0 = main_thread_cpu_s(pid), time.monotonic()
         time.sleep(window)
         r1, p1 = _counters(endpoint.group(1).decode())
-        c1, t1 = _cpu_s(pid), time.monotonic()
+        c1, t1 = main_thread_cpu_s(pid), time.monotonic()
         out, _ = bench.communicate(timeout=120)
     finally:
         if bench.poll() is None:

@@ -78,7 +78,7 @@ from transfer.kernels import REGISTRY
 from transfer.testing import run_daemon
 
 from _examples import load as load_example  # (bench/ is the script's directory: on sys.path)
-from _trees import started_from
+from _proc import started_from
 
 _MLP, _IMAGES = load_example("mlp_forward"), load_example("image_preprocess")
 SIZES, make_weights, mlp, mlp_graph, upload_weights = _MLP.SIZES, _MLP.make_weights, _MLP.reference, _MLP.build, _MLP.upload_weights

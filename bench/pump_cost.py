@@ -35,15 +35,9 @@ from typing import Any
 
 import zmq
 
-from _trees import started_from  # (bench/ is the script's directory: on sys.path)
+from _proc import main_thread_cpu_s, started_from  # (bench/ is the script's directory: on sys.path)
 
-_TICK = os.sysconf("SC_CLK_TCK")
 _PAYLOAD = b"x" * 38
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
 
 
 def _server(kind: str, endpoint: str, tree: str | None) -> None:
@@ -104,14 +98,14 @@ def _measure(kind: str, tree: str | None, seconds: float) -> dict[str, Any]:
                 s.send(_PAYLOAD)
                 s.recv()
             assert p.pid is not None
-            cpu0, n, rtts = _cpu_s(p.pid), 0, []
+            cpu0, n, rtts = main_thread_cpu_s(p.pid), 0, []
             t_end = time.perf_counter() + seconds
             while (t := time.perf_counter()) < t_end:
                 s.send(_PAYLOAD)
                 s.recv()
                 rtts.append(time.perf_counter() - t)
                 n += 1
-            cpu = _cpu_s(p.pid) - cpu0
+            cpu = main_thread_cpu_s(p.pid) - cpu0
             s.send(b"stop")
             p.join(10)
         finally:
@@ -135,13 +129,13 @@ def _measure_daemon(tree: str | None, seconds: float) -> dict[str, Any]:
         for _ in range(2000):
             c.copy(dev.va, seg.va, 64).result()
         pid = d.proc.pid
-        cpu0, n, rtts = _cpu_s(pid), 0, []
+        cpu0, n, rtts = main_thread_cpu_s(pid), 0, []
         t_end = time.perf_counter() + seconds
         while (t := time.perf_counter()) < t_end:
             c.copy(dev.va, seg.va, 64).result()
             rtts.append(time.perf_counter() - t)
             n += 1
-        cpu = _cpu_s(pid) - cpu0
+        cpu = main_thread_cpu_s(pid) - cpu0
     return {"server": "transferd", "tree": tree or "this", "messages": n, "server_cpu_us": cpu / n * 1e6,
             "rtt_p50_us": statistics.median(rtts) * 1e6}
 

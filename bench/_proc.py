@@ -1,10 +1,13 @@
-"""Running a benchmark's processes from another checkout (`--baseline DIR`)."""
+"""The processes a benchmark starts: from another checkout (`--baseline DIR`), and their CPU time."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 from typing import Iterator
+
+_TICK = os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.contextmanager
@@ -22,3 +25,9 @@ def started_from(cwd: str, pythonpath: str) -> Iterator[None]:
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = saved_path
+
+
+def main_thread_cpu_s(pid: int) -> float:
+    """utime + stime of the process's main thread, in seconds (`/proc/PID/task/PID/stat`)."""
+    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
