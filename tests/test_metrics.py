@@ -6,9 +6,16 @@ and check Prometheus's naming conventions on everything it serves.
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import re
+import resource
+import select
 import socket
+import subprocess
+import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import transfer
 from transfer.server._metrics import LATENCY_BUCKETS, OTHER, STATS_FAMILIES, STATS_NOT_EXPORTED, Metrics, SessionSeries, bench, client_label
+from transfer.server._metrics_http import DEFAULT_MAX_CONNECTIONS, MetricsHTTP
 from transfer.testing import start_daemon
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -202,6 +210,136 @@ def test_hot_path_is_cheap() -> None:
         assert ns[name] < 3000, (name, ns)
     # Plain counters beat prometheus_client's locked objects.
     assert ns["request_done"] < ns["prometheus_client counter+histogram"]
+
+
+# --- the HTTP listener alone ------------------------------------------------------------------
+def until_closed(sock: socket.socket, timeout: float = 30.0) -> bytes:
+    """What the server sends before it closes `sock` (a reset counts as a close); fails after `timeout`."""
+    sock.settimeout(timeout)
+    got = b""
+    try:
+        while chunk := sock.recv(65536):
+            got += chunk
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        raise AssertionError(f"the server did not close the connection within {timeout} s") from None
+    return got
+
+
+def ask(port: int, request: bytes) -> bytes:
+    """One raw request; the whole response."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(request)
+        return until_closed(s)
+
+
+def test_listener_answers_one_request_per_connection() -> None:
+    m = Metrics(process=False)
+    m.request_done("copy", 1e-4)
+    listener = MetricsHTTP(m.registry, 0)
+    port = listener.start()
+    try:
+        for path in ("/metrics", "/", "/metrics?x=1"):
+            assert samples(scrape(f"http://127.0.0.1:{port}{path}"))[("transfer_request_duration_seconds_count", (("op", "copy"),))] == 1
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/nope", timeout=10)
+        assert e.value.code == 404
+        head = ask(port, b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert head.startswith(b"HTTP/1.0 200 OK\r\n") and head.endswith(b"\r\n\r\n") and b"Connection: close" in head
+        assert ask(port, b"garbage\r\n\r\n").startswith(b"HTTP/1.0 400 ")
+        assert ask(port, b"POST /metrics HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.0 405 ")
+        assert ask(port, b"GET /" + b"x" * 10_000 + b" HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.0 431 ")
+    finally:
+        listener.stop()
+    assert listener.connections == 0
+
+
+def test_listener_closes_silent_and_trickling_connections_at_their_deadline() -> None:
+    listener = MetricsHTTP(Metrics(process=False).registry, 0, timeout_s=0.3)
+    port = listener.start()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as silent:
+            assert until_closed(silent) == b""
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as slow:  # a byte at a time, never a whole head
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # closed between two bytes
+                while not select.select([slow], [], [], 0.05)[0]:
+                    slow.send(b"G")
+            assert until_closed(slow) == b""
+        assert listener.timed_out == 2
+    finally:
+        listener.stop()
+
+
+def test_listener_refuses_beyond_its_cap_at_once() -> None:
+    listener = MetricsHTTP(Metrics(process=False).registry, 0, max_connections=2, timeout_s=60)
+    port = listener.start()
+    held = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]
+    try:
+        # Accepted in order, so the third finds the two held: answered 503, closed long before any deadline.
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as third:
+            assert until_closed(third, timeout=30).startswith(b"HTTP/1.0 503 ")
+        assert listener.refused == 1 and listener.accepted == 3 and listener.connections == 2
+        for s in held:  # still open: nothing to read, no end of stream
+            s.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                s.recv(1)
+        held.pop().close()  # a slot frees: the next one is served
+        wait_for(lambda: listener.connections == 1, "the closed connection's slot")
+        assert scrape(f"http://127.0.0.1:{port}/metrics")
+    finally:
+        for s in held:
+            s.close()
+        listener.stop()
+
+
+_NO_FDS = """
+import os, resource, sys, time
+from prometheus_client import CollectorRegistry
+from transfer.server._metrics_http import MetricsHTTP
+
+listener = MetricsHTTP(CollectorRegistry(), 0, max_connections=8, timeout_s=60)
+port = listener.start()
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+lowest = os.dup(0)
+os.close(lowest)
+resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, hard))  # no descriptor left for an accept
+cpu, wall = time.process_time(), time.monotonic()
+print(port, flush=True)
+while listener.accept_errors < 5 and time.monotonic() < wall + 30:
+    time.sleep(0.01)
+cpu, wall = time.process_time() - cpu, time.monotonic() - wall
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+print(listener.accept_errors, cpu, wall, flush=True)
+sys.stdin.readline()
+listener.stop()
+"""
+
+
+def test_listener_backs_off_when_out_of_descriptors() -> None:
+    """EMFILE on accept pauses accepting (no spin, no crash); once descriptors are back, it serves."""
+    child = subprocess.Popen([sys.executable, "-c", _NO_FDS], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdin is not None and child.stdout is not None
+    waiting: list[socket.socket] = []
+    try:
+        port = int(child.stdout.readline())
+        waiting = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(3)]
+        for s in waiting:
+            s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        errors, cpu, wall = child.stdout.readline().split()
+        assert int(errors) >= 5, "accept never failed"
+        assert float(cpu) < 0.5 * float(wall), f"spinning: {cpu} s of CPU in {wall} s"
+        for s in waiting:
+            assert until_closed(s).startswith(b"HTTP/1.0 200 OK\r\n")
+        child.stdin.write("stop\n")
+        child.stdin.flush()
+        assert child.wait(30) == 0
+    finally:
+        for s in waiting:
+            s.close()
+        if child.poll() is None:
+            child.kill()
+            child.wait()
 
 
 # --- per-client series -------------------------------------------------------------------------
@@ -469,3 +607,42 @@ def test_session_labels_stay_bounded_under_many_sessions(daemon_factory: Any) ->
     assert others == sorted(others) and others[0] > 0
     # What every client moved is in exactly one series at the first scrape.
     assert sum(by_label(first, "transfer_session_moved_bytes_total", "client").values()) == sum(4096 * (1 + i) for i in range(20))
+
+
+def test_idle_metrics_connections_cannot_exhaust_the_daemons_descriptors(shm_dir: Path, tmp_path: Path) -> None:
+    """Far more idle connections to the metrics port than its cap, under a 256-descriptor limit:
+    the daemon holds at most the cap, closes every one (at once beyond the cap, at its deadline
+    within it), keeps serving zmq clients, and a later scrape succeeds."""
+    port = free_port()
+    wd = tmp_path / "run"
+    wd.mkdir(mode=0o700)
+    d = start_daemon(["--backend", "numpy", "--metrics-port", str(port)], workdir=wd, shm_dir=shm_dir)
+    idle: list[socket.socket] = []
+    try:
+        # A shell's default limit, set after startup (the daemon raises its soft limit to the hard one).
+        resource.prlimit(d.proc.pid, resource.RLIMIT_NOFILE, (256, resource.prlimit(d.proc.pid, resource.RLIMIT_NOFILE)[1]))
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(DEFAULT_MAX_CONNECTIONS + 300)]
+        with transfer.connect(d.endpoint) as c:
+            seg = c.segment(1 << 16)
+            buf = c.alloc(1 << 16)
+            c.copy(buf, seg).result()
+            text = ""
+
+            def scraped() -> bool:
+                nonlocal text
+                try:
+                    text = scrape(d.ready["metrics"])
+                except (OSError, http.client.HTTPException):  # 503 or closed while the idle ones hold the slots
+                    return False
+                return True
+
+            wait_for(scraped, "a scrape", timeout=60)
+            assert samples(text)[("transfer_sessions", ())] == 1
+        for s in idle:
+            got = until_closed(s)
+            assert got == b"" or got.startswith(b"HTTP/1.0 503 "), got[:100]
+        assert d.proc.poll() is None
+    finally:
+        for s in idle:
+            s.close()
+        assert d.stop() == 0

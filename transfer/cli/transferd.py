@@ -109,8 +109,11 @@ def _serve_main(argv: list[str] | None = None) -> int:
 
 def _start_metrics(server: Any, config: Any) -> int:
     """Serve the server's Metrics (it reads its own counters and sessions when scraped)."""
+    from ..server._metrics_http import DEFAULT_MAX_CONNECTIONS
+
+    max_connections = getattr(config, "metrics_connections", DEFAULT_MAX_CONNECTIONS)
     try:
-        port = int(server.metrics.start_http(config.metrics_port, config.metrics_addr))
+        port = int(server.metrics.start_http(config.metrics_port, config.metrics_addr, max_connections=max_connections))
     except OSError as exc:
         raise RuntimeError(
             f"cannot serve metrics on {config.metrics_addr}:{config.metrics_port}: {exc.strerror or exc} "

@@ -43,6 +43,7 @@ from prometheus_client.registry import Collector
 from .. import errors as E
 from .._version import __version__
 from ..protocol import VERSION
+from ._metrics_http import DEFAULT_MAX_CONNECTIONS, DEFAULT_TIMEOUT_S, MetricsHTTP
 
 __all__ = ["Metrics", "SessionSeries", "LATENCY_BUCKETS", "BATCH_BUCKETS", "STATS_FAMILIES", "STATS_NOT_EXPORTED", "OTHER"]
 
@@ -78,6 +79,7 @@ STATS_FAMILIES: dict[str, tuple[str, str, str]] = {
     "nixl_failures": ("nixl_failures_total", "counter", "NIXL transfers that failed"),
     "fds_passed": ("fds_passed_total", "counter", "Segment and ring memfds handed to clients"),
     "fds_refused": ("fds_refused_total", "counter", "fd-socket requests refused (bad token, wrong peer)"),
+    "fds_evicted": ("fds_evicted_total", "counter", "fd-socket peers closed before sending a token, to make room (a flood)"),
     "sessions": ("sessions", "gauge", "Open sessions"),
     "rings": ("rings", "gauge", "Open shared-memory request rings"),
     "ring_workers": ("ring_workers", "gauge", "Running native ring workers"),
@@ -320,8 +322,8 @@ class Metrics:
         self.sessions = SessionSeries(session_series)
         self._stats_source: Callable[[], dict[str, Any]] | None = None
         self._sessions_source: Callable[[], Iterable[SessionLike]] | None = None
-        self._http: Any = None
-        self._http_thread: threading.Thread | None = None
+        #: The HTTP listener while `start_http` serves (its counters: `MetricsHTTP`).
+        self.http: MetricsHTTP | None = None
         self.registry.register(_Collector(self))
         if process:
             ProcessCollector(namespace=namespace, registry=self.registry)
@@ -386,24 +388,22 @@ class Metrics:
         """The text exposition format (what a scrape returns)."""
         return generate_latest(self.registry)
 
-    def start_http(self, port: int, addr: str = "127.0.0.1") -> int:
-        """Serve /metrics on a daemon thread; returns the bound port (port 0 picks one)."""
-        from prometheus_client import start_http_server
-
-        if self._http is not None:
+    def start_http(
+        self, port: int, addr: str = "127.0.0.1", *, max_connections: int = DEFAULT_MAX_CONNECTIONS, timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> int:
+        """Serve /metrics from one thread, at most `max_connections` at once, each closed `timeout_s`
+        after its accept (`MetricsHTTP`); returns the bound port (port 0 picks one)."""
+        if self.http is not None:
             raise RuntimeError("metrics HTTP server already running")
-        res = start_http_server(port, addr=addr, registry=self.registry)
-        if isinstance(res, tuple):  # prometheus_client >= 0.17 returns (server, thread)
-            self._http, self._http_thread = res
-            return int(self._http.server_address[1])
-        self._http = True  # older versions: no handle; cannot report an ephemeral port
-        return port
+        http = MetricsHTTP(self.registry, port, addr, max_connections=max_connections, timeout_s=timeout_s)
+        bound = http.start()
+        self.http = http
+        return bound
 
     def stop_http(self) -> None:
-        if self._http not in (None, True):
-            self._http.shutdown()
-            self._http.server_close()
-        self._http = None
+        if self.http is not None:
+            self.http.stop()
+            self.http = None
 
     # --- reading back (tests) -----------------------------------------------------------------
     def requests(self, op: str) -> int:
