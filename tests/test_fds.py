@@ -136,7 +136,7 @@ def test_another_process_cannot_take_a_sessions_memory(daemon, tmp_path: Path) -
 def test_silent_and_garbage_peers_do_not_stall_the_daemon(daemon) -> None:
     with transfer.connect(daemon.endpoint) as good:
         path = good._core.fd_socket
-        silent = [_connect(str(path)) for _ in range(FdChannel.MAX_CONNECTIONS + 8)]
+        silent = [_connect(str(path)) for _ in range(FdChannel.MAX_WAITING + 8)]
         try:
             t0 = time.monotonic()
             for _ in range(5):  # every segment is collected from the same socket, right now
@@ -159,7 +159,7 @@ def test_silent_and_garbage_peers_do_not_stall_the_daemon(daemon) -> None:
                 s.settimeout(max(0.1, deadline - time.monotonic()))
                 assert s.recv(16) == b""
             st = good.stats()["daemon"]
-            assert st["fds_passed"] == 5 + good.ring and st["fds_refused"] >= 4
+            assert st["fds_passed"] == 5 + 2 * good.ring and st["fds_refused"] >= 4  # (a ring: its memfd and doorbell)
             assert daemon.alive()
         finally:
             for s in silent:
@@ -243,3 +243,65 @@ def test_a_pid_is_matched_through_the_peers_pid_namespace() -> None:
         (nspid,) = [int(ln.split()[-1]) for ln in f if ln.startswith("NSpid:")]
     assert _same_process(nspid, me)  # what a client in a container says in hello
     assert not _same_process(me + 1 if me + 1 != nspid else me + 2, me)
+
+
+#: A same-uid process holding up to `n` silent connections to the fd socket, reconnecting each
+#: one the daemon closes; it prints "ready" once it holds them all or the daemon's backlog is
+#: full, then runs until stdin closes.
+_FLOOD = textwrap.dedent("""
+    import os, selectors, socket, sys, threading
+    path, n = sys.argv[1], int(sys.argv[2])
+    sel = selectors.DefaultSelector()
+    done = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+    held, full = 0, False
+    def connect():
+        global held, full
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK)
+        try:
+            s.connect(path)
+        except OSError:  # the backlog is full: try again at the next turn
+            s.close()
+            full = True
+            return
+        sel.register(s, selectors.EVENT_READ)
+        held += 1
+    announced = False
+    while not done.is_set():
+        while held < n:
+            before = held
+            connect()
+            if held == before:
+                break
+        if (held >= n or full) and not announced:
+            print("ready", flush=True)
+            announced = True
+        for key, _ in sel.select(0.01):  # a connection the daemon closed: replace it
+            sel.unregister(key.fileobj)
+            key.fileobj.close()
+            held -= 1
+""")
+
+
+def test_a_flood_of_silent_handover_connections_starves_no_client(daemon) -> None:
+    """One same-uid process holding hundreds of silent connections to the fd socket: every
+    segment another client makes is still collected (its connect waits, bounded, while the
+    backlog is full; the daemon evicts the flood's silent peers, never one mid-handover)."""
+    with transfer.connect(daemon.endpoint, ring=False) as good:
+        flood = subprocess.Popen([sys.executable, "-c", _FLOOD, str(good._core.fd_socket), "400"],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert flood.stdout is not None and flood.stdout.readline().strip() == "ready"
+            failed = 0
+            for i in range(100):
+                try:
+                    seg = good.segment(4096)
+                except transfer.ConnectionLost:
+                    failed += 1
+                    continue
+                seg.buffer[:] = i % 251
+                good.free(seg)
+            assert failed == 0, f"{failed} of 100 segments could not be collected"
+            assert daemon.alive()
+        finally:
+            flood.communicate("")

@@ -8,7 +8,7 @@ and receives the memfd (SCM_RIGHTS; wire in `transfer.transport._fds`).
 
 What a peer of this socket can make the daemon do, and its bounds:
 
-- The socket is ``transfer.<instance>.fds.<random>`` in the shm dir, mode 0600
+- The socket is ``transfer.<instance>.fds.<random 64 bits>`` in the shm dir, mode 0600
   (the shm dir may be world-writable, so the name is unguessable, and a
   restarting daemon sweeps a dead instance's socket with its other files).
 - A peer of another uid is refused at once (SO_PEERCRED). A token's memfd goes
@@ -16,10 +16,15 @@ What a peer of this socket can make the daemon do, and its bounds:
   the peer's pid namespace) when the session named a pid; a token is deleted on
   use, with its segment, and with its session; a session may have at most
   `MAX_PER_SESSION` outstanding.
-- Nothing here blocks the event loop: non-blocking trio sockets, one bounded
-  read per connection, a deadline per connection (`TIMEOUT_S`), and at most
-  `MAX_CONNECTIONS` at once: a new connection evicts the oldest, so peers that
-  connect and say nothing cannot starve the ones that send their token at once.
+- Nothing here blocks the event loop: non-blocking sockets, one bounded read and
+  one bounded send per connection. A client sends its token as it connects, so
+  it is usually there when the connection is accepted, and is answered at once.
+  A peer that has not spoken yet waits with a deadline (`TIMEOUT_S`), among at
+  most `max_waiting`: one more evicts a waiting peer of the process holding the
+  most of them, so one process's silent connections evict each other, never a
+  client mid-handover. While the kernel's backlog is full, a client's connect
+  waits (bounded) instead of failing; a client whose connection was evicted
+  before its token was read asks again (`transport._fds.fetch_fd`).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import logging
 import os
 import secrets
 import socket
-from collections import OrderedDict
+from collections import Counter
 from pathlib import Path
 from typing import Callable
 
@@ -65,12 +70,15 @@ class FdChannel:
 
     #: Outstanding (not yet collected) memfds per session.
     MAX_PER_SESSION = 64
-    #: Connections served at once; one more evicts the oldest.
-    MAX_CONNECTIONS = 16
-    #: Seconds a connection may take from accept to reply.
+    #: Peers that connected and have not sent their token yet, by default (`max_waiting`);
+    #: one more evicts a waiting peer of the process that holds the most.
+    MAX_WAITING = 16
+    #: Seconds a peer may take from accept to sending its token.
     TIMEOUT_S = 2.0
+    #: Connections the kernel queues before accept; a client's connect waits while it is full.
+    BACKLOG = 128
 
-    def __init__(self, shm_dir: Path, instance: Callable[[], str]) -> None:
+    def __init__(self, shm_dir: Path, instance: Callable[[], str], max_waiting: int = MAX_WAITING) -> None:
         self.shm_dir = shm_dir
         self._instance = instance
         self.path: Path | None = None
@@ -78,14 +86,17 @@ class FdChannel:
         #: token -> (session, memfd)
         self._offers: dict[bytes, tuple[Session, int]] = {}
         self._by_session: dict[int, set[bytes]] = {}
-        self._conns: OrderedDict[int, trio.CancelScope] = OrderedDict()
+        self.max_waiting = max_waiting
+        #: key -> (peer pid, its deadline's scope), oldest first.
+        self._waiting: dict[int, tuple[int, trio.CancelScope]] = {}
         self._next_conn = 0
-        self.counters = {"fds_passed": 0, "fds_refused": 0}
+        self.counters = {"fds_passed": 0, "fds_refused": 0, "fds_evicted": 0}
 
     # --- tokens (synchronous, on the trio thread) ----------------------------------------------
-    def check_room(self, session: Session) -> None:
+    def check_room(self, session: Session, fds: int = 1) -> None:
+        """Refuse (QuotaExceeded) unless the session may be offered `fds` more handles."""
         n = len(self._by_session.get(session.id, ()))
-        if n >= self.MAX_PER_SESSION:
+        if n + fds > self.MAX_PER_SESSION:
             raise E.QuotaExceeded(f"session has {n} memory handles it has not collected from the fd socket (limit {self.MAX_PER_SESSION})")
 
     def offer(self, session: Session, fd: int) -> bytes:
@@ -136,13 +147,13 @@ class FdChannel:
     # --- the socket ----------------------------------------------------------------------------
     def open(self) -> Path:
         """Bind and listen (synchronously: at daemon start, before anything is served)."""
-        path = self.shm_dir / f"{PREFIX}{self._instance()}.fds.{secrets.token_hex(6)}"
+        path = self.shm_dir / f"{PREFIX}{self._instance()}.fds.{secrets.token_hex(8)}"
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
         try:
             with unix_address(path) as addr:
-                sock.bind(addr)
+                sock.bind(addr)  # (EADDRINUSE if the name exists: bind never follows or replaces)
             os.chmod(path, 0o600)  # until then the peer-uid check refuses strangers
-            sock.listen(64)
+            sock.listen(self.BACKLOG)
         except BaseException:
             sock.close()
             path.unlink(missing_ok=True)
@@ -151,48 +162,92 @@ class FdChannel:
         return path
 
     async def serve(self) -> None:
-        """Accept until cancelled; each connection is one bounded exchange."""
-        assert self._listener is not None, "FdChannel.open() first"
-        listener = trio.socket.from_stdlib_socket(self._listener)
+        """Accept until cancelled. A peer whose token is already there (a client sends it as
+        it connects) is answered at once, in this task; one that has not sent it yet waits
+        in a task of its own, with a deadline, among at most `max_waiting`."""
+        listener = self._listener
+        assert listener is not None, "FdChannel.open() first"
         async with trio.open_nursery() as nursery:
             while True:
                 try:
-                    conn, _ = await listener.accept()
+                    conn, _ = listener.accept()
+                except BlockingIOError:
+                    await trio.lowlevel.wait_readable(listener)
+                    continue
                 except OSError as exc:  # EMFILE and friends: back off, never spin
                     log.warning("fd socket: accept failed: %s", exc)
                     await trio.sleep(0.05)
                     continue
-                while len(self._conns) >= self.MAX_CONNECTIONS:
-                    _, oldest = self._conns.popitem(last=False)
-                    oldest.cancel()
-                key = self._next_conn
-                self._next_conn += 1
-                scope = trio.CancelScope(deadline=trio.current_time() + self.TIMEOUT_S)
-                self._conns[key] = scope
-                nursery.start_soon(self._serve_one, conn, key, scope)
-
-    async def _serve_one(self, conn: trio.socket.SocketType, key: int, scope: trio.CancelScope) -> None:
-        fd = -1
-        try:
-            with conn, scope:
-                pid, uid, _ = peer_credentials(conn)  # type: ignore[arg-type]
+                conn.setblocking(False)
+                try:
+                    pid, uid, _ = peer_credentials(conn)
+                except OSError:
+                    conn.close()
+                    continue
                 if uid != os.geteuid():
                     self.counters["fds_refused"] += 1
-                    return  # not ours to talk to
-                token = await conn.recv(TOKEN_BYTES + 1)
-                fd, why = self._redeem(token, pid)
-                if fd < 0:
-                    self.counters["fds_refused"] += 1
-                    await conn.send((REFUSED + why.encode())[:MAX_REPLY])
+                    conn.close()  # not ours to talk to
+                    continue
+                try:
+                    token = conn.recv(TOKEN_BYTES + 1)
+                except BlockingIOError:
+                    self._wait_for_token(nursery, conn, pid)
+                    continue
+                except OSError:
+                    conn.close()
+                    continue
+                with conn:
+                    self._answer(conn, token, pid)
+                await trio.lowlevel.checkpoint()  # a flood of quick peers still lets the loop run
+
+    def _wait_for_token(self, nursery: trio.Nursery, conn: socket.socket, pid: int) -> None:
+        """Park a peer that has not sent its token; at the cap, first evict a waiting peer of
+        the process that holds the most (its oldest): a flood evicts itself, not the client
+        whose token is a moment away. A peer whose token was read is never evicted."""
+        while len(self._waiting) >= self.max_waiting:
+            counts = Counter(p for p, _ in self._waiting.values())
+            heaviest = max(counts.values())
+            key = next(k for k, (p, _) in self._waiting.items() if counts[p] == heaviest)
+            self._waiting.pop(key)[1].cancel()
+            self.counters["fds_evicted"] += 1
+        key = self._next_conn
+        self._next_conn += 1
+        scope = trio.CancelScope(deadline=trio.current_time() + self.TIMEOUT_S)
+        self._waiting[key] = (pid, scope)
+        nursery.start_soon(self._serve_waiting, conn, pid, key, scope)
+
+    async def _serve_waiting(self, conn: socket.socket, pid: int, key: int, scope: trio.CancelScope) -> None:
+        with conn:
+            token = None
+            with scope:
+                await trio.lowlevel.wait_readable(conn)
+                self._waiting.pop(key, None)  # has spoken: no longer evictable
+                try:
+                    token = conn.recv(TOKEN_BYTES + 1)
+                except OSError:
                     return
-                await conn.sendmsg([OK], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
-                self.counters["fds_passed"] += 1
+            self._waiting.pop(key, None)
+            if token is not None:
+                self._answer(conn, token, pid)
+
+    def _answer(self, conn: socket.socket, token: bytes, pid: int) -> None:
+        """One exchange's answer (non-blocking: a reply of at most MAX_REPLY bytes fits an
+        empty socket's buffer). A peer that left has spent its token."""
+        if not token:
+            return  # connected and left
+        fd, why = self._redeem(token, pid)
+        try:
+            if fd < 0:
+                self.counters["fds_refused"] += 1
+                conn.send((REFUSED + why.encode())[:MAX_REPLY])
+                return
+            conn.sendmsg([OK], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+            self.counters["fds_passed"] += 1
         except OSError:
-            pass  # the peer went away; a token it used is spent
+            pass
         finally:
             if fd >= 0:
                 os.close(fd)  # in flight the kernel holds its own reference
-            self._conns.pop(key, None)
 
     def close(self) -> None:
         """Stop listening, remove the socket, drop every uncollected memfd."""

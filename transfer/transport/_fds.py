@@ -17,6 +17,7 @@ import contextlib
 import os
 import socket
 import struct
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -54,28 +55,64 @@ def unix_address(path: str | os.PathLike[str]) -> Iterator[str]:
         os.close(dfd)
 
 
+def _timeval(seconds: float) -> bytes:
+    whole = int(seconds)
+    return struct.pack("ll", whole, int((seconds - whole) * 1e6))
+
+
+class _Unanswered(Exception):
+    """The daemon closed the connection without reading the token (a busy socket's eviction,
+    or its deadline): the token is unspent, so asking again is safe."""
+
+
 def fetch_fd(path: str | os.PathLike[str], token: bytes, timeout: float = 5.0) -> int:
-    """Redeem `token` at the daemon's fd socket; return the fd (the caller's to close)."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-    try:
-        sock.settimeout(timeout)
+    """Redeem `token` at the daemon's fd socket; return the fd (the caller's to close).
+
+    A busy socket is waited for, within `timeout`: the connect blocks in the kernel
+    (SO_SNDTIMEO) while the daemon's listen backlog is full, and a connection the daemon
+    closed before reading the token (it evicts waiting peers when flooded) is made again."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise E.ConnectionLost(f"the daemon's fd socket {path} did not answer within {timeout}s")
         try:
-            with unix_address(path) as addr:
-                sock.connect(addr)
-            _, uid, _ = peer_credentials(sock)
-            if uid != os.geteuid():
-                raise E.ProtocolError(f"the fd socket {path} belongs to uid {uid}, not to us")
-            sock.sendall(token)
-            msg, fds, flags, _ = socket.recv_fds(sock, MAX_REPLY, 1)
-        except socket.timeout:
-            raise E.ConnectionLost(f"the daemon's fd socket {path} did not answer within {timeout}s") from None
-        except OSError as exc:
-            raise E.ConnectionLost(f"cannot reach the daemon's fd socket {path}: {exc}") from None
-    finally:
-        sock.close()
+            msg, fds, flags = _exchange(path, token, left)
+        except _Unanswered:
+            continue
+        break
     if msg[:1] == OK and len(fds) == 1 and not flags & socket.MSG_CTRUNC:
         return fds[0]
     for fd in fds:
         os.close(fd)
     reason = msg[1:].decode("utf-8", "replace") if msg[:1] == REFUSED else f"unexpected reply {msg[:16]!r}"
     raise E.ProtocolError(f"the daemon refused the memory handle: {reason}")
+
+
+def _exchange(path: str | os.PathLike[str], token: bytes, timeout: float) -> tuple[bytes, list[int], int]:
+    """One connection: the token out, the reply (and any fds) back."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        # Blocking, with kernel timeouts: connect then waits for room in a full backlog
+        # (a non-blocking connect fails at once with EAGAIN), and recv for the reply.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout))
+        try:
+            with unix_address(path) as addr:
+                sock.connect(addr)
+            _, uid, _ = peer_credentials(sock)
+            if uid != os.geteuid():
+                raise E.ProtocolError(f"the fd socket {path} belongs to uid {uid}, not to us")
+            sock.send(token)
+            msg, fds, flags, _ = socket.recv_fds(sock, MAX_REPLY, 1)
+        except BlockingIOError:  # (EAGAIN: a kernel timeout ran out)
+            raise E.ConnectionLost(f"the daemon's fd socket {path} did not answer within {timeout:.1f}s") from None
+        except (ConnectionResetError, BrokenPipeError):
+            raise _Unanswered() from None
+        except OSError as exc:
+            raise E.ConnectionLost(f"cannot reach the daemon's fd socket {path}: {exc}") from None
+    finally:
+        sock.close()
+    if not msg and not fds:
+        raise _Unanswered()
+    return msg, fds, flags
