@@ -22,7 +22,7 @@ It checks, and exits 1 unless all hold:
 * the good clients succeeded 100 % (every round verified by checksum64 / read-back);
 * no attack was served something it must not be (`VIOLATION:*` counts);
 * at the end, after every attacker and good client is gone: sessions 0 (the monitor's
-  aside), segments 0, device bytes 0, rings 0, only the lock and doorbell in the shm dir,
+  aside), segments 0, device bytes 0, rings 0, only the lock and fd socket in the shm dir,
   fds back within `--fd-slack` of the baseline, RSS within `--rss-slack-mib`, no
   attacker process left alive; then SIGTERM: exit 0 and an empty shm dir.
 
@@ -433,8 +433,8 @@ def _leaks(res: Result, cfg: Config, daemon: DaemonProcess, monitor: Monitor, ba
             res.failures.append(f"leak: {L[k]} {k} still held by the daemon after every client left")
     files = sorted(os.listdir(daemon.shm_dir))
     L["shm_files_running"] = files
-    # While it runs, the daemon keeps its lock, its doorbell FIFO and its fd socket (`.fds.<random>`).
-    unexpected = [f for f in files if not (f.endswith((".lock", ".bell")) or ".fds." in f)]
+    # While it runs, the daemon keeps its lock and its fd socket (`.fds.<random>`).
+    unexpected = [f for f in files if not (f.endswith(".lock") or ".fds." in f)]
     if unexpected:
         res.failures.append(f"leak: {len(unexpected)} unexpected file(s) in the shm dir while running: {unexpected[:5]}")
     now = monitor.sample()

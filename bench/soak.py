@@ -244,7 +244,7 @@ def run(
             summary.daemon_device_bytes = st["device_bytes"]
         # While it lives the daemon keeps its lock, fd socket and rings' doorbell there; segments
         # and rings are memfds, so a leak would show as a memfd the daemon still holds.
-        summary.leaked_files = sorted(n for n in os.listdir(shm_dir) if not n.endswith((".lock", ".bell")) and ".fds." not in n)
+        summary.leaked_files = sorted(n for n in os.listdir(shm_dir) if not n.endswith(".lock") and ".fds." not in n)
         summary.leaked_files += [f"memfd held by the daemon: {m}" for m in memfds(dproc.pid, maps=False)]
         time.sleep(0.3)
         summary.rss_final = min(_rss(dproc) for _ in range(3) if time.sleep(0.1) is None)

@@ -1227,6 +1227,25 @@ static PyObject *Worker_get_done(WorkerObject *self, void *c)
     return PyLong_FromUnsignedLongLong(atomic_load_explicit(&self->w.done, memory_order_seq_cst));
 }
 
+static PyObject *Worker_get_limit(WorkerObject *self, void *c)
+{
+    return PyLong_FromUnsignedLongLong(atomic_load_explicit(&self->w.limit, memory_order_acquire));
+}
+
+static int Worker_set_limit(WorkerObject *self, PyObject *v, void *c)
+{
+    unsigned long long limit = v ? PyLong_AsUnsignedLongLong(v) : (unsigned long long)-1;
+    if (!v || (limit == (unsigned long long)-1 && PyErr_Occurred())) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "limit: a request index");
+        return -1;
+    }
+    atomic_store_explicit(&self->w.limit, limit, memory_order_release);
+    atomic_fetch_add_explicit(&self->w.ctl, 1, memory_order_release);
+    tdp_private_wake(&self->w.ctl);
+    return 0;
+}
+
 static PyMethodDef Worker_methods[] = {
     {"stop", (PyCFunction)Worker_stop, METH_NOARGS, "stop and join the thread (idempotent)"},
     {"resume", (PyCFunction)Worker_resume, METH_NOARGS,
@@ -1245,6 +1264,8 @@ static PyGetSetDef Worker_getset[] = {
     {"mode", (getter)Worker_get_mode, NULL, "0 native (the worker owns the ring), 1 python, 2 broken", NULL},
     {"why", (getter)Worker_get_why, NULL, "why it last handed the ring to Python", NULL},
     {"done", (getter)Worker_get_done, NULL, "request index below which all is executed and completed", NULL},
+    {"limit", (getter)Worker_get_limit, (setter)Worker_set_limit,
+     "serve descriptors below this request index only (a drain's cut; 2**64-1: all)", NULL},
     {"spin", (getter)Worker_get_spin, (setter)Worker_set_spin, "seconds it polls an empty ring before it sleeps (at most 0.01)", NULL},
     {NULL}};
 

@@ -361,6 +361,7 @@ typedef struct {
     _Atomic uint32_t ctl;      /* futex word: bumped by Python to wake a parked worker */
     _Atomic uint64_t done;     /* request index below which everything is executed and completed */
     _Atomic uint64_t watch;    /* ring the bell once done >= watch (0: nobody watches) */
+    _Atomic uint64_t limit;    /* serve descriptors below this request index only (a drain's cut) */
     _Atomic int signalled;     /* the bell was rung for Python; it clears this when it looks */
     /* counters (read by Python at any time; relaxed) */
     _Atomic uint64_t n_copy, n_fill, n_checksum, n_fence, n_bytes, n_batches, n_wakes;
@@ -975,6 +976,14 @@ corrupt:
     return -1;
 }
 
+/* Sleep on `ctl` until Python bumps it or a slice passes, whatever the mode (a drain's cut). */
+static inline void tdp_rest(tdp_worker_t *w)
+{
+    uint32_t c = atomic_load_explicit(&w->ctl, memory_order_acquire);
+    if (!atomic_load_explicit(&w->stop, memory_order_acquire))
+        tdp_private_wait(&w->ctl, c, TRQ_SLICE_NS);
+}
+
 /* Sleep on `ctl` until Python bumps it (resume, stop) or a slice passes. */
 static inline void tdp_park(tdp_worker_t *w)
 {
@@ -1015,6 +1024,13 @@ static void *tdp_run(void *arg)
             tdp_signal(w);
             continue;
         }
+        uint64_t lim = atomic_load_explicit(&w->limit, memory_order_acquire), mine = w->rq->mine;
+        if (mine >= lim) { /* the drain's cut: what came after it is answered by the session's end */
+            tdp_rest(w);
+            continue;
+        }
+        if (a > 0 && (uint64_t)a > lim - mine)
+            a = (int64_t)(lim - mine); /* (the cut is a published tail: never inside a request) */
         if (f == 0 || (uint64_t)a < need) {
             /* A timeout slice, a stop, or the client closed its end (then nothing more comes:
              * sleep until the session ends instead of spinning on the closed flag). */
@@ -1037,6 +1053,7 @@ static inline int tdp_worker_start(tdp_worker_t *w)
     if (!w->batch || !w->comps)
         return ENOMEM;
     atomic_store(&w->done, w->rq->mine);
+    atomic_store(&w->limit, UINT64_MAX);
     int rc = pthread_create(&w->thread, NULL, tdp_run, w);
     if (rc == 0)
         w->started = 1;

@@ -32,9 +32,9 @@ FAST = ["--heartbeat", "0.2", "--session-timeout", "2.0", "--backend", "numpy"]
 
 def segment_files(shm_dir: Path) -> list[str]:
     """Files in shm_dir other than what a live daemon keeps there for its whole life: its
-    lock, its fd socket and (once a ring was opened) its doorbell FIFO. Segments and rings
-    are memfds: they have no file at all; a session's completion doorbell goes with it."""
-    return sorted(n for n in leftovers(shm_dir) if ".fds." not in n and not n.endswith(".bell"))
+    lock and its fd socket. Segments, rings and doorbells are memfds and pipes, handed over
+    that socket: they have no file at all."""
+    return sorted(n for n in leftovers(shm_dir) if ".fds." not in n)
 
 
 def leftovers(shm_dir: Path) -> list[str]:

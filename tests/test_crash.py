@@ -127,8 +127,7 @@ def test_killed_client_leaves_no_memory_anywhere(daemon, shm_dir: Path, tmp_path
         wait_until(lambda: survivor.stats()["daemon"]["sessions"] == 1, 5, "victim's session to end")
         wait_until(lambda: set(memfds(daemon.pid)) <= mine, 5, "the daemon to let go of the victim's memory")
         assert survivor.checksum(seg).result() == transfer.checksum64(bytes(1 << 16))
-    # The daemon's doorbell stays; the survivor's completion doorbell goes when its session is released.
-    wait_until(lambda: [n for n in segment_files(shm_dir) if not n.endswith(".bell")] == [], 5, "the sessions' files to go")
+    wait_until(lambda: segment_files(shm_dir) == [], 5, "the sessions' files to go")
 
 
 def test_restarted_daemon_does_not_know_old_sessions(daemon) -> None:

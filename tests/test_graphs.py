@@ -112,10 +112,10 @@ def test_mlp_graph_matches_numpy_and_profiles(client: transfer.Client) -> None:
     prof = client.run_graph(g, [xs], [ys], profile=True)
     assert prof.id not in client._ring.outstanding and client._ring.pushed == pushed + 1
     prof = prof.result()
-    nodes = prof["nodes"]
-    assert [n["op"] for n in nodes] == ["linear", "relu", "linear", "relu", "linear"]
-    assert all(n["device"] == client.home_device and n["kind"] == "cpu" and n["us"] >= 0 for n in nodes)
-    assert nodes[0]["kernel"] == "(float32, float32, float32) -> (float32)"
+    nodes = prof.nodes
+    assert [n.op for n in nodes] == ["linear", "relu", "linear", "relu", "linear"]
+    assert all(n.device == client.home_device and n.kind == "cpu" and n.us >= 0 for n in nodes)
+    assert nodes[0].kernel == "(float32, float32, float32) -> (float32)"
     assert client.stats()["session"]["defines"] >= 1
 
 
@@ -330,13 +330,13 @@ def test_placement_overrides_per_graph(client: transfer.Client) -> None:
     g.output("y", (8,), "float32")
     g.op("relu", ["x"], "y")
     xs, ys = client.segment(32), client.segment(32)
-    seen = {client.run_graph(g, [xs], [ys], profile=True).result()["nodes"][0]["device"] for _ in range(4)}
+    seen = {client.run_graph(g, [xs], [ys], profile=True).result().nodes[0].device for _ in range(4)}
     assert seen == {0, 1}
     pinned = client.graph(device=1)
     pinned.input("x", (8,), "float32")
     pinned.output("y", (8,), "float32")
     pinned.op("relu", ["x"], "y")
-    assert client.run_graph(pinned, [xs], [ys], profile=True).result()["nodes"][0]["device"] == 1
+    assert client.run_graph(pinned, [xs], [ys], profile=True).result().nodes[0].device == 1
 
 
 # --- refusals from the wire ---------------------------------------------------------------------
@@ -430,7 +430,7 @@ def test_mlp_graph_on_each_backend(backend_daemon: DaemonProcess) -> None:
             x[...] = RNG.standard_normal((8, 16))
             prof = c.run_graph(g, [xs], [ys], profile=True).result()
             np.testing.assert_allclose(ys.ndarray((8, 4), np.float32), mlp_ref(x, ws), rtol=1e-4, atol=1e-4)
-        assert {n["kind"] for n in prof["nodes"]} == {"cpu" if c.backend["backend"] == "numpy" else "gpu"}
+        assert {n.kind for n in prof.nodes} == {"cpu" if c.backend["backend"] == "numpy" else "gpu"}
 
 
 def test_a_graph_run_is_one_op(client: transfer.Client) -> None:

@@ -454,3 +454,50 @@ def test_a_frame_of_stats_is_answered_a_bounded_number_of_times(daemon_factory) 
     refused = [r for r in replies if r.error is not None]
     assert len(answered) == 16 and all(type(r.error) is transfer.QuotaExceeded for r in refused)
     s.close()
+
+
+# --- one frame never ends the daemon -------------------------------------------------------------
+@pytest.mark.parametrize("pid", [P.PID_MAX + 1, 1 << 31, (1 << 32) - 1])
+def test_a_hello_naming_an_impossible_pid_is_refused_and_the_daemon_serves_on(daemon, pid: int) -> None:
+    """A pid beyond any the kernel hands out is refused by the codec (InvalidField naming the
+    field), before any use: it once reached os.pidfd_open, whose OverflowError ended the daemon."""
+    s = raw(daemon.endpoint)
+    (r,) = call(s, P.Hello(1, P.VERSION, "pid", pid, b""))
+    assert type(r.error) is transfer.InvalidField and "Hello.pid" in str(r.error), r
+    s.close()
+    s = raw(daemon.endpoint)
+    hello(s, pid=P.PID_MAX)  # the largest possible pid is a pid: the session opens
+    s.close()
+    assert daemon.alive()
+    with transfer.connect(daemon.endpoint) as c:
+        c.fill(c.alloc(4096), 4096, 1).result()
+
+
+def test_a_fault_in_one_session_task_ends_that_session_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every session's tasks run in the daemon's one nursery; an exception no check foresaw in
+    one of them (here: the pid watcher's) ends that session, never the daemon. In-process, so
+    the fault can be injected where no client could reach it."""
+    import transfer.server._front as front
+
+    real = os.pidfd_open
+    other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+
+    def broken(pid: int, *flags: int) -> int:
+        if pid == other.pid:
+            raise RuntimeError("injected")
+        return real(pid, *flags)
+
+    monkeypatch.setattr(front.os, "pidfd_open", broken)
+    with transfer.serve_in_process(backend="numpy", shm_dir=tmp_path) as d:
+        s = raw(d.endpoint)
+        hello(s, "faulty", pid=other.pid)  # its pid watcher fails
+        with transfer.connect(d.endpoint, name="bystander") as c:
+            def sessions() -> int:
+                return int(c.stats()["daemon"]["sessions"])
+            deadline = time.monotonic() + 30
+            while sessions() != 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert sessions() == 1  # the faulty session ended; this one serves on
+            c.fill(c.alloc(4096), 4096, 1).result()
+        s.close()
+    other.communicate(b"")

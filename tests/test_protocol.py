@@ -42,7 +42,7 @@ tensor = st.builds(
 ).flatmap(lambda t: st.one_of(st.just(t), st.lists(st.integers(0, 1 << 19), min_size=len(t.shape), max_size=len(t.shape)).map(lambda s: TensorRef(t.va, t.dtype, t.shape, tuple(s)))))
 
 requests = st.one_of(
-    st.builds(P.Hello, rid, u32, st.text(max_size=100), u32, st.binary(max_size=100)),
+    st.builds(P.Hello, rid, u32, st.text(max_size=100), st.integers(0, P.PID_MAX), st.binary(max_size=100)),
     st.builds(P.Close, rid),
     st.builds(P.Ping, rid),
     st.builds(P.RegisterHost, rid, u64),

@@ -498,9 +498,9 @@ def test_client_killed_mid_stream_is_reclaimed(ringd, shm_dir: Path, tmp_path: P
         if proc.poll() is None:
             proc.kill()
     deadline = time.monotonic() + 5
-    while [n for n in segment_files(shm_dir) if not n.endswith(".bell")] and time.monotonic() < deadline:
+    while segment_files(shm_dir) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert [n for n in segment_files(shm_dir) if not n.endswith(".bell")] == []
+    assert segment_files(shm_dir) == []
     with transfer.connect(ringd.endpoint, ring=True) as c:
         seg = c.segment(64)
         assert c.checksum(seg.at(0), 64).result(5) == transfer.checksum64(bytes(64))
@@ -523,8 +523,8 @@ def test_daemon_killed_while_a_client_waits_on_the_ring(impl: str, shm_dir: Path
             p.result(30)
         assert time.monotonic() - t0 < 5
         c.close()
-        assert any(n.endswith(".bell") for n in leftovers(shm_dir))  # the dead daemon's doorbell FIFO
-        d.restart()  # the sweep removes the dead instance's doorbells (its ring was a memfd: gone with it)
+        assert any(".fds." in n for n in leftovers(shm_dir))  # the dead daemon's fd socket
+        d.restart()  # the sweep removes the dead instance's files (its ring was a memfd: gone with it)
         assert segment_files(shm_dir) == []
     finally:
         d.stop()

@@ -69,9 +69,14 @@ def _client(native: bool, ring: Ring, after: bool) -> Client:
     if not native:
         core.sub = PySubmission(core.pending, Pending, c._wait_for)
         core.submit = core.sub.submit
-    core.on_hello({"session": 1, "server_pid": 1, "backend": {}, "shm_dir": "/dev/shm", "limits": {}, "heartbeat_s": 0.5,
-                   "home_device": -1, "arenas": [{"device": -1, "first_id": 1, "count": 3, "quota": 0}]}, True)
-    core.ring = RingLink(ring, {"after": after}, core.sub)
+    core.on_hello(P.result(P.Hello, {
+        "session": 1, "server_pid": 1, "version": P.VERSION, "limits": P.Limits().to_wire(), "max_inflight": 1 << 16,
+        "backend": {}, "devices": [], "heartbeat_s": 0.5, "session_timeout_s": 2.0, "shm_dir": "/dev/shm",
+        "fd_socket": "/dev/shm/fds", "home_device": 0, "arenas": [{"device": 0, "first_id": 1, "count": 3, "quota": 0}],
+    }), True)
+    opened = {"token": bytes(16), "bell": bytes(16), "cbell": None, "capacity": ring.request_capacity,
+              "completion_capacity": ring.completion_capacity, "after": after}
+    core.ring = RingLink(ring, P.result(P.OpenRing, opened), core.sub)
     c._sock = _Socket()
     c._last_tx = 0.0
     return c

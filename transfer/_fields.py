@@ -28,6 +28,11 @@ U32 = Annotated[int, Meta(ge=0, le=U32_MAX)]
 U8 = Annotated[int, Meta(ge=0, le=255)]
 I32 = Annotated[int, Meta(ge=I32_MIN, le=I32_MAX)]
 RequestId = Annotated[int, Meta(ge=1)]
+#: No Linux pid, in any pid namespace, exceeds PID_MAX_LIMIT (include/linux/threads.h: 2**22
+#: on 64-bit): a pid is declared as what the kernel can hand out, not as the u32 it fits in,
+#: so it is always a valid pid_t for os.pidfd_open and /proc.
+PID_MAX = 1 << 22
+Pid = Annotated[int, Meta(ge=0, le=PID_MAX)]
 Str32 = Annotated[str, Meta(max_length=32)]
 Str64 = Annotated[str, Meta(max_length=64)]
 Str256 = Annotated[str, Meta(max_length=256)]

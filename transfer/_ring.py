@@ -475,13 +475,20 @@ class Ring:
         if self.path is not None:
             _unlink(self.path)
 
-    def close(self) -> None:
+    @property
+    def close_reason(self) -> int:
+        """What the peer's `close` wrote (0 while it is open, or once this end is closed):
+        the daemon writes the error code of why it closed. Unvalidated: the peer wrote it."""
+        return int(self._words[self._peer_closed]) if not self._closed else 0
+
+    def close(self, reason: int = 1) -> None:
         """Mark this endpoint closed, wake the peer's sleepers, interrupt a local
-        wait(), unmap. Never blocks on the peer (it may be dead)."""
+        wait(), unmap. Never blocks on the peer (it may be dead). `reason` (non-zero) is
+        what the peer reads in `close_reason`."""
         if self._closed:
             return
         self._closed = True
-        self._words[self._my_closed] = 1
+        self._words[self._my_closed] = reason if 0 < reason < 1 << 32 else 1
         _fence()
         for q in (self.outbox, self.inbox):
             try:

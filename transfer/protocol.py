@@ -33,6 +33,7 @@ import msgspec
 import numpy as np
 from msgspec import UNSET, Meta, Raw, UnsetType
 
+from . import _results as R
 from . import errors as E
 from ._fields import (  # noqa: F401 - the wire's field types, validators and limits, named here too
     I32,
@@ -48,6 +49,8 @@ from ._fields import (  # noqa: F401 - the wire's field types, validators and li
     U32_MAX,
     U64,
     U64_MAX,
+    PID_MAX,
+    Pid,
     Bin64,
     Bin1024,
     IdVersions,
@@ -110,6 +113,8 @@ __all__ = [
     "check_ints",
     "int_bounds",
     "REQUEST_TYPES",
+    "RESULTS",
+    "result",
 ]
 
 VERSION = 1
@@ -161,7 +166,7 @@ class Hello(Request, tag=1):
 
     version: U32 = VERSION
     client: Str256 = ""
-    pid: U32 = 0
+    pid: Pid = 0
     token: Bin1024 = b""
 
 
@@ -746,6 +751,36 @@ def decode_replies(data: bytes, limits: Limits = DEFAULT_LIMITS) -> list[Reply]:
         else:
             raise E.MalformedFrame("malformed reply status")
     return out
+
+
+# --- results ------------------------------------------------------------------------
+#: What a successful reply to each request carries (requests not named here: nil).
+RESULTS: dict[type[Request], Any] = {
+    Hello: R.HelloResult,
+    RegisterHost: R.Registered,
+    Alloc: R.Allocated,
+    RegisterRemote: R.RemoteRegistered,
+    Share: R.Shared,
+    Attach: R.Attached,
+    OpenRing: R.RingOpened,
+    Define: Union[R.Allocated, None],  # an alloc's definition answers what it allocated
+    Checksum: U64,
+    ChecksumV: bytes,
+    CopyV: Union[bytes, None],  # (with `sums`)
+    Compute: Union[U64, None],  # (the checksum operator)
+    ComputeRef: Union[U64, None],
+    RunGraph: Union[R.GraphProfile, None],
+    Stats: dict[str, Any],
+}
+
+
+def result(cls: type[Request], value: Any) -> Any:
+    """A reply's result to a `cls` request, checked against its declared type (RESULTS):
+    a Struct for a map, else the value. Anything else is a MalformedFrame naming the field."""
+    try:
+        return msgspec.convert(value, RESULTS.get(cls, None))
+    except msgspec.ValidationError as exc:
+        raise E.MalformedFrame(f"the daemon's reply to {cls.__name__} is malformed: {exc}") from None
 
 
 # --- submission-side checks -----------------------------------------------------

@@ -9,13 +9,13 @@ differ only in how they move bytes and how they wait.
 
 from __future__ import annotations
 
-import inspect
 import os
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .. import _results as R
 from .. import errors as E
 from .. import protocol as P
 from ..addressing import OFFSET_BITS
@@ -77,24 +77,27 @@ class ClientCore:
         self.max_inflight = 1 << 16
         #: checksum_many requests sent on the socket: id -> ranges (their reply is one packed array).
         self.sums: dict[int, int] = {}
+        #: Requests whose reply carries a value: id -> request class (`protocol.RESULTS`
+        #: types it). Any other reply's result must be nil.
+        self.valued: dict[int, type[P.Request]] = {}
 
     # --- the handshake ----------------------------------------------------------------------
-    def on_hello(self, info: dict[str, Any], deferred: bool) -> None:
-        """Take in what the daemon granted: limits, heartbeat, credits, arenas."""
-        self.session_id = info["session"]
-        self.server_pid = info["server_pid"]
-        self.backend = info["backend"]
-        self.shm_dir = Path(info["shm_dir"])
-        fds = info.get("fd_socket")
-        self.fd_socket = Path(fds) if isinstance(fds, str) and fds else None
-        known = inspect.signature(P.Limits).parameters
-        self.limits = P.Limits(**{k: int(v) for k, v in info["limits"].items() if k in known})
-        self.heartbeat_s = float(info["heartbeat_s"])
-        self.max_inflight = max(1, min(self.max_inflight, int(info.get("max_inflight", self.max_inflight))))
+    def on_hello(self, info: R.HelloResult, deferred: bool) -> None:
+        """Take in what the daemon granted (checked: `protocol.result`): limits, heartbeat,
+        credits, arenas."""
+        self.session_id = info.session
+        self.server_pid = info.server_pid
+        self.backend = info.backend
+        self.shm_dir = Path(info.shm_dir)
+        self.fd_socket = Path(info.fd_socket)
+        lim = info.limits
+        self.limits = P.Limits(lim.max_frame_bytes, lim.max_batch, lim.max_vector, lim.max_str, lim.max_bin)
+        self.heartbeat_s = info.heartbeat_s
+        self.max_inflight = min(self.max_inflight, info.max_inflight)
         # Deferred creation: allocations, descriptors and plans are answered here and
         # travel with their first use. deferred=False sends each at once (for debugging).
-        self.home_device = int(info["home_device"])
-        self.deferred = DeferredState(info["arenas"], self.home_device) if deferred and info.get("arenas") else None
+        self.home_device = info.home_device
+        self.deferred = DeferredState(info.arenas, self.home_device) if deferred and info.arenas else None
         self._watch()
 
     def hold_while(self, held: Any) -> None:
@@ -109,14 +112,12 @@ class ClientCore:
         holds = (*self._holds, state.frees) if state is not None else tuple(self._holds)
         self.sub.watch(state.buffers if state is not None else None, OFFSET_BITS, holds)
 
-    def collect(self, token: Any) -> int:
-        """The memfd a RegisterHost/OpenRing reply's token stands for (ours to close)."""
+    def collect(self, token: bytes) -> int:
+        """The fd a RegisterHost/OpenRing reply's token stands for (ours to close)."""
         if self.fd_socket is None:
-            raise E.ProtocolError("this daemon announced no fd socket (is it older than this client?)")
+            raise E.ProtocolError("no session: the daemon has not named its fd socket")
         if self.fd_socket.parent != self.shm_dir:
             raise E.ProtocolError(f"the daemon named an fd socket outside its shm dir: {self.fd_socket}")
-        if not isinstance(token, bytes):
-            raise E.ProtocolError(f"the daemon sent a {type(token).__name__} token, not bytes")
         return fetch_fd(self.fd_socket, token, timeout=FETCH_TIMEOUT_S)
 
     # --- requests ---------------------------------------------------------------------------
@@ -185,6 +186,8 @@ class ClientCore:
         for r in reqs:
             if type(r) is P.ChecksumV or (type(r) is P.CopyV and r.sums):
                 self.sums[r.id] = len(r.nbytes)
+            elif type(r) in _VALUED:
+                self.valued[r.id] = type(r)
         for i in range(0, len(reqs), step):
             chunk = reqs[i : i + step]
             try:
@@ -196,6 +199,7 @@ class ClientCore:
                         P.encode_requests([r])
                     except (TypeError, ValueError, OverflowError) as exc:
                         self.sums.pop(r.id, None)
+                        self.valued.pop(r.id, None)
                         p = self.pending.pop(r.id, None)
                         if p is not None:
                             p._finish(None, E.InvalidField(f"{type(r).__name__} cannot be encoded: {exc}"))
@@ -245,8 +249,14 @@ class ClientCore:
         return link.reap(self.pending, self.unobserved)
 
     def ring_closed(self) -> None:
-        """The daemon closed its end of the ring: the session is over."""
-        self.fail_all(E.SessionClosed("the daemon ended this session (its ring is closed)"))
+        """The daemon closed its end of the ring: the session is over. Why, it wrote in the
+        ring (a drain: ShuttingDown); anything else it wrote reads as SessionClosed."""
+        reason = self.ring.ring.close_reason if self.ring is not None else 0
+        if reason == E.ShuttingDown.code:
+            err: E.TransferError = E.ShuttingDown("the daemon is shutting down: it closed this session's ring before this request ran")
+        else:
+            err = E.SessionClosed("the daemon ended this session (its ring is closed)")
+        self.fail_all(err)
         if self.ring is not None:
             self.ring.outstanding.clear()
             self.ring.early.clear()
@@ -275,6 +285,7 @@ class ClientCore:
                 self.fail_all(self.session_gone(r.error))
                 continue
             p = pending.pop(r.id, None)
+            kind = self.valued.pop(r.id, None) if self.valued else None
             if p is None:
                 continue  # a ping's reply, or a request already failed locally
             if link is not None and r.id in link.outstanding:
@@ -282,6 +293,11 @@ class ClientCore:
             result, error = r.result, r.error
             if self.sums and r.id in self.sums:
                 result, error = _sums(result, error, self.sums.pop(r.id))
+            elif error is None and (kind is not None or result is not None):
+                try:  # checked against what the protocol declares for the request
+                    result = P.result(kind or P.Copy, result)  # (a request with no declared result: nil)
+                except E.MalformedFrame as exc:
+                    result, error = None, exc
             p._finish(result, error)
             if error is not None:
                 self.unobserved.append(p)
@@ -300,6 +316,7 @@ class ClientCore:
         self.broken = err
         self.sub.broken = True
         self.sums.clear()
+        self.valued.clear()
         pending = list(self.pending.values())
         self.pending.clear()  # (the one table: the submission state holds it too)
         for p in pending:
@@ -340,6 +357,8 @@ class ClientCore:
             self.remote = None
 
 
+#: Requests whose reply carries a value (the rest answer nil).
+_VALUED = frozenset(P.RESULTS)
 #: Requests that may take the ring: their integer fields are checked at submission (a
 #: vector's arrays are uint64 already).
 _CHECKED = frozenset((P.Copy, P.Fill, P.Checksum, P.CopyV, P.ChecksumV))

@@ -21,6 +21,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from .. import _results as R
 from .. import errors as E
 from .. import protocol as P
 from ..addressing import OFFSET_BITS
@@ -232,8 +233,8 @@ class Graph:
 class DeferredState:
     """Arenas, pending definitions and frees: what the next frame must carry first."""
 
-    def __init__(self, arenas: Iterable[dict[str, int]], home_device: int = -1) -> None:
-        self.arenas = {a["device"]: Arena(a["device"], a["first_id"], a["count"], a["quota"]) for a in arenas}
+    def __init__(self, arenas: Iterable[R.Arena], home_device: int = -1) -> None:
+        self.arenas = {a.device: Arena(a.device, a.first_id, a.count, a.quota) for a in arenas}
         #: The session's home device (hello): device -1 means its arena, as eager alloc means it.
         self.home_device = home_device
         self.buffers: dict[int, DeferredBuffer] = {}  # segment id -> buffer not yet defined

@@ -21,6 +21,7 @@ from typing import Any, Generator, Sequence, TypeVar
 
 import zmq
 
+from .. import _results as R
 from .. import errors as E
 from .. import protocol as P
 from ._pending import AwaitablePending, Pending
@@ -206,8 +207,8 @@ class LoopSession(Session):
             self._core.on_frame(part)
         self._release_held()
 
-    def _link(self, info: dict[str, Any]) -> RingLink:
-        link = RingLink.open(info, self._core.shm_dir, self._core.collect, self._core.sub, completion_bell=True)
+    def _link(self, info: R.RingOpened) -> RingLink:
+        link = RingLink.open(info, self._core.collect, self._core.sub, completion_bell=True)
         self._spawn_reaper(link)
         return link
 

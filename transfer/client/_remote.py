@@ -98,4 +98,4 @@ def register(client: Any, agent: RemoteAgent, array: np.ndarray, call: Callable[
     except BaseException:
         agent.ep.deregister(reg)
         raise
-    return RemoteSegment(client, int(info["va"]), array, reg)
+    return RemoteSegment(client, info.va, array, reg)

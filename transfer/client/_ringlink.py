@@ -13,17 +13,19 @@ forms); everything else, and every error's message, stays on the control socket.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import os
+import stat
 import struct
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .. import _results as R
 from .. import errors as E
 from .. import protocol as P
-from .._ring import FLAG_AFTER, FLAG_CHAIN, FLAG_SUM, MAX_CHAIN, REQUEST_DTYPE, Op as RingOp, Ring
+from .._ring import FLAG_AFTER, FLAG_CHAIN, FLAG_SUM, MAX_CHAIN, REQUEST_DTYPE, Op as RingOp, Ring, RingError
 from ..memory._shm import check_sealed
 from ._pending import Pending
 from ._submission import PySubmission
@@ -193,10 +195,25 @@ def _new_words(n: int, empty: Callable[..., np.ndarray] = np.empty, u64: np.dtyp
     return empty(n, u64)
 
 
+def _pipe_end(fd: int, mode: int, what: str) -> int:
+    """`fd` if it is a pipe's end open for `mode` (made non-blocking), else closed and refused:
+    whatever the daemon hands over is checked before it is used."""
+    try:
+        ok = stat.S_ISFIFO(os.fstat(fd).st_mode) and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == mode
+        if ok:
+            os.set_blocking(fd, False)
+            return fd
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    raise E.ProtocolError(f"the daemon sent a {what} that is not a pipe's {'write' if mode == os.O_WRONLY else 'read'} end")
+
+
 class RingLink:
     """One session's ring, mapped here: descriptors out, completions in."""
 
-    def __init__(self, ring: Ring, info: dict[str, Any], sub: PySubmission, bell_fd: int = -1, cbell_fd: int = -1) -> None:
+    def __init__(self, ring: Ring, info: R.RingOpened, sub: PySubmission, bell_fd: int = -1, cbell_fd: int = -1) -> None:
         """A client's end of a ring mapped here (`open`). `info`: the daemon's OpenRing reply
         (`graphs`, `after`); `sub`: the session's submission state (`_submission`), which
         takes the ring's credits and counts; `bell_fd`, `cbell_fd`: the request doorbell
@@ -214,7 +231,7 @@ class RingLink:
         #: chain is also bounded by what the daemon joins).
         self.longest: dict[type, int] = {P.CopyV: self.max_chain, P.ChecksumV: credits}
         #: Whether the daemon runs graphs off the ring (RUN_GRAPH); else they take the socket.
-        self.graphs = info.get("graphs") is True
+        self.graphs = info.graphs
         #: Outstanding requests: id -> (pending, answers with a value (a checksum_many: its
         #: _Sums), descriptors it took).
         self.outstanding: dict[int, tuple[Pending, bool | _Sums, int]] = {}
@@ -232,7 +249,7 @@ class RingLink:
         #: descriptors after socket frames (`FLAG_AFTER`; else the ring is taken only while
         #: nothing sent on the socket is pending) goes there too.
         sub.attach(self._outbox, getattr(self._outbox, "push_requests", functools.partial(_py_push_requests, self._outbox)),
-                   self.outstanding, credits, self.max_chain, info.get("after") is True, _KINDS, _Sums)
+                   self.outstanding, credits, self.max_chain, info.after, _KINDS, _Sums)
         #: Pop the completions and finish the lone successes in one native call.
         self._pop_finished: Callable[..., tuple[int, int, list[Any]]] = getattr(
             self._inbox, "pop_finished", functools.partial(_py_pop_finished, self._inbox))
@@ -241,31 +258,34 @@ class RingLink:
         self.ready: Callable[[], int] = self._inbox.available
 
     @classmethod
-    def open(cls, info: dict[str, Any], shm_dir: Path, collect: Callable[[Any], int], sub: PySubmission, *,
+    def open(cls, info: R.RingOpened, collect: Callable[[bytes], int], sub: PySubmission, *,
              completion_bell: bool = False) -> RingLink:
         """Map the ring an OpenRing reply names. `collect` turns the reply's token into the
         ring's memfd (the daemon's fd socket). `completion_bell`: also open the session's
         completion doorbell (for a waiter that polls an fd instead of sleeping on the
         futex: the trio client)."""
-        bell = Path(info["bell"])
-        if completion_bell and not info.get("cbell"):
+        if completion_bell and info.cbell is None:
             raise E.RingUnavailable("this daemon's rings have no completion doorbell (the trio client needs one)")
-        if bell.parent != shm_dir:
-            raise E.ProtocolError(f"the daemon named a ring file outside its shm dir: {bell}")
-        fd = collect(info.get("token"))
+        fd = collect(info.token)
         try:
             check_sealed(fd)  # a ring whose size could change could SIGBUS us
             ring = Ring.attach(fd)  # maps it; the kernel frees it with the last mapping
+        except (RingError, ValueError) as exc:  # (RingCorrupted is a RingError)
+            raise E.ProtocolError(f"the daemon sent a ring that does not hold together: {exc}") from None
         finally:
             os.close(fd)
+        if (ring.request_capacity, ring.completion_capacity) != (info.capacity, info.completion_capacity):
+            ring.close()
+            raise E.ProtocolError(f"the daemon announced a ring of {info.capacity}/{info.completion_capacity} slots "
+                                  f"and sent one of {ring.request_capacity}/{ring.completion_capacity}")
         bell_fd = cbell_fd = -1
         try:
-            bell_fd = os.open(bell, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            bell_fd = _pipe_end(collect(info.bell), os.O_WRONLY, "doorbell")  # a write end of the daemon's doorbell
             if completion_bell:
                 # A pipe's read end: the daemon holds the only write end, so when it closes
                 # (the session ended, or the daemon died) the fd turns readable with EOF.
-                cbell_fd = collect(info["cbell"])
-                os.set_blocking(cbell_fd, False)
+                assert info.cbell is not None
+                cbell_fd = _pipe_end(collect(info.cbell), os.O_RDONLY, "completion doorbell")
         except BaseException:
             for f in (bell_fd, cbell_fd):
                 if f >= 0:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Generator, Sequence, TypeVar
 import numpy as np
 import zmq
 
+from .. import _results as R
 from .. import errors as E
 from .. import protocol as P
 from ..memory import ShmFile
@@ -96,7 +97,7 @@ class Session:
     #: the ring's futex (the blocking client): the daemon makes one only when asked.
     _completion_bell = False
 
-    def _link(self, info: dict[str, Any]) -> RingLink:
+    def _link(self, info: R.RingOpened) -> RingLink:
         """Map the ring the daemon made, with what this client needs to wait on it."""
         raise NotImplementedError
 
@@ -170,13 +171,13 @@ class Session:
         """Shared memory of `nbytes`, mapped here and in the daemon."""
         info = yield from self._op_call(P.RegisterHost, nbytes)
         try:
-            shm = ShmFile.attach(self._core.collect(info["token"]), info["nbytes"])
+            shm = ShmFile.attach(self._core.collect(info.token), info.nbytes)
         except BaseException:
             # The daemon holds a segment we could not map: hand it back, then fail.
             with contextlib.suppress(E.TransferError):
-                yield from self._op_call(P.Unregister, info["va"])
+                yield from self._op_call(P.Unregister, info.va)
             raise
-        seg = HostSegment(self, info["va"], info["nbytes"], shm)
+        seg = HostSegment(self, info.va, info.nbytes, shm)
         self._core.segments[seg.va] = seg
         return seg
 
@@ -194,7 +195,7 @@ class Session:
             with self._lock:
                 return state.alloc(nbytes, device, creation_site())
         info = yield from self._op_call(P.Alloc, nbytes, device)
-        return DeviceBuffer(self, info["va"], info["nbytes"], info["device"])
+        return DeviceBuffer(self, info.va, info.nbytes, info.device)
 
     alloc = operation(_op_alloc)
 
@@ -251,15 +252,15 @@ class Session:
 
     def _op_share(self, resource: HostSegment | DeviceBuffer) -> Op[bytes]:
         """A token that lets another session name this segment's VAs (fan-in to one consumer)."""
-        token: bytes = (yield from self._op_call(P.Share, resource.va))["token"]
-        return token
+        shared = yield from self._op_call(P.Share, resource.va)
+        return bytes(shared.token)
 
     share = operation(_op_share)
 
     def _op_attach(self, token: bytes) -> Op[SharedSegment]:
         """Use a segment another session shared; valid until its owner frees it."""
         info = yield from self._op_call(P.Attach, token)
-        return SharedSegment(info["va"], info["nbytes"], info["kind"], info["device"])
+        return SharedSegment(info.va, info.nbytes, info.kind, info.device)
 
     attach = operation(_op_attach)
 
@@ -442,7 +443,8 @@ class Session:
             lock.release()
 
     def _op_call(self, cls: type[P.Request], *args: Any) -> Op[Any]:
-        """One request the caller waits on: its frame carries a Wait marker (a counted round trip)."""
+        """One request the caller waits on: its frame carries a Wait marker (a counted round trip).
+        Its result comes back checked against the type the protocol declares for it (`on_frame`)."""
         p = self._submit(cls, *args, blocking=True)
         yield p
         return p.result()

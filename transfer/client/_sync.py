@@ -17,6 +17,7 @@ from typing import Any, Sequence, TypeVar
 
 import zmq
 
+from .. import _results as R
 from .. import errors as E
 from .. import protocol as P
 from ..transport._zmq import default_endpoint, ipc_path
@@ -139,8 +140,8 @@ class Client(Session):
             except BaseException as exc:  # thrown in: the operation may clean up (and re-raises)
                 failed = exc
 
-    def _link(self, info: dict[str, Any]) -> RingLink:
-        return RingLink.open(info, self._core.shm_dir, self._core.collect, self._core.sub)
+    def _link(self, info: R.RingOpened) -> RingLink:
+        return RingLink.open(info, self._core.collect, self._core.sub)
 
     def _ring_wait(self, done: Any, timeout: float | None) -> None:
         """Spin, then sleep on the completion futex, until done() after a reap; the socket

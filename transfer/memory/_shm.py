@@ -22,8 +22,9 @@ dies of SIGBUS, taking every other tenant with it. So:
    fd or mapping of it. kill -9 either side and the kernel frees it with the
    other; kill both and nothing remains.
 
-The shm dir still holds what has a name: the daemon's lock, its doorbell
-FIFOs and its fd socket. Each daemon holds an flock on
+The shm dir still holds what has a name: the daemon's lock and its fd socket,
+both under unguessable names made exclusively (`O_EXCL`, `bind`); doorbells
+are pipes, handed over the fd socket like the memfds. Each daemon holds an flock on
 ``transfer.<instance>.lock``; a starting daemon removes the files of every
 instance whose lock it can take (`sweep_stale`).
 """
@@ -252,7 +253,7 @@ class DaemonLock:
     """An flock held for the daemon's life; marks its files as live for sweepers."""
 
     def __init__(self, dirpath: Path) -> None:
-        self.instance = secrets.token_hex(4)
+        self.instance = secrets.token_hex(8)  # 64 bits: names built on it cannot be guessed ahead
         self.path = dirpath / f"{PREFIX}{self.instance}.lock"
         # Lock under a name sweepers ignore, then rename: a sweeper never sees it unlocked.
         tmp = dirpath / f".{PREFIX}{self.instance}.lock.tmp"

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _fields as F
+from .. import _results as R
 from .. import errors as E
 from .. import protocol as P
 from ..addressing import OFFSET_BITS, SegmentKind
@@ -67,7 +68,7 @@ def define(resources: Resources, session: Session, req: P.Define) -> Any:
     raise E.InvalidField(f"unknown definition kind {req.kind}")
 
 
-def _alloc(resources: Resources, session: Session, va: int, nbytes: int, device: int, what: str, where: str) -> dict[str, Any]:
+def _alloc(resources: Resources, session: Session, va: int, nbytes: int, device: int, what: str, where: str) -> R.Allocated:
     """Materialize an arena allocation at `va` (a buffer's, or a graph's memory)."""
     sid = va >> OFFSET_BITS
     if va & ((1 << OFFSET_BITS) - 1) or not any(first <= sid < first + n for first, n in session.arenas.values()):

@@ -12,10 +12,11 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import trio
 
+from .. import _results as R
 from .. import errors as E
 from .. import protocol as P
 from ._accounting import Accounting
@@ -35,7 +36,7 @@ log = logging.getLogger("transfer.server")
 class Front:
     def __init__(
         self, config: DaemonConfig, pass_: Pass, rings: Rings, resources: Resources, accounting: Accounting,
-        hello_info: Callable[[Session], dict[str, Any]], control: Control,
+        hello_info: Callable[[Session], R.HelloResult], control: Control,
     ) -> None:
         self.config = config
         self.pass_ = pass_
@@ -58,8 +59,16 @@ class Front:
         """One message from a ROUTER socket: [identity, frame]. `secure`: the CURVE (tcp) socket.
 
         Every frame of a session is counted once it is dealt with (its requests queued, or
-        answered): ring descriptors pushed after it wait for that count (`FLAG_AFTER`)."""
-        self._message(parts, secure)
+        answered): ring descriptors pushed after it wait for that count (`FLAG_AFTER`).
+
+        A fault here that no check foresaw costs the frame's sender its frame and its
+        session, never the daemon: this runs on the socket pump's task, which every tenant
+        shares."""
+        try:
+            self._message(parts, secure)
+        except Exception as exc:
+            self._internal_error(parts[0] if parts else b"", exc)
+            return
         session = self.sessions.get(parts[0]) if len(parts) == 2 else None
         if session is not None:
             session.frames_seen += 1
@@ -96,7 +105,13 @@ class Front:
             first = reqs[0]
             if not isinstance(first, P.Hello):
                 acc.received(None, len(reqs))
-                self._refuse(identity, None, reqs, E.NoSession("no session: send hello first (or the daemon restarted)"))
+                no_session = E.NoSession("no session: send hello first (or the daemon restarted)")
+                if isinstance(first, P.BadRequest) and first.id:  # (a hello that failed its checks says why)
+                    self.accounting.failed(None, first.error.code, 1)
+                    self.send(identity, P.encode_replies([P.Reply(first.id, error=first.error)]))
+                    reqs = reqs[1:]
+                if reqs:
+                    self._refuse(identity, None, reqs, no_session)
                 return
             try:
                 session, result = self._hello(identity, first, secure)
@@ -132,6 +147,31 @@ class Front:
         session.inflight += len(reqs)
         self.pass_.kick(session)
 
+    def _internal_error(self, identity: bytes, exc: Exception) -> None:
+        """A bug met while reading one frame: answer the frame (id 0: nothing in it can be
+        trusted now) and end its session; the daemon goes on serving everyone else."""
+        log.exception("internal error on a frame; ending its session")
+        self.accounting.bad_frame()
+        session = self.sessions.get(identity)
+        if session is not None:
+            self.end_soon(session, f"internal error: {type(exc).__name__}")
+        if identity:
+            self.send(identity, P.frame_error(E.InternalError(f"{type(exc).__name__}: {exc}")))
+
+    def _spawn(self, fn: Callable[[Session], Awaitable[None]], session: Session) -> None:
+        """Start one of a session's tasks so that a bug in it ends that session alone: every
+        session's tasks share the daemon's nursery, where an escaping exception would end them all."""
+        assert self.nursery is not None
+        self.nursery.start_soon(self._isolated, fn, session)
+
+    async def _isolated(self, fn: Callable[[Session], Awaitable[None]], session: Session) -> None:
+        try:
+            await fn(session)
+        except Exception as exc:
+            log.exception("session %d: internal error in %s; ending the session", session.id, fn.__name__, extra={"session": session.id})
+            if session.phase is not Phase.CLOSED:
+                await self.end_session(session, f"internal error: {type(exc).__name__}")
+
     def reply_overflow(self, identity: bytes) -> None:
         """The client stopped reading its replies and its backlog passed the cap: end it."""
         session = self.sessions.get(identity)
@@ -143,7 +183,7 @@ class Front:
         self.accounting.failed(session, err.code, len(reqs))
         self.send(identity, P.encode_replies([P.Reply(r.id, error=err) for r in reqs]))
 
-    def _hello(self, identity: bytes, req: P.Hello, secure: bool) -> tuple[Session, dict[str, Any]]:
+    def _hello(self, identity: bytes, req: P.Hello, secure: bool) -> tuple[Session, R.HelloResult]:
         if req.version != P.VERSION:
             raise E.UnsupportedVersion(f"client speaks protocol {req.version}, this daemon {P.VERSION}")
         if not self.accepting:
@@ -153,10 +193,9 @@ class Front:
         session = Session(identity, req.client, req.pid, remote_peer=secure, last_seen=time.monotonic())
         info = self._hello_info(session)  # grants arenas: may refuse
         self.sessions[identity] = session
-        assert self.nursery is not None
-        self.nursery.start_soon(self._run_session, session)
+        self._spawn(self._run_session, session)
         if self.watch_pids and req.pid > 0 and not secure:  # not for CURVE tcp peers (other hosts)
-            self.nursery.start_soon(self._watch_pid, session)
+            self._spawn(self._watch_pid, session)
         log.info("session %d opened by %r (pid %d)", session.id, req.client, req.pid, extra={"session": session.id})
         return session, info
 
@@ -169,8 +208,8 @@ class Front:
                     with session.cancel_scope:
                         while session.running:
                             if session.current is None and not session.queue:
-                                if session.phase is Phase.DRAINING:
-                                    break
+                                if session.phase is Phase.DRAINING and self.rings.drained(session):
+                                    break  # (its ring's worker, or the loop, serves up to the cut and wakes us)
                                 await session.wake.wait()
                                 session.wake = trio.Event()
                                 continue
@@ -198,7 +237,7 @@ class Front:
             if socket_reqs:
                 self.send(session.identity, P.encode_replies([P.Reply(r.id, error=err) for r in socket_reqs]))
             session.queue.clear()  # ring requests: the ring closes with the session, failing them client-side
-        self.rings.close(session)
+        self.rings.close(session, E.SessionClosed if self.accepting else E.ShuttingDown)
         self.resources.release(session)
         self.accounting.ended(session)  # after the ring's worker folded its last counts in
 
@@ -218,7 +257,7 @@ class Front:
         session.to(Phase.CLOSING)
         self.accounting.reaped()
         assert self.nursery is not None
-        self.nursery.start_soon(self.end_session, session, why)
+        self.nursery.start_soon(self.end_session, session, why)  # (release, its last step, cannot fail)
 
     async def _watch_pid(self, session: Session) -> None:
         """Same-host clients: a pidfd becomes readable the instant the process dies."""
@@ -247,14 +286,16 @@ class Front:
                 self.end_soon(session, "heartbeat timeout")
 
     def drain(self) -> list[Session]:
-        """Shutdown: accept nothing new (new requests get ShuttingDown); each session
-        finishes what is queued, then ends."""
+        """Shutdown: accept nothing new (new requests get ShuttingDown, on the socket now and
+        on a ring by its close); each session finishes what is queued and what its client
+        had published on its ring, then ends."""
         self.accepting = False
         self.pass_.shutting_down = True
         sessions = list(self.sessions.values())
         for s in sessions:
             if s.phase is Phase.OPEN:
                 s.to(Phase.DRAINING)
+                self.rings.cut(s)  # what its client published on its ring before now is served
             s.wake.set()
         return sessions
 

@@ -12,6 +12,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from .. import _results as R
 from .. import errors as E
 from .. import protocol as P
 from ..addressing import MappingTable, Segment, SegmentKind, make_va
@@ -543,11 +544,10 @@ class _GraphRun:
             return None
         graph, times, ops = self.graph, self.times, self.ops
         device = {i: op.device for op in ops for i in op.info}
-        return {"nodes": [
-            {"node": i, "op": node.op, "device": device[i].index, "kind": device[i].kind,
-             "kernel": graph.layout[i].signature_text, "us": round(times[i] * 1e6, 1)}
+        return R.GraphProfile([
+            R.NodeProfile(i, node.op, device[i].index, device[i].kind, graph.layout[i].signature_text, round(times[i] * 1e6, 1))
             for i, node in enumerate(graph.nodes)
-        ]}
+        ])
 
 
 class _Stretch:

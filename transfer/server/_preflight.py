@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,12 +63,39 @@ def _fs_type(path: Path) -> str:
     return fs
 
 
+def _check_shared(path: Path) -> None:
+    """Refuse a shm dir where another user could remove or replace the daemon's files.
+
+    The daemon's names there are unguessable and created exclusively, so a directory
+    others may write is safe only if they cannot unlink or rename what it made: it must
+    be ours, or root's with the sticky bit (as /dev/shm and /tmp are), and if others may
+    write it, sticky. Anything else would let another user swap the fd socket or the lock
+    under a running daemon; it fails now, not later.
+    """
+    st = path.stat()  # (follows a symlink: what matters is the directory the files land in)
+    mode = stat.S_IMODE(st.st_mode)
+    sticky = bool(st.st_mode & stat.S_ISVTX)
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        raise RuntimeError(
+            f"shm dir {path} belongs to uid {st.st_uid}: its owner could remove or replace the daemon's files; "
+            f"use a directory of this user ({me}) or a root-owned sticky one such as /dev/shm"
+        )
+    if st.st_uid != me and not sticky:
+        raise RuntimeError(f"shm dir {path} belongs to root without the sticky bit: pass a directory of this user ({me}) with --shm-dir")
+    if mode & 0o022 and not sticky:
+        raise RuntimeError(
+            f"shm dir {path} has mode {mode:04o}: others may write it without the sticky bit, so they could remove or "
+            f"replace the daemon's files; chmod +t {path} (or go-w), or choose another --shm-dir"
+        )
+
+
 def check_shm_dir(path: Path) -> ShmDir:
     """Refuse a shm dir that does not exist, is not a writable directory, or is full.
 
     The daemon never creates it: ``--shm-dir /dev/shm/trnasfer`` (a typo) must fail
     loudly, not leave the lock and sockets where no client looks. A directory that is
-    not tmpfs works (it holds only a lock, doorbell FIFOs and a socket) but is logged
+    not tmpfs works (it holds only a lock and a socket) but is logged
     as a warning: on a disk the lock outlives a reboot, on a network filesystem
     sockets and FIFOs may not work at all.
     """
@@ -80,21 +108,22 @@ def check_shm_dir(path: Path) -> ShmDir:
         raise RuntimeError(f"shm dir {path} is not a directory (--shm-dir names a directory, default /dev/shm)")
     if not os.access(path, os.W_OK | os.X_OK):
         raise RuntimeError(f"shm dir {path} is not writable by uid {os.geteuid()}: fix its permissions or choose another --shm-dir")
+    _check_shared(path)
     st = os.statvfs(path)
     size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
     fs = _fs_type(path)
     if free < MIN_SHM_DIR_FREE:
         raise RuntimeError(
             f"shm dir {path} ({fs}, {fmt_bytes(size)}) has only {fmt_bytes(free)} free; the daemon needs at least "
-            f"{fmt_bytes(MIN_SHM_DIR_FREE)} there for its lock, doorbells and fd socket: free some space "
+            f"{fmt_bytes(MIN_SHM_DIR_FREE)} there for its lock and fd socket: free some space "
             "(stale files of other programs?) or choose another --shm-dir"
         )
     found = ShmDir(path, fs, size, free)
     if not found.in_memory:
         log.warning(
-            "shm dir %s is on %s, not tmpfs: it works for the lock, doorbell FIFOs and fd socket it holds, but "
+            "shm dir %s is on %s, not tmpfs: it works for the lock and fd socket it holds, but "
             "use a tmpfs directory such as /dev/shm (a disk keeps stale files across reboots; network "
-            "filesystems may not support sockets and FIFOs)", path, fs,
+            "filesystems may not support sockets)", path, fs,
         )
     return found
 

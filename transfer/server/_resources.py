@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 import trio
 
+from .. import _results as R
 from .. import errors as E
 from .. import protocol as P
 from ..addressing import MAX_SEGMENT_BYTES, MappingTable, Segment, SegmentKind
@@ -87,7 +88,7 @@ class Resources:
             raise E.QuotaExceeded(f"{what} bytes quota: {used} used + {nbytes} asked > {limit}")
 
     # --- admission: the home device and the arenas ------------------------------------------------
-    def admit(self, session: Session) -> dict[str, Any]:
+    def admit(self, session: Session) -> tuple[int, list[R.Arena]]:
         """What hello grants: the session's home device (chosen once, here) and its arenas."""
         home = choose_home(self.devices, self.homed)
         session.home_device = home.index
@@ -97,7 +98,7 @@ class Resources:
         except BaseException:
             self.unadmit(session)
             raise
-        return {"home_device": home.index, "arenas": arenas}
+        return home.index, arenas
 
     def unadmit(self, session: Session) -> None:
         """Undo `admit` (idempotent)."""
@@ -108,7 +109,7 @@ class Resources:
                 del self.homed[session.home_device]
             session.home_device = -1
 
-    def grant_arenas(self, session: Session) -> list[dict[str, int]]:
+    def grant_arenas(self, session: Session) -> list[R.Arena]:
         """One block of segment ids per device, and the session's byte quota on it."""
         cfg = self.config
         quota = cfg.max_device_bytes_per_session or cfg.max_device_bytes
@@ -116,7 +117,7 @@ class Resources:
         for dev in self.devices:
             first = self.table.reserve_block(cfg.arena_ids, session.id)
             session.arenas[dev.index] = (first, cfg.arena_ids)
-            out.append({"device": dev.index, "first_id": first, "count": cfg.arena_ids, "quota": quota})
+            out.append(R.Arena(dev.index, first, cfg.arena_ids, quota))
         return out
 
     def release_arenas(self, session: Session) -> None:
@@ -125,7 +126,7 @@ class Resources:
         session.arenas.clear()
 
     # --- creating ------------------------------------------------------------------------------
-    def register_host(self, session: Session, nbytes: int) -> dict[str, Any]:
+    def register_host(self, session: Session, nbytes: int) -> R.Registered:
         self.check_quota(session, nbytes, SegmentKind.HOST)
         self.fds.check_room(session)
         sid = self.table.reserve_id()
@@ -147,9 +148,9 @@ class Resources:
         self.host_bytes += nbytes
         # The client collects the memfd with this token (single use) from the fd socket.
         token = seg.info["fd_token"] = self.fds.offer(session, shm.take_fd())
-        return {"va": seg.va, "nbytes": nbytes, "token": token}
+        return R.Registered(seg.va, nbytes, token)
 
-    def alloc_at(self, session: Session, segment_id: int | None, nbytes: int, device: int) -> dict[str, Any]:
+    def alloc_at(self, session: Session, segment_id: int | None, nbytes: int, device: int) -> R.Allocated:
         """Allocate a device buffer; under a given (arena) segment id for deferred allocations.
         Device -1 is the session's home device (`admit`), for eager and deferred alike."""
         self.check_quota(session, nbytes, SegmentKind.DEVICE)
@@ -185,9 +186,9 @@ class Resources:
         session.device_bytes += nbytes
         self.device_bytes += nbytes
         vdev.info["bytes"] = vdev.info.get("bytes", 0) + nbytes
-        return {"va": seg.va, "nbytes": nbytes, "device": device}
+        return R.Allocated(seg.va, nbytes, device)
 
-    async def register_remote(self, session: Session, req: P.RegisterRemote) -> dict[str, Any]:
+    async def register_remote(self, session: Session, req: P.RegisterRemote) -> R.RemoteRegistered:
         """Map a producer's NIXL-registered buffer as a remote segment (agent start and
         metadata loading run on a worker thread: the first one takes ~0.6 s)."""
         self.check_quota(session, req.nbytes, SegmentKind.REMOTE)
@@ -204,10 +205,10 @@ class Resources:
         seg = self.table.add(SegmentKind.REMOTE, req.nbytes, session.id, handle)
         session.segments.add(seg.id)
         log.info("session %d: remote segment %d of %d bytes from agent %r", session.id, seg.id, req.nbytes, handle.peer)
-        return {"va": seg.va, "nbytes": req.nbytes, "agent": self.remote.name}
+        return R.RemoteRegistered(seg.va, req.nbytes, self.remote.name)
 
     # --- sharing -------------------------------------------------------------------------------
-    def share(self, session: Session, va: int) -> dict[str, Any]:
+    def share(self, session: Session, va: int) -> R.Shared:
         seg = self.table.lookup(va, session.id)
         if seg.owner != session.id:
             raise E.NotOwner(f"only the owner may share segment {seg.id}")
@@ -216,9 +217,9 @@ class Resources:
         token = secrets.token_bytes(16)
         self.shares[token] = seg.id
         seg.info.setdefault("tokens", []).append(token)
-        return {"token": token}
+        return R.Shared(token)
 
-    def attach(self, session: Session, token: bytes) -> dict[str, Any]:
+    def attach(self, session: Session, token: bytes) -> R.Attached:
         sid = self.shares.get(token)
         seg = self.table.get(sid) if sid is not None else None
         if seg is None:
@@ -227,7 +228,7 @@ class Resources:
             seg.guests.add(session.id)
             session.attached.add(seg.id)
             self.dataplane.guest(seg, session, True)
-        return {"va": seg.va, "nbytes": seg.nbytes, "kind": seg.kind.name.lower(), "device": seg.device}
+        return R.Attached(seg.va, seg.nbytes, seg.kind.name.lower(), seg.device)  # type: ignore[arg-type]
 
     # --- releasing -----------------------------------------------------------------------------
     def free(self, session: Session, va: int, kind: SegmentKind) -> None:

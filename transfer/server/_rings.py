@@ -13,10 +13,12 @@ Everything in a descriptor is hostile: a batch is copied out of shared
 memory before it is read (`Ring.pop_many`), every field is checked, and every
 VA goes through the mapping table like a zmq request's.
 
-trio cannot wait on a futex, so each direction also has a FIFO doorbell: the
-daemon sleeps on one FIFO that every client writes a byte to when it finds
-its ring armed, and each session has a FIFO the daemon writes to when it
-pushes completions while that client sleeps on them (the trio client).
+trio cannot wait on a futex, so each direction also has a pipe for a doorbell:
+the daemon sleeps on one pipe that every client writes a byte to when it finds
+its ring armed (each client holds a write end of its own, handed over the fd
+socket like the ring's memfd), and each session may have a pipe the daemon
+writes to when it pushes completions while that client sleeps on them (the
+trio client).
 
 Where the native extension is built, a ring is served by its own worker
 thread (`_dataplane`): copies, fills, checksums and fences never reach this
@@ -32,13 +34,13 @@ import logging
 import os
 import time
 from bisect import bisect_left
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import trio
 
 from .. import errors as E
+from .. import _results as R
 from .. import protocol as P
 from .._ring import COMPLETION_DTYPE, FLAG_AFTER, FLAG_CHAIN, FLAG_SUM, MAX_CHAIN, REQUEST_DTYPE, Op as RingOp, Ring, RingCorrupted, RingError
 from ..memory._shm import PREFIX, new_memfd, reserve, seal
@@ -156,17 +158,23 @@ def to_batch(rows: list[tuple[int, ...]] | None, array: np.ndarray | None) -> li
 
 
 class Doorbell:
-    """A FIFO one side writes a byte to when it finds the other asleep (trio can poll a FIFO, not a futex).
+    """A pipe clients write a byte to when they find the loop asleep (trio can poll an fd, not
+    a futex).
 
-    Created in the shm dir under the instance prefix (mode 0600, so a restart's
-    sweep removes it), opened read-write and non-blocking here so a writer
-    never blocks and the FIFO never reports EOF.
+    It has no name: each client gets a write end of its own over the fd socket (`writer`),
+    a new open file description of the pipe, so the flags one client sets on its end
+    (blocking, say) are not the daemon's or another client's. The daemon's read end and its
+    own write end (its workers' and `Rings._wake_loop`'s) are non-blocking: a writer never
+    blocks, and a full pipe rings already.
     """
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        os.mkfifo(path, 0o600)
-        self.fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+    def __init__(self) -> None:
+        self.fd, self.write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def writer(self) -> int:
+        """A write end for one client (ours until handed over): reopened through /proc, so
+        it is an open file description of its own."""
+        return os.open(f"/proc/self/fd/{self.write_fd}", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
 
     def drain(self) -> None:
         try:
@@ -176,13 +184,11 @@ class Doorbell:
             pass
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        for name in ("fd", "write_fd"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)
 
 
 class Rings:
@@ -218,7 +224,7 @@ class Rings:
             raise
         return ring, fd
 
-    def open(self, session: Session, capacity: int, completion_bell: bool, nursery: trio.Nursery) -> dict[str, Any]:
+    def open(self, session: Session, capacity: int, completion_bell: bool, nursery: trio.Nursery) -> R.RingOpened:
         cfg = self.config
         if not cfg.rings:
             raise E.RingUnavailable("request rings are disabled on this daemon (--no-rings)")
@@ -230,42 +236,40 @@ class Rings:
         if not 2 <= capacity <= limit:
             raise E.InvalidField(f"ring capacity {capacity} is outside 2..{limit}")
         cap = min(1 << (capacity - 1).bit_length(), 1 << (limit.bit_length() - 1))
-        self.fds.check_room(session)
-        try:
-            if self.bell is None:  # made with the first ring: daemons without ring clients have none
-                self.bell = Doorbell(cfg.shm_dir / f"{PREFIX}{self._instance()}.bell")
-        except OSError as exc:
-            raise E.OutOfSharedMemory(f"cannot create the rings' doorbell in {cfg.shm_dir}: {exc}") from None
+        self.fds.check_room(session, 3 if completion_bell else 2)
+        if self.bell is None:  # made with the first ring: daemons without ring clients have none
+            try:
+                self.bell = Doorbell()
+            except OSError as exc:
+                raise E.OutOfSharedMemory(f"cannot create the rings' doorbell: {exc}") from None
         ring, ring_fd = self._create(session, cap)
-        cbell = None
+        offered: list[bytes] = []
         wr = -1
         try:
-            token = self.fds.offer(session, ring_fd)  # the channel's from here (it closes it if this raises)
-        except BaseException:
-            ring.close()
-            raise
-        try:
+            # Each fd is the channel's once offered (it closes it if the offer fails).
+            offered.append(self.fds.offer(session, ring_fd))
+            offered.append(self.fds.offer(session, self._fd("the rings' doorbell", self.bell.writer)))
             if completion_bell:
-                # A pipe, not a FIFO: nothing in the shm dir; its read end goes to the client by
-                # token, and when our write end closes (session over, daemon dead) it reads EOF.
-                try:
-                    rd, wr = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-                except OSError as exc:
-                    raise E.OutOfSharedMemory(f"cannot create the ring's completion doorbell: {exc}") from None
-                cbell = self.fds.offer(session, rd)
+                # Its read end goes to the client by token; when our write end closes (the
+                # session is over, or the daemon died) the client reads EOF.
+                rd, wr = self._fd("the ring's completion doorbell", lambda: os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC))
+                offered.append(self.fds.offer(session, rd))
         except BaseException:
             ring.close()
-            self.fds.revoke(token)
+            for token in offered:
+                self.fds.revoke(token)
             if wr >= 0:
                 os.close(wr)
             raise
+        token, bell = offered[:2]
+        cbell = offered[2] if completion_bell else None
         if wr >= 0:
             ring.set_doorbell(wr)  # our completion pushes ring it when the client sleeps armed
             session.ring_bell = wr
         session.ring = ring
         self.sessions[session.id] = session
         try:
-            session.worker = self.dataplane.start(session, ring, self.bell.fd, wr)
+            session.worker = self.dataplane.start(session, ring, self.bell.write_fd, wr)
         except OSError as exc:  # no thread to be had: the loop serves this ring
             log.warning("session %d: no ring worker (%s); the event loop serves its ring", session.id, exc, extra={"session": session.id})
         if session.worker is None:
@@ -274,28 +278,32 @@ class Rings:
             self._loop_started = True
             nursery.start_soon(self._loop)
         log.info("session %d opened a %d-descriptor ring", session.id, ring.request_capacity, extra={"session": session.id})
-        return {
-            "token": token,
-            "bell": str(self.bell.path),
-            "cbell": cbell,
-            "capacity": ring.request_capacity,
-            "completion_capacity": ring.completion_capacity,
+        return R.RingOpened(
+            token, bell, cbell, ring.request_capacity, ring.completion_capacity,
             # Served beyond copy, fill, checksum and fence (a client takes the ring for a
             # kind only where its daemon says so: an older daemon refuses what it lacks).
-            "graphs": True,
+            graphs=True,
             # Descriptors may wait for the socket frames sent before them (`FLAG_AFTER`).
-            "after": True,
-        }
+            after=True,
+        )
 
-    def close(self, session: Session) -> None:
-        """Closing sets our closed flag and wakes a client sleeping on the ring: it fails its
-        outstanding descriptors with SessionClosed. Nothing maps the ring afterwards."""
+    @staticmethod
+    def _fd(what: str, make: Callable[[], Any]) -> Any:
+        try:
+            return make()
+        except OSError as exc:
+            raise E.OutOfSharedMemory(f"cannot create {what}: {exc}") from None
+
+    def close(self, session: Session, reason: type[E.TransferError] = E.SessionClosed) -> None:
+        """Closing writes `reason`'s code as our closed flag and wakes a client sleeping on
+        the ring: it fails its outstanding descriptors with that error. Nothing maps the
+        ring afterwards."""
         self.sessions.pop(session.id, None)
         session.ring_chain = session.ring_held = None
         self.dataplane.stop(session)  # joins its thread: nothing touches the ring after this
         ring, session.ring = session.ring, None
         if ring is not None:
-            ring.close()  # its memfd goes with the client's mapping (an uncollected one with its token)
+            ring.close(reason.code)  # its memfd goes with the client's mapping (an uncollected one with its token)
         bell, session.ring_bell = session.ring_bell, None
         if bell is not None:
             os.close(bell)
@@ -304,6 +312,38 @@ class Rings:
         if self.bell is not None:
             self.bell.close()
             self.bell = None
+
+    # --- the drain -----------------------------------------------------------------------------
+    def cut(self, session: Session) -> None:
+        """The daemon began to drain: what the client has published on its ring so far is
+        served, and nothing after it (the ring's close answers that, ShuttingDown). The cut
+        is a published tail, so it never falls inside a request."""
+        ring, worker = session.ring, session.worker
+        if ring is None or session.ring_cut is not None:
+            return
+        try:
+            if worker is not None and worker.mode == NATIVE:
+                done, tail = worker.done, worker.tail()
+                session.ring_cut = tail if 0 <= tail - done <= ring.request_capacity else done  # (an impossible tail: the worker reports it)
+                worker.limit = session.ring_cut
+                worker.watch(session.ring_cut)  # it rings the bell when it gets there
+            else:
+                session.ring_cut = ring.inbox.index + ring.available()
+        except RingCorrupted as exc:
+            session.ring_cut = ring.inbox.index
+            self.broken(session, exc)
+        if self._served_here(session):
+            self._wake_loop()  # the loop ingests up to the cut (it skipped this ring unarmed)
+
+    def drained(self, session: Session) -> bool:
+        """Whether everything published before the cut is answered (or the ring is gone)."""
+        ring, worker, cut = session.ring, session.worker, session.ring_cut
+        if ring is None or cut is None:
+            return True
+        if worker is not None and worker.mode == NATIVE:
+            return bool(worker.done >= cut)
+        return (ring.inbox.index >= cut and not session.ring_pending and session.ring_chain is None
+                and session.ring_held is None)
 
     # --- ingest and complete -------------------------------------------------------------------
     def ingest(self, session: Session, limit: int | None = None, front: bool = False) -> int:
@@ -315,7 +355,7 @@ class Rings:
         the frames its client sent after it). Only while no worker owns the ring.
         """
         ring = session.ring
-        if ring is None or not session.accepting:
+        if ring is None or not session.running:
             return 0
         if session.worker is not None and session.worker.mode != PYTHON:
             return 0
@@ -331,6 +371,8 @@ class Rings:
         rows: list[tuple[int, ...]] | None
         try:
             avail = ring.available()
+            if session.ring_cut is not None:  # draining: nothing published after the cut
+                avail = min(avail, max(0, session.ring_cut - ring.inbox.index))
             if not avail:
                 return placed
             n: int = min(avail, self._room(session), avail if limit is None else limit)
@@ -503,6 +545,8 @@ class Rings:
                 if worker is not None:
                     if worker.take_signal():
                         session.ring_moved.set()
+                        if session.ring_cut is not None:
+                            session.wake.set()  # a draining session's task waits for the cut
                     mode = worker.mode
                     if mode == NATIVE:
                         continue
@@ -560,7 +604,7 @@ class Rings:
         """Ring our own doorbell: the loop, maybe asleep on it, polls and re-arms every ring."""
         if self.bell is not None:
             try:
-                os.write(self.bell.fd, b"\0")
+                os.write(self.bell.write_fd, b"\0")
             except BlockingIOError:
                 pass  # a full FIFO rings already
 
@@ -583,8 +627,10 @@ class Rings:
         ready = False
         for session in list(self.sessions.values()):
             ring = session.ring
-            if ring is None or not session.accepting or session.ring_wait is not None or session.ring_held is not None:
+            if ring is None or not session.running or session.ring_wait is not None or session.ring_held is not None:
                 continue  # (a waiting frame's `catch_up` takes that ring's requests, a held one's frame the rest)
+            if session.ring_cut is not None and ring.inbox.index >= session.ring_cut:
+                continue  # drained to its cut: what comes after is not served
             if session.worker is not None:
                 if session.worker.mode != PYTHON:
                     continue  # the worker sleeps on the ring itself

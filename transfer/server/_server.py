@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import trio
 
+from .. import _results as R
 from .. import protocol as P
 from ..addressing import MappingTable
 from ..backends import Backend, Channel, NumpyBackend, select_backend
@@ -202,22 +203,24 @@ class Server:
                 _trim_heap()  # sessions ended since the last look: their memory is free now
             sessions_before = len(self.sessions)
 
-    def _hello_info(self, session: Session) -> dict[str, Any]:
-        granted = self.resources.admit(session)  # home device and arenas; may refuse
-        return {
-            "session": session.id,
-            "server_pid": os.getpid(),
-            "version": P.VERSION,
-            "limits": self.config.limits.to_wire(),
-            "max_inflight": self.config.max_inflight,
-            "backend": self.backend.describe(),
-            "devices": [{"index": d.index, "kind": d.kind, "backend": d.backend.name} for d in self.devices],
-            "heartbeat_s": self.config.heartbeat_s,
-            "session_timeout_s": self.config.session_timeout_s,
-            "shm_dir": str(self.config.shm_dir),
-            "fd_socket": str(self.fds.path),
-            **granted,
-        }
+    def _hello_info(self, session: Session) -> R.HelloResult:
+        home, arenas = self.resources.admit(session)  # may refuse
+        cfg = self.config
+        return R.HelloResult(
+            session=session.id,
+            server_pid=os.getpid(),
+            version=P.VERSION,
+            limits=R.WireLimits(**cfg.limits.to_wire()),
+            max_inflight=cfg.max_inflight,
+            backend=self.backend.describe(),
+            devices=[R.DeviceInfo(d.index, d.kind, d.backend.name) for d in self.devices],
+            heartbeat_s=cfg.heartbeat_s,
+            session_timeout_s=cfg.session_timeout_s,
+            shm_dir=str(cfg.shm_dir),
+            fd_socket=str(self.fds.path),
+            home_device=home,
+            arenas=arenas,
+        )
 
     def _fold(self) -> None:
         """Bring what the native ring workers did into the accounting."""

@@ -113,7 +113,7 @@ class Session:
     info: dict[str, Any] = field(default_factory=dict)
     #: The session's shared-memory request ring (transfer._ring.Ring), if it opened one.
     ring: Any = None
-    #: The FIFO the daemon's end of the ring rings when the client sleeps on completions.
+    #: The pipe the daemon's end of the ring rings when the client sleeps on completions.
     ring_bell: Any = None
     #: The native worker serving the ring (`_dataplane`), or None.
     worker: Any = None
@@ -125,6 +125,10 @@ class Session:
     waiting_frames: list[tuple[int, int]] = field(default_factory=list)
     #: Set when the worker rings the bell for this session (a watched index, a handover).
     ring_moved: trio.Event = field(default_factory=trio.Event)
+    #: The daemon is draining: the request index its client had published when the drain
+    #: began. Descriptors before it are served; those after it are answered by the ring's
+    #: close (ShuttingDown). None while no drain has begun.
+    ring_cut: int | None = None
 
     def __hash__(self) -> int:
         return self.id
