@@ -13,14 +13,24 @@ import pytest
 # own process (threads and state left by earlier tests) each handled signal costs far more,
 # and the same loop took minutes. It stops at a deadline and prints how many it completed.
 _CHILD = textwrap.dedent("""
-    import os, signal, subprocess, sys, time
+    import os, resource, signal, subprocess, sys, time
     import zmq
     from transfer.transport._zmq import monitor_socket, stop_monitor
 
     raw = sys.argv[1] == "raw"
     signal.signal(signal.SIGUSR1, lambda *_: None)  # handled, so interrupted calls see EINTR
+    # A closed monitor's socket (and its mailbox's descriptor) is freed by libzmq's reaper
+    # thread, later: on a loaded machine the reaper falls behind this loop. Room for that
+    # backlog (the context's socket table, the fd limit), and a pause whenever it is large.
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, 1 << 16)
     socks = [ctx.socket(zmq.ROUTER) for _ in range(50)]
+
+    def reaped() -> None:
+        while len(os.listdir("/proc/self/fd")) > 512:
+            time.sleep(0.001)  # (the reaper's backlog, a counter: wait for it to shrink)
     flood = subprocess.Popen([sys.executable, "-c",
                               f"import os, signal\\nwhile True: os.kill({os.getpid()}, signal.SIGUSR1)"])
     done, outcome = 0, "completed"
@@ -29,6 +39,7 @@ _CHILD = textwrap.dedent("""
     deadline = time.monotonic() + float(sys.argv[2])
     try:
         while time.monotonic() < deadline:
+            reaped()
             for s in socks:
                 if raw:
                     mon = s.get_monitor_socket(zmq.EVENT_ACCEPTED, f"inproc://mon-{done}")

@@ -255,6 +255,7 @@ def _defaults() -> tuple[Setting, ...]:
         ("worker_spin_spare_s", _float, "seconds a worker spins instead while every worker and its client can have a core (2 x workers <= cores); 0: --worker-spin", "--worker-spin-spare", {"minimum": 0, "maximum": 0.01, "metavar": "SECONDS"}),
         ("metrics_port", _int, "serve Prometheus metrics over HTTP on this port; 0 = off", "--metrics-port", {"minimum": 0, "maximum": 65535, "metavar": "PORT"}),
         ("metrics_addr", _str, "address the metrics endpoint binds", "--metrics-addr", {"metavar": "ADDR"}),
+        ("metrics_connections", _int, "metrics HTTP connections at once (one more is answered 503 and closed; each is closed 5 s after accept)", "--metrics-connections", {"minimum": 1, "maximum": 4096, "metavar": "N"}),
         ("metrics_sessions", _int, "client names with per-session metric series of their own, the heaviest by bytes (the rest share client=\"(other)\"); 0 = none", "--metrics-sessions", {"minimum": 0, "maximum": 1024, "metavar": "N"}),
         ("limits.max_frame_bytes", parse_size, "largest request frame accepted", "--max-frame-bytes", {"minimum": 64, "maximum": 1 << 30, "metavar": "BYTES"}),
         ("limits.max_batch", _int, "requests per frame", "--max-batch", {"minimum": 1, "maximum": 1 << 24}),

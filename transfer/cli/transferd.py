@@ -85,7 +85,7 @@ def _serve_main(argv: list[str] | None = None) -> int:
     async def main_task() -> None:
         async with trio.open_nursery() as nursery:
             server = await nursery.start(functools.partial(serve, config, on_drain=lambda: notify(STOPPING=1, STATUS="draining")))
-            metrics_port = _start_metrics(server, config) if config.metrics_port else 0
+            metrics_port = server.metrics_port
             if args.ready:
                 ready: dict[str, Any] = {
                     "event": "ready", "endpoints": list(config.endpoints), "backend": server.backend.name,
@@ -105,22 +105,6 @@ def _serve_main(argv: list[str] | None = None) -> int:
             return 1
         raise
     return 0
-
-
-def _start_metrics(server: Any, config: Any) -> int:
-    """Serve the server's Metrics (it reads its own counters and sessions when scraped)."""
-    from ..server._metrics_http import DEFAULT_MAX_CONNECTIONS
-
-    max_connections = getattr(config, "metrics_connections", DEFAULT_MAX_CONNECTIONS)
-    try:
-        port = int(server.metrics.start_http(config.metrics_port, config.metrics_addr, max_connections=max_connections))
-    except OSError as exc:
-        raise RuntimeError(
-            f"cannot serve metrics on {config.metrics_addr}:{config.metrics_port}: {exc.strerror or exc} "
-            "(another transferd or exporter holds the port? choose another --metrics-port, or 0 to turn metrics off)"
-        ) from None
-    log.info("metrics on http://%s:%d/metrics", config.metrics_addr, port)
-    return port
 
 
 def _first_leaf(exc: BaseException) -> BaseException:

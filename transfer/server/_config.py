@@ -9,7 +9,7 @@ from ..memory import default_shm_dir
 from ..protocol import Limits
 from ..transport._zmq import default_endpoint
 
-__all__ = ["DaemonConfig", "session_limit", "connection_limit", "FDS_PER_SESSION", "FD_RESERVE"]
+__all__ = ["DaemonConfig", "FdBudget", "fd_budget", "FDS_PER_SESSION", "FD_RESERVE"]
 
 #: File descriptors one session can make the daemon hold: its connection, its pidfd
 #: watcher, its ring's mapping (Python's mmap keeps a descriptor of the memfd) and the write
@@ -17,8 +17,10 @@ __all__ = ["DaemonConfig", "session_limit", "connection_limit", "FDS_PER_SESSION
 #: (`FdChannel`).
 FDS_PER_SESSION = 4
 #: Descriptors kept for the daemon itself (zmq's threads and mailboxes, trio, the lock,
-#: logs, the metrics server) and for connections that have not said hello yet.
+#: logs, the listeners, the CPU devices' processes).
 FD_RESERVE = 256
+#: fd-socket peers that may wait for their token at once (`server._fds.FdChannel`).
+HANDOVER_WAITING = 16
 #: The automatic session limit never exceeds this.
 MAX_AUTO_SESSIONS = 1024
 
@@ -97,25 +99,44 @@ class DaemonConfig:
     #: Prometheus metrics over HTTP (`transfer.server._metrics`); 0 = off.
     metrics_port: int = 0
     metrics_addr: str = "127.0.0.1"
+    #: Metrics HTTP connections at once; one more is answered 503 and closed.
+    metrics_connections: int = 16
     #: Client names with per-session series of their own (the rest share one); 0 = no per-session series.
     metrics_sessions: int = 16
 
 
-def session_limit(config: DaemonConfig, nofile: int) -> int:
-    """The session limit: `max_sessions` if set, else sized so that every session's
-    descriptors take at most half of what the reserve leaves under `nofile` (the other
-    half absorbs connections that have not said hello yet)."""
-    if config.max_sessions:
-        return config.max_sessions
-    return max(1, min(MAX_AUTO_SESSIONS, _available(nofile) // (2 * FDS_PER_SESSION)))
+@dataclass(frozen=True)
+class FdBudget:
+    """How the daemon's file descriptors are shared out (`fd_budget`). Each listener and each
+    kind of thing a client can make the daemon hold has a share of its own, so a flood of
+    one (idle connections, silent fd-socket peers, uncollected memfds, segments) is refused
+    at its own cap and never takes another's share, or the daemon's own: libzmq aborts the
+    whole process when an accept finds no descriptor left."""
+
+    nofile: int
+    #: Sessions served at once (each holds FDS_PER_SESSION).
+    sessions: int
+    #: zmq connections, with or without a session (the rest are closed as they are accepted).
+    connections: int
+    #: fd-socket peers that connected and have not sent their token yet.
+    handover: int
+    #: Descriptors offered for clients to collect (uncollected tokens), daemon-wide.
+    offers: int
+    #: Host segments mapped at once (a mapping holds a descriptor), daemon-wide.
+    segments: int
+    #: Metrics HTTP connections (0: no metrics endpoint).
+    metrics: int
 
 
-def _available(nofile: int) -> int:
-    return nofile - min(FD_RESERVE, nofile // 4)
-
-
-def connection_limit(config: DaemonConfig, nofile: int) -> int:
-    """Connections (with or without a session) the daemon keeps open: what the sessions'
-    other descriptors leave of the available ones. Beyond it, a new connection is closed."""
-    sessions = session_limit(config, nofile)
-    return max(sessions, _available(nofile) - sessions * (FDS_PER_SESSION - 1))
+def fd_budget(config: DaemonConfig, nofile: int) -> FdBudget:
+    """Share `nofile` out: a reserve for the daemon itself, the metrics and fd-socket
+    listeners' caps, then 3/8 of the rest for sessions (`max_sessions` if set, at most
+    MAX_AUTO_SESSIONS), 3/8 for connections beyond the sessions' own, 1/8 for uncollected
+    memfds and the rest for segment mappings."""
+    metrics = config.metrics_connections if config.metrics_port else 0
+    free = max(16, nofile - min(FD_RESERVE, nofile // 4) - metrics - HANDOVER_WAITING)
+    sessions = config.max_sessions or max(1, min(MAX_AUTO_SESSIONS, free * 3 // 8 // FDS_PER_SESSION))
+    idle = free * 3 // 8
+    offers = max(1, free // 8)
+    segments = max(1, free - sessions * FDS_PER_SESSION - idle - offers)
+    return FdBudget(nofile, sessions, sessions + idle, HANDOVER_WAITING, offers, segments, metrics)

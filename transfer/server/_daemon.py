@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Callable
 import trio
 import zmq
 
-from ..transport._zmq import SocketPump, check_endpoint, ipc_path, monitor_socket, stop_monitor
-from ._config import DaemonConfig, connection_limit, session_limit
+from ..transport._zmq import SocketPump, check_endpoint, ipc_path
+from ._config import DaemonConfig, fd_budget
+from ._connections import ConnectionGuard
 from ._preflight import STARTUP_LOGGER, check_memory, check_shm_dir, startup_line
 from ._server import Server
 
@@ -94,16 +95,25 @@ async def serve(
     shm = check_shm_dir(config.shm_dir)  # before anything is probed or bound: a typo fails at once
     memory = check_memory(config)
     server = Server(config)
-    nofile = _raise_fd_limit()
-    server.front.max_sessions = session_limit(config, nofile)
-    max_connections = connection_limit(config, nofile)
+    budget = fd_budget(config, _raise_fd_limit())
+    server.front.max_sessions = budget.sessions
+    server.fds.max_waiting, server.fds.max_offers = budget.handover, budget.offers
+    server.resources.max_host_segments = budget.segments
     log.info(
-        "fd limit %d: at most %d sessions%s and %d connections", nofile, server.front.max_sessions,
-        "" if config.max_sessions else " (sized from the fd limit)", max_connections,
+        "fd limit %d: at most %d sessions%s, %d connections, %d shared-memory segments, %d uncollected memfds, "
+        "%d fd-socket peers waiting, %d metrics connections", budget.nofile, budget.sessions,
+        "" if config.max_sessions else " (sized from the fd limit)", budget.connections, budget.segments, budget.offers,
+        budget.handover, budget.metrics,
     )
     swept = server.open()
     if swept:
         log.warning("removed %d shared-memory files left by dead daemons", len(swept))
+    try:
+        if config.metrics_port:
+            _start_metrics(server, config, budget.metrics)
+    except BaseException:
+        server.close()
+        raise
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -118,13 +128,21 @@ async def serve(
     ipc_paths: list[Path] = []
     secure: zmq.Socket[bytes] | None = None  # tcp with CURVE: its own ROUTER (ipc peers need no keys)
     auth: ThreadAuthenticator | None = None
+    # A connection with no live session, silent this long, is closed (its session, if it had
+    # one, was reaped after session_timeout_s of silence). Watching starts before each bind.
+    guard = ConnectionGuard(budget.connections, 2 * config.session_timeout_s, lambda ident: ident in server.front.sessions)
+    server.connection_counters = guard.counters
+    seen: dict[int, tuple[float, bytes]] = {}
+    secure_seen: dict[int, tuple[float, bytes]] = {}
     try:
+        guard.watch(sock, PLAIN_PREFIX, seen)
         curve = bool(config.curve_dir)
         for ep in config.endpoints:
             check_endpoint(ep, allow_remote_tcp=config.allow_remote_tcp, curve=curve, allow_insecure_tcp=config.allow_insecure_tcp)
             if curve and ep.startswith("tcp://"):
                 if secure is None:
                     secure, auth = _curve_router(ctx, config)
+                    guard.watch(secure, SECURE_PREFIX, secure_seen)
                 secure.bind(ep)
                 continue
             p = _prepare_ipc(ep)
@@ -133,11 +151,11 @@ async def serve(
                 os.chmod(p, 0o600)
                 ipc_paths.append(p)
         cap = config.max_reply_backlog
-        pump = SocketPump(sock, max_backlog=cap, on_overflow=lambda ident: server.front.reply_overflow(PLAIN_PREFIX + ident))
-        secure_pump = (
-            SocketPump(secure, max_backlog=cap, on_overflow=lambda ident: server.front.reply_overflow(SECURE_PREFIX + ident))
-            if secure is not None else None
-        )
+        pump = SocketPump(sock, max_backlog=cap, on_overflow=lambda ident: server.front.reply_overflow(PLAIN_PREFIX + ident), seen=seen)
+        secure_pump = None
+        if secure is not None:
+            secure_pump = SocketPump(secure, max_backlog=cap, on_overflow=lambda ident: server.front.reply_overflow(SECURE_PREFIX + ident),
+                                     seen=secure_seen)
         # Signal receivers need the main thread; an embedded daemon is stopped by its event instead.
         # Beneath the receiver: a signal after the first (a second SIGTERM during the drain, or
         # one during the cleanup after it) is logged, not the default death that would leave the
@@ -158,10 +176,10 @@ async def serve(
                 if secure_pump is not None:
                     nursery.start_soon(secure_pump.run, lambda parts: server.on_message([SECURE_PREFIX + parts[0], *parts[1:]], secure=True) if parts else None)
                 nursery.start_soon(server.reap_silent)
-                nursery.start_soon(_guard_connections, sock, max_connections)
+                nursery.start_soon(guard.run)
                 nursery.start_soon(server.fds.serve)  # clients collect their memfds here (server._fds)
                 logging.getLogger(STARTUP_LOGGER).info(
-                    "%s", startup_line(config, shm, server.backend.name, server.backend_reason, server.front.max_sessions, max_connections, memory)
+                    "%s", startup_line(config, shm, server.backend.name, server.backend_reason, budget.sessions, budget.connections, memory)
                 )
                 task_status.started(server)
                 if signals is None:
@@ -176,7 +194,9 @@ async def serve(
                 await _drain(server, [pump] if secure_pump is None else [pump, secure_pump], config.shutdown_grace_s)
                 nursery.cancel_scope.cancel()
     finally:
+        server.metrics.stop_http()
         server.close()
+        guard.close()
         sock.close(linger=500)
         if secure is not None:
             secure.close(linger=500)
@@ -224,47 +244,16 @@ def _curve_router(ctx: zmq.Context[zmq.Socket[bytes]], config: DaemonConfig) -> 
     return sock, auth
 
 
-async def _guard_connections(sock: zmq.Socket[bytes], limit: int) -> None:
-    """Keep the ipc connections under `limit`: libzmq accepts every connection and aborts
-    the whole process when an accept finds no free descriptor (ipc_listener.cpp), so a
-    connection beyond the limit is shut down as soon as it is accepted (the client sees the
-    connection close; one that says hello within the limit gets an answer). A burst faster
-    than this task can close connections is bounded only by the fd limit's headroom."""
-    monitor = monitor_socket(sock, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-    open_fds: set[int] = set()
-    refused = 0
-
-    def on_event(parts: list[bytes]) -> None:
-        nonlocal refused
-        if len(parts) != 2 or len(parts[0]) != 6:
-            return
-        event, fd = int.from_bytes(parts[0][:2], "little"), int.from_bytes(parts[0][2:], "little")
-        if event == zmq.EVENT_DISCONNECTED:
-            open_fds.discard(fd)
-        elif event == zmq.EVENT_ACCEPTED:
-            if len(open_fds) < limit:
-                open_fds.add(fd)
-                return
-            refused += 1
-            if refused == 1 or refused % 1000 == 0:
-                log.warning("%d connections open (the limit): closing new ones (%d so far)", len(open_fds), refused)
-            try:
-                s = socket.socket(fileno=os.dup(fd))  # a dup: libzmq keeps (and closes) its own
-            except OSError:
-                return
-            try:
-                s.shutdown(socket.SHUT_RDWR)  # libzmq reads EOF and closes its end
-            except OSError:
-                pass
-            finally:
-                s.close()
-
+def _start_metrics(server: Server, config: DaemonConfig, connections: int) -> None:
+    """Serve the server's Metrics (it reads its own counters and sessions when scraped)."""
     try:
-        await SocketPump(monitor).run(on_event)
-    finally:
-        with contextlib.suppress(zmq.ZMQError):
-            stop_monitor(sock)
-        monitor.close(0)
+        server.metrics_port = server.metrics.start_http(config.metrics_port, config.metrics_addr, max_connections=connections)
+    except OSError as exc:
+        raise RuntimeError(
+            f"cannot serve metrics on {config.metrics_addr}:{config.metrics_port}: {exc.strerror or exc} "
+            "(another transferd or exporter holds the port? choose another --metrics-port, or 0 to turn metrics off)"
+        ) from None
+    log.info("metrics on http://%s:%d/metrics", config.metrics_addr, server.metrics_port)
 
 
 def _route(plain: SocketPump, secure: SocketPump | None) -> Callable[[bytes, bytes], None]:

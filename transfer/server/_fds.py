@@ -15,7 +15,7 @@ What a peer of this socket can make the daemon do, and its bounds:
   only to the process that opened its session (SO_PEERCRED pid, read through
   the peer's pid namespace) when the session named a pid; a token is deleted on
   use, with its segment, and with its session; a session may have at most
-  `MAX_PER_SESSION` outstanding.
+  `MAX_PER_SESSION` outstanding, and the daemon `max_offers` (its fd budget).
 - Nothing here blocks the event loop: non-blocking sockets, one bounded read and
   one bounded send per connection. A client sends its token as it connects, so
   it is usually there when the connection is accepted, and is answered at once.
@@ -78,7 +78,7 @@ class FdChannel:
     #: Connections the kernel queues before accept; a client's connect waits while it is full.
     BACKLOG = 128
 
-    def __init__(self, shm_dir: Path, instance: Callable[[], str], max_waiting: int = MAX_WAITING) -> None:
+    def __init__(self, shm_dir: Path, instance: Callable[[], str], max_waiting: int = MAX_WAITING, max_offers: int = 1 << 16) -> None:
         self.shm_dir = shm_dir
         self._instance = instance
         self.path: Path | None = None
@@ -87,6 +87,8 @@ class FdChannel:
         self._offers: dict[bytes, tuple[Session, int]] = {}
         self._by_session: dict[int, set[bytes]] = {}
         self.max_waiting = max_waiting
+        #: Offers outstanding daemon-wide (each holds a descriptor: the fd budget's share).
+        self.max_offers = max_offers
         #: key -> (peer pid, its deadline's scope), oldest first.
         self._waiting: dict[int, tuple[int, trio.CancelScope]] = {}
         self._next_conn = 0
@@ -98,6 +100,9 @@ class FdChannel:
         n = len(self._by_session.get(session.id, ()))
         if n + fds > self.MAX_PER_SESSION:
             raise E.QuotaExceeded(f"session has {n} memory handles it has not collected from the fd socket (limit {self.MAX_PER_SESSION})")
+        if len(self._offers) + fds > self.max_offers:
+            raise E.QuotaExceeded(f"the daemon holds {len(self._offers)} memory handles its clients have not collected (its limit, "
+                                  "from the fd limit); try again once they are")
 
     def offer(self, session: Session, fd: int) -> bytes:
         """Take `fd` (ours to close from now on) and return the token that redeems it once."""

@@ -80,6 +80,8 @@ STATS_FAMILIES: dict[str, tuple[str, str, str]] = {
     "fds_passed": ("fds_passed_total", "counter", "Segment and ring memfds handed to clients"),
     "fds_refused": ("fds_refused_total", "counter", "fd-socket requests refused (bad token, wrong peer)"),
     "fds_evicted": ("fds_evicted_total", "counter", "fd-socket peers closed before sending a token, to make room (a flood)"),
+    "connections_refused": ("connections_refused_total", "counter", "control connections closed as accepted: the connection cap was reached"),
+    "connections_idle_closed": ("connections_idle_closed_total", "counter", "control connections with no live session closed after silence"),
     "sessions": ("sessions", "gauge", "Open sessions"),
     "rings": ("rings", "gauge", "Open shared-memory request rings"),
     "ring_workers": ("ring_workers", "gauge", "Running native ring workers"),

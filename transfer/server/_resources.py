@@ -56,6 +56,10 @@ class Resources:
         self.device_bytes = 0
         #: Shared-memory bytes of every session (the whole daemon's `max_host_bytes` budget).
         self.host_bytes = 0
+        #: Host segments mapped now, and how many may be (each mapping holds a descriptor:
+        #: the daemon sizes this from its fd limit, `_config.fd_budget`).
+        self.host_segments = 0
+        self.max_host_segments = 1 << 16
         #: Device index -> sessions homed there (a tie-break of `choose_home`).
         self.homed: Counter[int] = Counter()
         self._remote_start = trio.Lock()
@@ -128,6 +132,9 @@ class Resources:
     # --- creating ------------------------------------------------------------------------------
     def register_host(self, session: Session, nbytes: int) -> R.Registered:
         self.check_quota(session, nbytes, SegmentKind.HOST)
+        if self.host_segments >= self.max_host_segments:
+            raise E.QuotaExceeded(f"the daemon maps {self.host_segments} shared-memory segments, its limit (each holds a file "
+                                  "descriptor; raise the fd limit to raise it): free some, or use larger ones")
         self.fds.check_room(session)
         sid = self.table.reserve_id()
         shm = ShmFile.create(f"{PREFIX}{self._instance()}.seg{sid}", nbytes)
@@ -146,6 +153,7 @@ class Resources:
         session.segments.add(seg.id)
         session.host_bytes += nbytes
         self.host_bytes += nbytes
+        self.host_segments += 1
         # The client collects the memfd with this token (single use) from the fd socket.
         token = seg.info["fd_token"] = self.fds.offer(session, shm.take_fd())
         return R.Registered(seg.va, nbytes, token)
@@ -262,6 +270,7 @@ class Resources:
         if seg.kind == SegmentKind.HOST:
             session.host_bytes -= seg.nbytes
             self.host_bytes -= seg.nbytes
+            self.host_segments -= 1
             self.fds.revoke(seg.info.get("fd_token"))  # not collected yet: nobody will now
             shm: ShmFile = seg.handle
             try:

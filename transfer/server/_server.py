@@ -109,6 +109,10 @@ class Server:
         self._lock: DaemonLock | None = None
         #: Where clients collect the memfds behind their segments and rings (no paths: no SIGBUS).
         self.fds = FdChannel(config.shm_dir, lambda: self.instance)
+        #: The metrics endpoint's port once it serves (`--metrics-port`; 0: none).
+        self.metrics_port = 0
+        #: The control sockets' connection guard's counts (`_connections`), once the daemon serves.
+        self.connection_counters: dict[str, int] = {"connections_refused": 0, "connections_idle_closed": 0}
         #: Native ring workers and their mirror of the table (when the extension is built).
         self.dataplane = DataPlane(config, self.accounting)
         self.resources = Resources(config, self.table, self.devices, self.backends, self.remote, lambda: self.instance, self.fds, self.dataplane)
@@ -250,6 +254,7 @@ class Server:
             "uptime_s": round(time.monotonic() - self.started, 3),
             **self.remote.counters,
             **self.fds.counters,
+            **self.connection_counters,
         }
 
 

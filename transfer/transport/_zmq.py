@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import os
 import select
+import time
 from collections import deque
 from pathlib import Path
 from typing import Callable, TypeVar, cast
@@ -36,6 +37,7 @@ _RECV_BURST = 256
 _BACKLOG_RETRY_S = 0.005
 # Plain ints: pyzmq's flag enums cost a Python-level __and__ on every use.
 _NOBLOCK, _EVENTS, _POLLIN, _POLLOUT = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
+_SRCFD = int(zmq.SRCFD)
 
 
 class SocketPump:
@@ -47,8 +49,14 @@ class SocketPump:
     past `max_backlog` bytes is dropped and reported to `on_overflow(identity)`.
     """
 
-    def __init__(self, sock: zmq.Socket[bytes], *, max_backlog: int = 0, on_overflow: Callable[[bytes], None] | None = None) -> None:
+    def __init__(self, sock: zmq.Socket[bytes], *, max_backlog: int = 0, on_overflow: Callable[[bytes], None] | None = None,
+                 seen: dict[int, tuple[float, bytes]] | None = None) -> None:
         self.sock = sock
+        #: When given (a ROUTER): the connection (its descriptor, `zmq.SRCFD`) each message
+        #: came from -> (when, time.monotonic(); the peer's identity), for a guard that
+        #: closes idle connections. Reading the source costs the message's frames as
+        #: zmq.Frame objects: ~1.5 us a message.
+        self.seen = seen
         self._fd = sock.fileno()  # zmq.FD
         self._out: deque[list[bytes]] = deque()
         #: While the task is parked: the eventfd that wakes it (`_ring`); else None.
@@ -155,8 +163,15 @@ class SocketPump:
                 # (Each read costs microseconds, pyzmq converting the option per call: the last
                 # one of the burst also decides what comes next.)
                 events = events_of(_EVENTS)
+                seen = self.seen
                 while events & _POLLIN and received < _RECV_BURST:
-                    on_message(sock.recv_multipart(_NOBLOCK))
+                    if seen is None:
+                        on_message(sock.recv_multipart(_NOBLOCK))
+                    else:
+                        frames = sock.recv_multipart(_NOBLOCK, copy=False)
+                        parts = [f.bytes for f in frames]
+                        seen[frames[-1].get(_SRCFD)] = (time.monotonic(), parts[0])
+                        on_message(parts)
                     received += 1
                     events = events_of(_EVENTS)
                 if received == _RECV_BURST:
