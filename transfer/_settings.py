@@ -222,7 +222,7 @@ def _defaults() -> tuple[Setting, ...]:
         ("endpoints", _endpoints, "ipc://PATH or tcp://127.0.0.1:PORT; repeat the flag (or comma-separate) for several", "--endpoint", {"metavar": "URL"}),
         ("backend", _str, "device backend: auto probes CuPy (an allocation, not just the import), else NumPy; streamsim: a simulated GPU for tests", "--backend", {"choices": ("auto", "cupy", "numpy", "streamsim"), "default": "auto"}),
         ("devices", _int, "virtual CPU devices for the numpy backend", "--devices", {"minimum": 1, "maximum": 1024}),
-        ("shm_dir", _path, "directory for the daemon's lock, doorbell FIFOs and fd socket (segments are sealed memfds)", "--shm-dir", {"metavar": "DIR"}),
+        ("shm_dir", _path, "directory for the daemon's lock and fd socket (segments and rings are sealed memfds, doorbells pipes); this user's, or root's with the sticky bit, and sticky if others may write it", "--shm-dir", {"metavar": "DIR"}),
         ("heartbeat_s", _float, "seconds between idle clients' pings (announced in hello)", "--heartbeat", {"minimum": 0.01, "metavar": "SECONDS"}),
         ("session_timeout_s", _float, "reclaim a session silent this long (must exceed the heartbeat)", "--session-timeout", {"minimum": 0.05, "metavar": "SECONDS"}),
         ("max_segments_per_session", _int, "segments (host + device) one session may hold; 0 = unlimited", "--max-segments-per-session", {"minimum": 0}),

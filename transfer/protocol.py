@@ -236,10 +236,10 @@ class Attach(Request, tag=17):
 class OpenRing(Request, tag=18):
     """Open this session's shared-memory request ring (same host only; docs/ring.md).
 
-    Reply {token, bell, cbell, capacity, completion_capacity}: the client collects the
-    ring's memfd with `token` on the daemon's fd socket, and writes a byte to the daemon's
-    doorbell FIFO `bell` when the daemon sleeps. With `completion_bell`, `cbell` is a
-    second token: the read end of a pipe the daemon writes to when it pushes completions
+    Reply `_results.RingOpened`: the client collects the ring's memfd with `token` on
+    the daemon's fd socket, and with `bell` a write end of the daemon's doorbell pipe, to
+    which it writes a byte when the daemon sleeps. With `completion_bell`, `cbell` is a
+    third token: the read end of a pipe the daemon writes to when it pushes completions
     to a client asleep on it (a waiter that polls fds, as trio does; others sleep on the
     ring's futex). `capacity` is rounded up to a power of two.
     """

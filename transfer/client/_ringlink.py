@@ -4,7 +4,7 @@ Sans-I/O in the h11 sense as far as a ring allows: it turns requests into
 descriptors and completions into finished `Pending`s; each client decides
 when to push and how to wait. The blocking client sleeps on the completion
 futex (`Ring.wait`); trio cannot wait on a futex, so the trio client opens
-the session's completion doorbell (`cbell`, a FIFO the daemon's end of the
+the session's completion doorbell (`cbell`, a pipe the daemon's end of the
 ring writes a byte to whenever it finds our completion inbox armed) and
 waits for it to become readable (`arm`, `bell_fd`, `drain_bell`). Only plain
 data requests travel here (copy, fill, checksum, fence, and their vector

@@ -8,7 +8,7 @@ without a task each; methods that wait (`segment`, `fence`, `pool.acquire`)
 are awaited. Background tasks, all in one nursery owned by `open_client`:
 the socket pump (transport._zmq.SocketPump), liveness (heartbeats, the
 daemon's pid on this host) and, with `ring=True`, the ring's completion
-reaper, which sleeps on the session's completion doorbell FIFO (trio cannot
+reaper, which sleeps on the session's completion doorbell pipe (trio cannot
 wait on a futex; docs/ring.md).
 """
 

@@ -292,6 +292,7 @@ async def _drain(server: Server, pumps: list[SocketPump], grace: float) -> None:
     with trio.move_on_after(_FLUSH_WAIT_S):
         for pump in pumps:
             await pump.wait_drained()
+    log.info("drained: %d sessions finished (%d past the grace); exiting", len(sessions), len(left))
 
 
 def run(config: DaemonConfig) -> int:

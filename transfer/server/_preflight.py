@@ -27,7 +27,7 @@ log = logging.getLogger("transfer.daemon")
 
 # statfs f_type values (linux/magic.h) of memory-backed filesystems.
 _MEMORY_FS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
-#: The shm dir must have at least this much room: lock, FIFOs, socket, and the fds in flight.
+#: The shm dir must have at least this much room: the lock and the fd socket.
 MIN_SHM_DIR_FREE = 1 << 20
 
 
@@ -97,7 +97,7 @@ def check_shm_dir(path: Path) -> ShmDir:
     loudly, not leave the lock and sockets where no client looks. A directory that is
     not tmpfs works (it holds only a lock and a socket) but is logged
     as a warning: on a disk the lock outlives a reboot, on a network filesystem
-    sockets and FIFOs may not work at all.
+    sockets may not work at all.
     """
     if not path.exists():
         raise RuntimeError(

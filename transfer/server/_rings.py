@@ -565,11 +565,11 @@ class Rings:
         return took
 
     async def _loop(self) -> None:
-        """Busy-poll while the rings are busy, then sleep on the doorbell FIFO.
+        """Busy-poll while the rings are busy, then sleep on the doorbell pipe.
 
         Busy-polling holds the event loop for at most 50 µs at a time, then lets the
         other tasks (the zmq pump) run; after `ring_spin_s` without a descriptor it
-        arms every ring (a client's next push then writes the FIFO) and sleeps.
+        arms every ring (a client's next push then writes the doorbell) and sleeps.
         """
         assert self.bell is not None
         bell = self.bell
@@ -606,7 +606,7 @@ class Rings:
             try:
                 os.write(self.bell.write_fd, b"\0")
             except BlockingIOError:
-                pass  # a full FIFO rings already
+                pass  # a full pipe rings already
 
     @staticmethod
     def _room(session: Session) -> int:
