@@ -1,4 +1,4 @@
-"""The daemon's own CPU time per request in one transfer-bench cell (issue 15, remote mode).
+"""The daemon's own CPU time per request in one transfer-bench cell (remote mode).
 
 Throughput on a shared 2-core VM swings by a tenth from run to run; the CPU time the
 daemon's main thread spends per request swings far less, and it is what a change to the

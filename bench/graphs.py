@@ -1,4 +1,4 @@
-"""Graphs through the daemon against the same math in-process (issue 18, "Measure and report").
+"""Graphs through the daemon against the same math in-process.
 
 Same run, same machine, same data, same dtype (float32), so the ratios hold on a
 noisy machine:

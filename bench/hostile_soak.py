@@ -5,26 +5,38 @@
     PYTHONPATH=$PWD python bench/hostile_soak.py --seconds 30 --attacks fuzz,forged_va,churn --plot /tmp/h.png
 
 Starts one `transferd` (numpy backend, private ipc endpoint, its own shm dir, small quotas,
-soft RLIMIT_NOFILE at `--daemon-nofile`, like a default shell's `ulimit -n 1024`), two good
-clients (ring=True and ring=False) and `--procs` attacker processes. Each attacker slot
-runs one bounded episode of one attack (bench/_hostile/attacks.py: fuzzed frames, forged
-and stale VAs, hello/close churn, a silent-connection flood, unread-reply floods,
-resource hogs and guest misuse, ring abuse, hostile compute, zero-stride compute,
-truncating a segment's or ring's file, clients SIGKILLed mid-request), then the next;
+a metrics endpoint on a free port of 127.0.0.1, soft RLIMIT_NOFILE at `--daemon-nofile`,
+like a default shell's `ulimit -n 1024`), two good clients (ring=True and ring=False) and
+`--procs` attacker processes. Each attacker slot runs one bounded episode of one attack
+(bench/_hostile/attacks.py; by default all but those in BREAKING: fuzzed frames, forged and stale VAs, hello/close churn, a
+silent-connection flood, unread-reply floods, resource hogs and guest misuse, ring abuse,
+hostile compute, zero-stride compute, truncating a segment's or ring's file, clients
+SIGKILLed mid-request, every integer field and hello pid at its declared extremes, silent
+and garbage peers of the fd socket, idle and slowloris metrics connections, names squatted
+in the shm dir, a fake daemon's broken replies against a real client, and its replies with
+one number at an integer width's end), then the next;
 a random attacker is SIGKILLed every `--kill-every` seconds as well. Everything is
 bounded in count and time and stays on this machine.
 
 A monitor samples the daemon every second: RSS, open fds, threads, CPU, and from a
-Stats request sessions, segments, device bytes, rings; and the files in its shm dir.
+Stats request sessions, segments, device bytes, rings; the files in its shm dir; and one
+scrape of its metrics endpoint (a scrape refused while a flood holds every connection is
+counted, not a failure).
 
 It checks, and exits 1 unless all hold:
 * the daemon never died or stopped answering (a wedge: Stats unanswered for `--wedge-s`);
-* the good clients succeeded 100 % (every round verified by checksum64 / read-back);
+* the good clients succeeded 100 % (every round verified by checksum64 / read-back; some
+  rounds register and free a segment, so the fd socket's floods are felt);
 * no attack was served something it must not be (`VIOLATION:*` counts);
 * at the end, after every attacker and good client is gone: sessions 0 (the monitor's
-  aside), segments 0, device bytes 0, rings 0, only the lock and fd socket in the shm dir,
-  fds back within `--fd-slack` of the baseline, RSS within `--rss-slack-mib`, no
-  attacker process left alive; then SIGTERM: exit 0 and an empty shm dir.
+  aside), segments 0, device bytes 0, rings 0, only the lock and fd socket in the shm dir
+  (once the names the squat attack listed are removed), fds back within `--fd-slack` of
+  the baseline, RSS within `--rss-slack-mib`, a metrics scrape answered, no attacker
+  process left alive;
+* the drain under ring load: a ring client pushes `DRAIN_COPIES` checksummed copies, then
+  SIGTERM: every one completes with the right bytes, a request made once the drain is seen
+  (a new hello answered ShuttingDown) fails ShuttingDown on the ring and on the socket, the
+  daemon exits 0 and leaves an empty shm dir.
 
 Output: a summary table; `--json FILE` adds the 1 s time series, 10 s windows of the
 good clients' p50/p99 and success, and each attack's counts; `--plot FILE` (matplotlib).
@@ -41,10 +53,14 @@ import random
 import resource
 import shutil
 import signal
+import socket
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Iterator
@@ -54,6 +70,7 @@ from typing import Any
 
 import numpy as np
 import psutil
+import zmq
 
 ROOT = Path(__file__).resolve().parent.parent
 for _p in (str(ROOT), str(ROOT / "bench")):
@@ -65,11 +82,13 @@ from _hostile.good import good_client
 from _hostile.tally import read_tallies
 
 import transfer
+from transfer import protocol as P
 from transfer.testing import DaemonProcess, start_daemon
 
 MiB = 1 << 20
-#: Attacks that today's daemon does not survive (see tests/test_hostile_soak.py for why).
-BREAKING = ("compute_zero_stride", "truncate_segment", "truncate_ring", "silent_flood")
+#: Attacks that find a bug not fixed yet (tests/test_hostile_soak.py DISABLED says which, and
+#: why): left out of a run unless named, or `--attacks all`.
+BREAKING: tuple[str, ...] = ()
 DAEMON_ARGS = [
     "--backend", "numpy", "--heartbeat", "0.2", "--session-timeout", "2",
     "--max-segments-per-session", "64", "--max-host-bytes-per-session", "64MiB",
@@ -81,7 +100,7 @@ DAEMON_ARGS = [
 class Config:
     seconds: float = 600.0
     procs: int = 5
-    attacks: tuple[str, ...] = tuple(ATTACKS)
+    attacks: tuple[str, ...] = tuple(k for k in ATTACKS if k not in BREAKING)
     kill_every: float = 3.0
     episode: tuple[float, float] = (3.0, 8.0)
     seed: int = 0
@@ -101,6 +120,7 @@ class Result:
     good: dict[str, Any] = field(default_factory=dict)
     attacks: dict[str, Any] = field(default_factory=dict)
     leaks: dict[str, Any] = field(default_factory=dict)
+    drain: dict[str, Any] = field(default_factory=dict)
     elapsed_s: float = 0.0
 
     @property
@@ -131,13 +151,37 @@ def _fds(pid: int) -> int:
         return -1
 
 
-class Monitor(threading.Thread):
-    """Samples the daemon once a second; its own session's Stats give the daemon's counters."""
+def _free_port() -> int:
+    """A port of 127.0.0.1 free now (bound, then closed): the daemon's metrics endpoint."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
-    def __init__(self, daemon: DaemonProcess, t0: float, period: float = 1.0) -> None:
+
+def scrape(url: str, timeout: float = 2.0) -> str:
+    """One GET of the metrics endpoint: "ok", or why not ("HTTP 503", "timeout", ...)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return "ok" if r.status == 200 and b"transfer_" in r.read() else f"HTTP {r.status} without transfer_ series"
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}"
+    except (TimeoutError, socket.timeout):
+        return "timeout"
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return "timeout" if isinstance(reason, (TimeoutError, socket.timeout)) else type(reason).__name__
+
+
+class Monitor(threading.Thread):
+    """Samples the daemon once a second; its own session's Stats give the daemon's counters,
+    and one scrape a sample its metrics endpoint (`scrapes`: outcome -> count)."""
+
+    def __init__(self, daemon: DaemonProcess, t0: float, period: float = 1.0, metrics_url: str = "") -> None:
         super().__init__(name="monitor", daemon=True)
         self.daemon_ = daemon
         self.t0, self.period = t0, period
+        self.metrics_url = metrics_url
+        self.scrapes: Counter[str] = Counter()
         self.proc = psutil.Process(daemon.pid)
         self.samples: list[dict[str, Any]] = []
         self.stop_ = threading.Event()
@@ -173,6 +217,9 @@ class Monitor(threading.Thread):
         st = self.stats() if self.daemon_.alive() else None
         for k in ("sessions", "segments", "device_bytes", "rings", "errors", "requests"):
             s[k] = None if st is None else st.get(k)
+        if self.metrics_url and self.daemon_.alive():
+            s["scrape"] = scrape(self.metrics_url)
+            self.scrapes[s["scrape"]] += 1
         return s
 
     def run(self) -> None:
@@ -194,7 +241,9 @@ class Monitor(threading.Thread):
 # --- the run ---------------------------------------------------------------------------------------
 def run(cfg: Config, log: Any = None) -> Result:
     say = log or (lambda *a: None)
-    res = Result(config={**cfg.__dict__, "attacks": list(cfg.attacks), "daemon_args": DAEMON_ARGS})
+    metrics_port = _free_port()
+    daemon_args = [*DAEMON_ARGS, "--metrics-port", str(metrics_port)]
+    res = Result(config={**cfg.__dict__, "attacks": list(cfg.attacks), "daemon_args": daemon_args})
     rnd = random.Random(cfg.seed)
     t_start = time.monotonic()
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
@@ -210,11 +259,11 @@ def run(cfg: Config, log: Any = None) -> Result:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(cfg.daemon_nofile, hard), hard))
     try:
         with _stderr_to(workdir / "daemon.stderr"):
-            daemon = start_daemon(DAEMON_ARGS, workdir=workdir, shm_dir=shm_dir)
+            daemon = start_daemon(daemon_args, workdir=workdir, shm_dir=shm_dir)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     ctx = mp.get_context("spawn")
-    monitor = Monitor(daemon, t_start)
+    monitor = Monitor(daemon, t_start, metrics_url=f"http://127.0.0.1:{metrics_port}/metrics")
     slots: list[dict[str, Any]] = []
     goods: list[Any] = []
     spawned: list[Any] = []
@@ -249,13 +298,14 @@ def run(cfg: Config, log: Any = None) -> Result:
             length = rnd.uniform(*cfg.episode)
             end = min(time.time() + length + 5, deadline)  # +5: a spawned process's start-up
             out = tallies / f"attack-{n_ep:05d}-{kind}.json"
-            p = ctx.Process(target=run_attack, args=(kind, daemon.endpoint, str(shm_dir), daemon.pid, str(out), length, deadline, cfg.seed * 100_000 + n_ep), daemon=True)
+            p = ctx.Process(target=run_attack, args=(kind, daemon.endpoint, str(shm_dir), daemon.pid, str(out), length, deadline, cfg.seed * 100_000 + n_ep),
+                            kwargs={"metrics_port": metrics_port}, daemon=True)
             p.start()
             spawned.append(p)
             episodes[kind] += 1
             # clients killed mid-request: midkill episodes die young, by SIGKILL
             kill_at = time.monotonic() + rnd.uniform(1.5, 3.5) if kind == "midkill" else None  # start-up ~1 s
-            return {"proc": p, "kind": kind, "end": end, "kill_at": kill_at, "born": time.monotonic(), "out": out}
+            return {"proc": p, "kind": kind, "end": end, "kill_at": kill_at, "born": time.monotonic(), "out": out, "tally_at": None}
 
         if kinds:
             slots = [start_episode(i) for i in range(cfg.procs)]
@@ -282,8 +332,12 @@ def run(cfg: Config, log: Any = None) -> Result:
                 elif time.time() > sl["end"] + 15:  # an attacker stuck past its episode: note it, kill it
                     hung[sl["kind"]] += 1
                     p.kill()
-            # only attackers past their start-up (their tally exists for 1 s): killed mid-attack
-            grown = [sl for sl in slots if now - sl["born"] > 2.5 and _age(sl["out"]) > 1.0]
+            # Only attackers past their start-up (their tally has existed for 1 s, timed from when it
+            # appeared: the file's own times move with every flush) are killed mid-attack.
+            for sl in slots:
+                if sl["tally_at"] is None and sl["out"].exists():
+                    sl["tally_at"] = now
+            grown = [sl for sl in slots if now - sl["born"] > 2.5 and sl["tally_at"] is not None and now - sl["tally_at"] > 1.0]
             if now >= next_kill and grown:
                 sl = rnd.choice(grown)
                 if sl["proc"].is_alive() and sl["proc"].exitcode is None:
@@ -305,6 +359,7 @@ def run(cfg: Config, log: Any = None) -> Result:
                 p.kill()
                 p.join()
         res.daemon["died_at_s"] = died_at
+        res.leaks["squatted_names_removed"] = _remove_squatted(tallies, shm_dir)
         wedged = monitor.wedged_for() if daemon.alive() else 0.0
         _collect(res, tallies, episodes, killed, hung, monitor)
         if not daemon.alive():
@@ -317,6 +372,9 @@ def run(cfg: Config, log: Any = None) -> Result:
         if daemon.alive():
             _leaks(res, cfg, daemon, monitor, base_sample, spawned + goods)
         monitor.close()
+        res.daemon["metrics_scrapes"] = dict(monitor.scrapes)
+        if daemon.alive():
+            drain_under_ring_load(res, daemon)
     finally:
         monitor.stop_.set()
         for p in spawned + goods:
@@ -340,13 +398,6 @@ def run(cfg: Config, log: Any = None) -> Result:
         res.series = monitor.samples
         res.elapsed_s = round(time.monotonic() - t_start, 1)
     return res
-
-
-def _age(path: Path) -> float:
-    try:
-        return time.time() - path.stat().st_ctime
-    except OSError:
-        return -1.0
 
 
 def _signame(code: int | None) -> str:
@@ -411,6 +462,31 @@ def _collect(res: Result, tallies: Path, episodes: Counter[str], killed: Counter
         res.failures.append(f"good clients: {len(rows) - ok} of {len(rows)} rounds failed {res.good['failures_by_class']}")
 
 
+def _remove_squatted(tallies: Path, shm_dir: Path) -> int:
+    """Remove what squat episodes left in the shm dir (a SIGKILLed one cannot clean up).
+
+    Each squat episode lists a path in its `.created` manifest before it makes it, so this
+    removes exactly those names, and only in the shm dir; the leak check after it still
+    requires the dir to hold nothing but the daemon's lock and fd socket. (Ignoring "names
+    the squat attack is known to create" instead would also hide a daemon file that
+    happened to take such a name.) Returns how many paths were still there."""
+    removed = 0
+    for manifest in tallies.glob("*.created"):
+        for line in set(manifest.read_text().splitlines()):
+            path = Path(line)
+            if path.parent != shm_dir or not path.name.lstrip(".").startswith("transfer."):
+                continue
+            try:
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+                removed += 1
+            except FileNotFoundError:
+                continue
+    return removed
+
+
 def _leaks(res: Result, cfg: Config, daemon: DaemonProcess, monitor: Monitor, base: dict[str, Any], procs: list[Any]) -> None:
     """Everyone but the monitor is gone: the daemon must hold nothing of theirs."""
     monitor.stop_.set()
@@ -437,6 +513,14 @@ def _leaks(res: Result, cfg: Config, daemon: DaemonProcess, monitor: Monitor, ba
     unexpected = [f for f in files if not (f.endswith(".lock") or ".fds." in f)]
     if unexpected:
         res.failures.append(f"leak: {len(unexpected)} unexpected file(s) in the shm dir while running: {unexpected[:5]}")
+    if monitor.metrics_url:  # the floods' connections closed with their processes: the endpoint answers again
+        outcome, end = scrape(monitor.metrics_url), time.monotonic() + 10
+        while outcome != "ok" and time.monotonic() < end:
+            time.sleep(0.5)
+            outcome = scrape(monitor.metrics_url)
+        L["metrics_scrape_at_end"] = outcome
+        if outcome != "ok":
+            res.failures.append(f"the metrics endpoint did not answer a scrape after every attacker left: {outcome}")
     now = monitor.sample()
     L["fds_baseline"], L["fds_final"] = base["fds"], now["fds"]
     L["rss_baseline_mib"], L["rss_final_mib"] = round(base["rss"] / MiB, 1), round(now["rss"] / MiB, 1)
@@ -467,6 +551,154 @@ def _cmdline(p: psutil.Process) -> list[str]:
         return []
 
 
+# --- the drain under ring load ---------------------------------------------------------------------
+DRAIN_COPIES, DRAIN_COPY_BYTES = 50, 4 * MiB
+#: Copies of 32 MiB another session queues on the socket before the signal: they keep the
+#: daemon draining (about 0.4 s on 2 cores, within its 10 s grace) while the drain is seen
+#: and the late requests are made.
+DRAIN_HOLD_COPIES = 100
+
+
+class DrainHolder:
+    """A raw session with copies queued when the signal comes. It pings while the drain goes
+    on (refused, but heard), so the session timeout does not end it early."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.next_id = 1 << 32  # above the copies' ids
+
+    def _until(self, *ids: int, timeout: float = 10.0) -> list[P.Reply | None]:
+        """Read replies until those to `ids` are in (the others are the queued copies')."""
+        got: dict[int, P.Reply] = {}
+        end = time.monotonic() + timeout
+        while len(got) < len(ids) and (left := end - time.monotonic()) > 0 and self.sock.poll(int(left * 1000) + 1):
+            got.update((r.id, r) for r in P.decode_replies(self.sock.recv()) if r.id in ids)
+        return [got.get(i) for i in ids]
+
+    def start(self) -> str:
+        """Hello, two buffers, the copies; returns "" once the daemon has read them, else why not."""
+        self.sock.send(P.encode_requests([P.Hello(1, P.VERSION, "drain-holder", os.getpid(), b"")]))
+        (r,) = self._until(1)
+        if r is None or r.error is not None:
+            return f"hello: {r and r.error}"
+        self.sock.send(P.encode_requests([P.Alloc(2, 32 * MiB, -1), P.Alloc(3, 32 * MiB, -1)]))
+        a, b = self._until(2, 3)
+        if a is None or b is None or a.error is not None or b.error is not None:
+            return f"alloc: {a and a.error} {b and b.error}"
+        self.sock.send(P.encode_requests([P.Copy(10 + i, a.result["va"], b.result["va"], 32 * MiB, 0) for i in range(DRAIN_HOLD_COPIES)]))
+        self.sock.send(P.encode_requests([P.Ping(5)]))  # a frame of its own: answered once the copies are taken
+        return "" if self._until(5)[0] is not None else "no answer to the ping behind the copies"
+
+    def ping(self) -> None:
+        self.next_id += 1
+        self.sock.send(P.encode_requests([P.Ping(self.next_id)]))
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+def _hello_refused(endpoint: str, timeout: float) -> bool | None:
+    """A new hello: True if answered ShuttingDown (the drain has begun), False if served, None if unanswered."""
+    s: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    try:
+        s.connect(endpoint)
+        s.send(P.encode_requests([P.Hello(1, P.VERSION, "drain-probe", os.getpid(), b"")]))
+        if not s.poll(int(timeout * 1000)):
+            return None
+        (r,) = P.decode_replies(s.recv())
+        if isinstance(r.error, transfer.ShuttingDown):
+            return True
+        s.send(P.encode_requests([P.Close(2)]))
+        return False
+    finally:
+        s.close(0)
+
+
+def _late(submit: Any) -> str:
+    """A request made after the drain was seen: "ShuttingDown" is the only right answer."""
+    try:
+        submit().result(30)
+        return "served"
+    except transfer.TransferError as exc:
+        return type(exc).__name__
+
+
+def drain_under_ring_load(res: Result, daemon: DaemonProcess) -> None:
+    """SIGTERM while a ring client's copies are in flight (what was published before the signal
+    is served), then requests on the ring and the socket once the drain is seen (ShuttingDown);
+    the daemon exits 0. Records `res.drain`; a failure fails the soak."""
+    D = res.drain
+    signalled: list[float] = []
+    try:
+        _drain(D, daemon, signalled)
+    except transfer.TransferError as exc:
+        D["error"] = f"{type(exc).__name__}: {exc}"
+    if signalled:  # (else the run's own stop signals it, and checks its exit)
+        try:
+            D["exit_code"] = daemon.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            D["exit_code"] = None
+        D["signal_to_exit_s"] = round(time.monotonic() - signalled[0], 2)
+    _judge_drain(res)
+
+
+def _drain(D: dict[str, Any], daemon: DaemonProcess, signalled: list[float]) -> None:
+    """The drain's clients and signal (`drain_under_ring_load`); `signalled` gets when SIGTERM was sent."""
+    with contextlib.ExitStack() as stack:
+        ring = stack.enter_context(transfer.connect(daemon.endpoint, name="drain-ring", ring=True, liveness_timeout=30))
+        sock = stack.enter_context(transfer.connect(daemon.endpoint, name="drain-socket", ring=False, liveness_timeout=30))
+        holder = DrainHolder(daemon.endpoint)
+        stack.callback(holder.close)
+        D["ring"] = ring.ring
+        src, dst = ring.segment(DRAIN_COPY_BYTES), ring.segment(DRAIN_COPY_BYTES)
+        late_ring, late_sock = ring.segment(4096), sock.segment(4096)
+        src.buffer[:] = np.random.default_rng(0).integers(0, 256, DRAIN_COPY_BYTES, np.uint8)
+        want = transfer.checksum64(src.buffer)
+        D["holder"] = holder.start() or "ok"
+        pending = [ring.copy(dst, src, DRAIN_COPY_BYTES) for _ in range(DRAIN_COPIES)]
+        ring.poll()  # reap what completed already: the rest were in flight at the signal
+        D["in_flight_at_signal"] = sum(not p.done() for p in pending)
+        signalled.append(time.monotonic())
+        daemon.proc.send_signal(signal.SIGTERM)
+        seen = False
+        while not seen and daemon.alive() and time.monotonic() - signalled[0] < 20:
+            seen = bool(_hello_refused(daemon.endpoint, 2.0))
+            holder.ping()
+        D["drain_seen_after_s"] = round(time.monotonic() - signalled[0], 3) if seen else None
+        if seen:  # (made after the drain began, so after the signal: ShuttingDown, on either path)
+            D["late_ring"] = _late(lambda: ring.fill(late_ring, 4096, 1))
+            D["late_socket"] = _late(lambda: sock.fill(late_sock, 4096, 1))
+        failed: Counter[str] = Counter()
+        for p in pending:
+            try:
+                p.result(60)
+            except transfer.TransferError as exc:
+                failed[type(exc).__name__] += 1
+        D["copies_ok"], D["copies_failed"] = DRAIN_COPIES - sum(failed.values()), dict(failed)
+        D["bytes_match"] = transfer.checksum64(dst.buffer) == want
+
+
+def _judge_drain(res: Result) -> None:
+    D, fail = res.drain, res.failures.append
+    if "error" in D:
+        fail(f"drain: {D['error']}")
+    if not D.get("ring"):
+        fail("drain: the drain's client got no ring")
+    if D.get("copies_ok") != DRAIN_COPIES or not D.get("bytes_match"):
+        fail(f"drain: {D.get('copies_ok')} of {DRAIN_COPIES} ring copies published before SIGTERM completed "
+             f"{D.get('copies_failed')}, bytes match: {D.get('bytes_match')}")
+    if D.get("drain_seen_after_s") is None:
+        fail(f"drain: no new hello was answered ShuttingDown after SIGTERM (holder: {D.get('holder')})")
+    for k in ("late_ring", "late_socket"):
+        if k in D and D[k] != "ShuttingDown":
+            fail(f"drain: a request made after the drain began ({k}) got {D[k]}, not ShuttingDown")
+    if "exit_code" in D and D["exit_code"] != 0:
+        fail(f"drain: the daemon's exit after SIGTERM was {D['exit_code']}")
+
+
 # --- report ----------------------------------------------------------------------------------------
 def table(res: Result) -> str:
     g, L, d = res.good, res.leaks, res.daemon
@@ -485,6 +717,9 @@ def table(res: Result) -> str:
         ("daemon fds min / max / last", f"{min(fds, default=-1)} / {max(fds, default=-1)} / {fds[-1] if fds else -1}"),
         ("daemon threads max", max((s["threads"] or 0 for s in series), default=0)),
         ("leaks at the end", {k: L[k] for k in ("sessions", "segments", "device_bytes", "rings", "fds_baseline", "fds_final", "rss_baseline_mib", "rss_final_mib") if k in L}),
+        ("metrics scrapes (monitor)", d.get("metrics_scrapes", {})),
+        ("squatted names removed", L.get("squatted_names_removed")),
+        ("drain under ring load", _drain_row(res.drain)),
         ("shm files after stop", L.get("shm_after_stop")),
     ]
     for kind, a in res.attacks.items():
@@ -498,6 +733,14 @@ def table(res: Result) -> str:
     if res.failures:
         out += "\n\nfailures:\n" + "\n".join(f"  - {f}" for f in res.failures)
     return out
+
+
+def _drain_row(D: dict[str, Any]) -> str:
+    if not D:
+        return "not run"
+    return (f"{D.get('copies_ok')}/{DRAIN_COPIES} ring copies ok ({D.get('in_flight_at_signal')} in flight at SIGTERM), "
+            f"bytes match {D.get('bytes_match')}; drain seen after {D.get('drain_seen_after_s')} s; late ring/socket: "
+            f"{D.get('late_ring')}/{D.get('late_socket')}; exit {D.get('exit_code')} {D.get('signal_to_exit_s')} s after SIGTERM")
 
 
 def plot(res: Result, path: str) -> None:
@@ -525,7 +768,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=600.0)
     p.add_argument("--procs", type=int, default=5, help="attacker processes at once")
-    p.add_argument("--attacks", default="all", help=f"comma list, 'all', or 'survivable' (all but {', '.join(BREAKING)}); from: {', '.join(ATTACKS)}")
+    p.add_argument("--attacks", default="survivable",
+                   help=f"comma list, 'all', or 'survivable' (the default: all but {', '.join(BREAKING)}); from: {', '.join(ATTACKS)}")
     p.add_argument("--exclude", default="", help="comma list of attacks to leave out")
     p.add_argument("--kill-every", type=float, default=3.0, help="seconds between SIGKILLs of a random attacker (0 = never)")
     p.add_argument("--seed", type=int, default=0)

@@ -1,4 +1,4 @@
-"""Small requests through a real transferd: the shared-memory ring against zmq (issue 8).
+"""Small requests through a real transferd: the shared-memory ring against zmq.
 
 One run, one daemon process, the same requests (64-byte copies between two places
 in one shared segment) over each path:

@@ -1,4 +1,4 @@
-"""What one request costs the client: submission, the wait, and the round trip (issue 15).
+"""What one request costs the client: submission, the wait, and the round trip.
 
 One sync client on a real daemon's ring (the default route), 64-byte copies:
 

@@ -84,7 +84,7 @@ def test_auto_warns_when_cupy_is_installed_but_unusable(monkeypatch: pytest.Monk
     assert rec.levelno == logging.WARNING and why in rec.getMessage()
 
 
-# --- the daemon as a service (issue 19) -------------------------------------------------------
+# --- the daemon as a service -------------------------------------------------------
 def test_version_from_transferd_and_python_m_transfer() -> None:
     for cmd in ([sys.executable, "-m", "transfer.cli.transferd"], [sys.executable, "-m", "transfer"]):
         r = subprocess.run([*cmd, "--version"], capture_output=True, text=True, timeout=20)

@@ -279,18 +279,24 @@ def _ring_fd(garbage: bytes | None = None) -> int:
     fd = new_memfd("fake-ring")
     reserve(fd, Ring.nbytes_for(64), "fake ring")
     if garbage is None:
-        ring = Ring.create(os.dup(fd), 64)
-        ring.close()
+        Ring.create(fd, 64).close()  # (the fd stays ours: create does not take it)
     else:
         os.pwrite(fd, garbage, 0)
     seal(fd)
     return fd
 
 
+def _pipe_end(which: int) -> int:
+    """One end of a new pipe (the other closed)."""
+    ends = os.pipe()
+    os.close(ends[1 - which])
+    return ends[which]
+
+
 HANDOVERS: dict[str, Callable[[], Any]] = {
     "unsealed memfd": lambda: _sealed(4 * KiB, seals=False),
     "sealed, another size": lambda: _sealed(8 * KiB),
-    "a pipe": lambda: os.pipe()[0],
+    "a pipe": lambda: _pipe_end(0),
     "refused": lambda: b"\x01no",
     "garbage reply": lambda: b"\x07\x07",
     "empty": lambda: b"",
@@ -310,11 +316,11 @@ def test_a_segment_handed_over_wrong_is_refused(tmp_path: Path, what: str) -> No
 
 
 RINGS: dict[str, Callable[[FakeDaemon], dict[str, Any]]] = {
-    "a header of garbage": lambda f: {"token": f.fds.offer(lambda: _ring_fd(os.urandom(4096))), "bell": f.fds.offer(lambda: os.pipe()[1])},
-    "a header of zeros": lambda f: {"token": f.fds.offer(lambda: _ring_fd(bytes(4096))), "bell": f.fds.offer(lambda: os.pipe()[1])},
-    "another capacity": lambda f: {"token": f.fds.offer(_ring_fd), "bell": f.fds.offer(lambda: os.pipe()[1]), "capacity": 128},
+    "a header of garbage": lambda f: {"token": f.fds.offer(lambda: _ring_fd(os.urandom(4096))), "bell": f.fds.offer(lambda: _pipe_end(1))},
+    "a header of zeros": lambda f: {"token": f.fds.offer(lambda: _ring_fd(bytes(4096))), "bell": f.fds.offer(lambda: _pipe_end(1))},
+    "another capacity": lambda f: {"token": f.fds.offer(_ring_fd), "bell": f.fds.offer(lambda: _pipe_end(1)), "capacity": 128},
     "a bell that is a memfd": lambda f: {"token": f.fds.offer(_ring_fd), "bell": f.fds.offer(lambda: _sealed(4096))},
-    "a bell's read end": lambda f: {"token": f.fds.offer(_ring_fd), "bell": f.fds.offer(lambda: os.pipe()[0])},
+    "a bell's read end": lambda f: {"token": f.fds.offer(_ring_fd), "bell": f.fds.offer(lambda: _pipe_end(0))},
 }
 
 
@@ -331,5 +337,21 @@ def test_a_ring_handed_over_wrong_is_refused(tmp_path: Path, what: str) -> None:
             connect(fake, ring=True)
         with pytest.raises(transfer.TransferError):
             connect(fake)  # (by default too: a daemon that hands over such a ring is not to be trusted)
+    finally:
+        fake.close()
+
+
+@pytest.mark.parametrize("arena", [
+    {"count": (1 << 31) - 1}, {"count": (1 << 32) - 1}, {"count": 0}, {"first_id": 0}, {"first_id": 1 << 24},
+    {"first_id": (1 << 24) - 2, "count": 5}, {"quota": -1}, {"device": -1},
+])
+def test_an_arena_the_client_could_not_hold_is_refused(tmp_path: Path, arena: dict[str, int]) -> None:
+    """The client keeps a list of an arena's free ids: a count within a u32 but beyond any the
+    daemon grants would take gigabytes (MemoryError once escaped connect()); an arena past the
+    last segment id would make VAs beyond 64 bits."""
+    fake = FakeDaemon(tmp_path, answering(lambda: fake.hello(arenas=[{"device": 0, "first_id": 1 << 10, "count": 16, "quota": 1 << 30, **arena}])))
+    try:
+        with pytest.raises(transfer.MalformedFrame, match="arenas"):
+            connect(fake, ring=False)
     finally:
         fake.close()

@@ -135,7 +135,7 @@ def test_restarted_daemon_does_not_know_old_sessions(daemon) -> None:
     seg = c.segment(4096)
     daemon.restart()
     t0 = time.monotonic()
-    # The old daemon's exit (its pid watched) or the new one's answer: never NoSession (issue 19).
+    # The old daemon's exit (its pid watched) or the new one's answer: never NoSession.
     with pytest.raises((transfer.SessionClosed, transfer.ConnectionLost)) as info:
         c.checksum(seg).result(timeout=10)
     assert not isinstance(info.value, transfer.NoSession)

@@ -1,4 +1,4 @@
-"""The request ring through a real transferd (issue 8): semantics, hostile input, crashes.
+"""The request ring through a real transferd: semantics, hostile input, crashes.
 
 Every test runs with both ring implementations (the daemon and the client pick
 theirs from TRANSFER_RING, as a deployment would).

@@ -1,4 +1,4 @@
-"""What a new user hit first (issue 19): each rough edge, as that user meets it, against a real daemon."""
+"""What a new user hit first: each rough edge, as that user meets it, against a real daemon."""
 
 from __future__ import annotations
 

@@ -17,7 +17,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from ._fields import I32, U32, U32_MAX, U64, Bin64, Pid, Str32, Str64, Str256
+from ._fields import I32, PID_MAX, U32, U32_MAX, U64, Bin64, Str32, Str64, Str256
+from .addressing import MAX_SEGMENT_ID
 
 __all__ = [
     "Result", "WireLimits", "DeviceInfo", "Arena", "HelloResult", "Registered", "Allocated",
@@ -33,6 +34,9 @@ Seconds = Annotated[float, Meta(gt=0, le=86400)]
 Positive = Annotated[int, Meta(ge=1, le=1 << 40)]
 DeviceIndex = Annotated[int, Meta(ge=0, le=(1 << 31) - 1)]
 Capacity = Annotated[int, Meta(ge=2, le=1 << 24)]  # a ring's slots (`_ring.MAX_CAPACITY`)
+#: Segment ids in one arena (the daemon's `arena_ids` is at most this): the client keeps a
+#: list of an arena's free ids.
+MAX_ARENA_IDS = 1 << 16
 
 
 class Result(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=False):
@@ -59,14 +63,18 @@ class Arena(Result):
     """A block of segment ids a session names its deferred allocations with, on one device."""
 
     device: DeviceIndex
-    first_id: U32
-    count: U32
+    first_id: Annotated[int, Meta(ge=1, le=MAX_SEGMENT_ID)]
+    count: Annotated[int, Meta(ge=1, le=MAX_ARENA_IDS)]
     quota: U64
+
+    def __post_init__(self) -> None:
+        if self.first_id + self.count - 1 > MAX_SEGMENT_ID:
+            raise ValueError(f"an arena of {self.count} ids from {self.first_id} runs past the last segment id ({MAX_SEGMENT_ID})")
 
 
 class HelloResult(Result):
     session: U64
-    server_pid: Pid
+    server_pid: Annotated[int, Meta(ge=1, le=PID_MAX)]  # (a daemon is a process: never pid 0)
     version: U32
     limits: WireLimits
     max_inflight: Annotated[int, Meta(ge=1, le=U32_MAX)]

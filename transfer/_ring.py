@@ -1,4 +1,4 @@
-"""Shared-memory request ring for same-host clients (issue 8; docs/ring.md).
+"""Shared-memory request ring for same-host clients (docs/ring.md).
 
 One session = one shared mapping holding two single-producer/single-consumer
 queues of fixed-size slots:

@@ -1,8 +1,9 @@
 """The good client: steady, verified work beside the attackers.
 
 Each round writes random bytes into its segment, moves them into a device buffer
-(one copy, a copy_many of several pieces, or a fill instead), sometimes fences, and
-checks the daemon's checksum against `transfer.checksum64` of what was written;
+(one copy, a copy_many of several pieces, a copy from a segment registered for this round
+alone and freed after it, or a fill instead), sometimes fences, and checks the daemon's
+checksum against `transfer.checksum64` of what was written;
 every few rounds it also copies the buffer back and compares the bytes. Any
 exception or wrong value is a failure. One line per round goes to a JSONL file:
 `[wall time, ok, latency seconds, kind, error class or ""]`.
@@ -22,7 +23,7 @@ from transfer import errors as E
 
 from .tally import Tally, error_name
 
-KINDS = ("copy", "copy_many", "fill", "fence")
+KINDS = ("copy", "copy_many", "fill", "fence", "segment")
 
 
 def _round(c: transfer.Client, seg: transfer.HostSegment, back: transfer.HostSegment, buf: transfer.DeviceBuffer,
@@ -32,6 +33,15 @@ def _round(c: transfer.Client, seg: transfer.HostSegment, back: transfer.HostSeg
     data = seg.ndarray((n,), np.uint8, offset=off)
     data[:] = rng.integers(0, 256, n, dtype=np.uint8)
     want = transfer.checksum64(data)
+    if kind == "segment":  # its memfd is collected over the fd socket, where the handover floods are felt
+        fresh = c.segment(n)
+        try:
+            fresh.ndarray((n,), np.uint8)[:] = data
+            c.copy(buf.va, fresh.va, n)
+            ok = bool(c.checksum(buf.va, n).result(timeout) == want)
+        finally:
+            c.free(fresh)
+        return ok
     if kind == "copy":
         c.copy(buf.va, seg.va + off, n)
     elif kind == "copy_many":

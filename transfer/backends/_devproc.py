@@ -3,7 +3,7 @@ under the loop's GIL.
 
 Why: a CPU kernel is NumPy calls with Python between them. On a worker thread of the
 daemon's interpreter, every one of those Python steps waits for the GIL while the loop
-receives, plans and answers, and the loop waits for the worker's. The MLP of issue 18 ran
+receives, plans and answers, and the loop waits for the worker's. An MLP graph ran
 at 0.70x the same math in-process that way, and at 0.93-0.97x with its kernels in a process
 of their own (`bench/compute_process.py`).
 

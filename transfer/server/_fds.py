@@ -92,6 +92,7 @@ class FdChannel:
         #: key -> (peer pid, its deadline's scope), oldest first.
         self._waiting: dict[int, tuple[int, trio.CancelScope]] = {}
         self._next_conn = 0
+        self._foreign = 0  # tokens offered by another process than their session's
         self.counters = {"fds_passed": 0, "fds_refused": 0, "fds_evicted": 0}
 
     # --- tokens (synchronous, on the trio thread) ----------------------------------------------
@@ -143,7 +144,10 @@ class FdChannel:
             return -1, "the token's session has ended"
         if session.pid > 0 and not _same_process(session.pid, peer_pid):
             # Left in place: a leaked token must not let a stranger take the owner's memory away.
-            log.warning("fd socket: pid %d offered a token of session %d (pid %d)", peer_pid, session.id, session.pid)
+            self._foreign += 1
+            if self._foreign == 1 or self._foreign % 1000 == 0:  # (a flood must not flood the log)
+                log.warning("fd socket: pid %d offered a token of session %d (pid %d); %d such so far",
+                            peer_pid, session.id, session.pid, self._foreign)
             return -1, "the token belongs to another process's session"
         del self._offers[token]
         self._by_session[session.id].discard(token)
