@@ -11,9 +11,6 @@ on the session's ring by hand: what the daemon itself adds to the ring's own cos
 `zmq` (Client(): one frame per request, or one frame per batch).
 
     .venv/bin/python bench/ring_daemon.py [--n 20000] [--batches 300] [--json FILE]
-
-Set TRANSFER_RING=python (for this script and so for the daemon it starts) to
-measure the pure-Python ring.
 """
 
 from __future__ import annotations
@@ -31,7 +28,7 @@ from typing import Any, Callable
 import numpy as np
 
 import transfer
-from transfer._ring import IMPLEMENTATION, Op
+from transfer.ring import Op
 from transfer.testing import run_daemon
 
 SIZE = 64
@@ -140,14 +137,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     meta = {
         "command": "python bench/ring_daemon.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "ring_implementation": IMPLEMENTATION,
         "request_bytes": SIZE,
         "batch": BATCH,
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "loadavg": os.getloadavg()[0],
     }
-    print(f"ring ({IMPLEMENTATION}) vs zmq through transferd; {SIZE}-byte copies; load {meta['loadavg']:.1f}")
+    print(f"ring vs zmq through transferd; {SIZE}-byte copies; load {meta['loadavg']:.1f}")
     print(f"{'path':10} {'rt p50 µs':>10} {'p90':>8} {'p99':>8} {'rt req/s':>10} {'batched req/s':>14}")
     for name, r in results.items():
         rt = r["round_trip"]

@@ -23,7 +23,7 @@ import trio
 
 import transfer
 from transfer.client import Slot, SlotPool
-from transfer.client._pending import AwaitablePending
+from transfer._pending import AwaitablePending
 
 
 async def _await(x: Any) -> Any:

@@ -181,8 +181,8 @@ def test_segment_stats_native_matches_python(ranges: list[tuple[int, int, int]])
     per segment in order of first appearance, its first VA, the lowest offset, the highest
     end (an end past 64 bits as 2**64 - 1) and the largest size: what NumPy says of the same
     ranges, one segment at a time."""
-    from transfer._native import native_module
-    from transfer.addressing import _py_segment_stats
+    from oracles.arith import segment_stats as _py_segment_stats
+    from transfer import _native
 
     vas = np.array([make_va(sid, off) for sid, off, _ in ranges], np.uint64)
     sizes = np.array([n for _, _, n in ranges], np.uint64)
@@ -193,15 +193,15 @@ def test_segment_stats_native_matches_python(ranges: list[tuple[int, int, int]])
         want.append((sid, make_va(sid, mine[0][0]), min(o for o, _ in mine), min(max(o + n for o, n in mine), (1 << 64) - 1),
                      max(n for _, n in mine)))
     assert py == want
-    native = native_module()
+    native = _native
     if native is not None:
         assert native.segment_stats(vas, sizes, OFFSET_BITS) == want
 
 
 def test_segment_stats_takes_only_uint64() -> None:
-    from transfer._native import native_module
+    from transfer import _native
 
-    native = native_module()
+    native = _native
     if native is None:
         pytest.skip("extension not built")
     v = np.array([make_va(1, 5)], np.uint64)

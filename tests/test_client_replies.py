@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 import transfer
 from transfer import _results as R
 from transfer import protocol as P
-from transfer._ring import Ring
+from transfer.ring import Ring
 from transfer.memory._shm import new_memfd, reserve, seal
 
 KiB = 1 << 10
@@ -342,13 +342,13 @@ def test_a_ring_handed_over_wrong_is_refused(tmp_path: Path, what: str) -> None:
 
 
 @pytest.mark.parametrize("arena", [
-    {"count": (1 << 31) - 1}, {"count": (1 << 32) - 1}, {"count": 0}, {"first_id": 0}, {"first_id": 1 << 24},
-    {"first_id": (1 << 24) - 2, "count": 5}, {"quota": -1}, {"device": -1},
+    {"count": (1 << 31) - 1}, {"count": (1 << 32) - 1}, {"count": (1 << 22) + 1}, {"count": 0}, {"first_id": 0},
+    {"first_id": 1 << 24}, {"first_id": (1 << 24) - 2, "count": 5}, {"quota": -1}, {"device": -1},
 ])
 def test_an_arena_the_client_could_not_hold_is_refused(tmp_path: Path, arena: dict[str, int]) -> None:
-    """The client keeps a list of an arena's free ids: a count within a u32 but beyond any the
-    daemon grants would take gigabytes (MemoryError once escaped connect()); an arena past the
-    last segment id would make VAs beyond 64 bits."""
+    """An arena beyond any the daemon grants (a count within a u32 once made the client build
+    a list of every id: MemoryError escaped connect()), or past the last segment id (VAs
+    beyond 64 bits), is a malformed hello."""
     fake = FakeDaemon(tmp_path, answering(lambda: fake.hello(arenas=[{"device": 0, "first_id": 1 << 10, "count": 16, "quota": 1 << 30, **arena}])))
     try:
         with pytest.raises(transfer.MalformedFrame, match="arenas"):

@@ -21,12 +21,11 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 import transfer
 from transfer import errors as E
-from transfer._native import native_module
+from transfer import _native
 from transfer.testing import DaemonProcess, start_daemon
 
 from conftest import FAST
 
-pytestmark = pytest.mark.skipif(native_module() is None, reason="the native extension is not built")
 
 
 @pytest.fixture
@@ -471,7 +470,7 @@ def test_a_worker_that_slept_is_counted(daemon: DaemonProcess) -> None:
 def test_ring_only_traffic_keeps_a_session_alive(daemon: DaemonProcess) -> None:
     """A client that only pushes ring descriptors (no pings) for longer than the session
     timeout is busy, not silent: its worker's progress counts as traffic."""
-    from transfer._ring import Op
+    from transfer.ring import Op
 
     with transfer.connect(daemon.endpoint) as c:
         seg = c.segment(4096)
@@ -494,13 +493,13 @@ def test_ring_only_traffic_keeps_a_session_alive(daemon: DaemonProcess) -> None:
 def test_workers_poll_longer_while_cores_are_spare(tmp_path: Path) -> None:
     """A worker's spin can be changed while it runs (clamped to 10 ms), and the daemon gives
     its workers the spare-core spin exactly while every worker and its client can have a core."""
-    from transfer._ring import Ring
+    from transfer.ring import Ring
     from transfer.server import _dataplane
     from transfer.server._config import DaemonConfig
 
-    native = native_module()
-    srv = Ring.create(tmp_path / "r", 16, impl="native")
-    cli = Ring.attach(tmp_path / "r", impl="native")
+    native = _native
+    srv = Ring.create(tmp_path / "r", 16)
+    cli = Ring.attach(tmp_path / "r")
     worker = native.Worker(native.Table(), srv.inbox, srv.outbox, 1, -1, -1, 50e-6, (1e-5,))
     try:
         assert worker.spin == pytest.approx(50e-6)

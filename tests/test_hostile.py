@@ -284,8 +284,8 @@ def test_hello_close_cycles_never_exhaust_segment_ids(daemon_factory) -> None:
 
 
 def test_a_refused_hello_leaves_nothing_behind(daemon_factory) -> None:
-    # Two devices of 6 Mi ids each: one session's arenas fit in the space, a second's do not.
-    d = daemon_factory("--devices", "2", "--arena-ids", str(6_000_000))
+    # Three devices of 4 Mi ids each: one session's arenas fit in the space, a second's do not.
+    d = daemon_factory("--devices", "3", "--arena-ids", str(1 << 22))
     first = raw(d.endpoint)
     hello(first, "first")
     s = raw(d.endpoint)

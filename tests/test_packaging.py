@@ -11,7 +11,6 @@ that check.
 from __future__ import annotations
 
 import configparser
-import importlib.util
 import shutil
 import subprocess
 import sys
@@ -26,7 +25,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 #: What the build reads: pyproject.toml names README.md and LICENSE, setup.py native/.
 INPUTS = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "LICENSE", "native", "transfer")
-NATIVE = {"native/_ring_native.c", "native/ring.h", "native/dataplane.h"}
+NATIVE = {f"native/{p.name}" for p in (ROOT / "native").iterdir() if p.suffix in (".c", ".h")}
 
 
 def _modules() -> set[str]:
@@ -75,11 +74,36 @@ def test_the_wheel_is_typed_licensed_and_has_the_native_ring(dists: tuple[Path, 
         entry_points.read_string(zf.read(f"{info}/entry_points.txt").decode())
     want = {"transfer/py.typed", f"{info}/licenses/LICENSE"} | _modules()
     assert want <= names, f"missing from the wheel: {sorted(want - names)}"
-    if importlib.util.find_spec("transfer._ring_native") is not None:  # this checkout built it: so must the wheel
-        assert any(n.startswith("transfer/_ring_native.") and n.endswith(".so") for n in names)
+    assert any(n.startswith("transfer/_native.") and n.endswith(".so") for n in names), "the wheel lacks the native core"
+    assert "transfer/_native.pyi" in names, "the wheel lacks the native core's stub"
     lines = meta.splitlines()
     assert "License-Expression: Apache-2.0" in lines and "License-File: LICENSE" in lines
     always = [ln for ln in lines if ln.startswith("Requires-Dist:") and "extra ==" not in ln]
     assert always and not [ln for ln in always if any(p in ln for p in ("torch", "cupy", "mypy", "pytest"))], always
     assert dict(entry_points["console_scripts"]) == {
         "transferd": "transfer.cli.transferd:main", "transfer-bench": "transfer.cli.bench:main"}
+
+
+def test_a_build_without_a_compiler_fails_naming_it(tmp_path: Path) -> None:
+    """The native core is required: with no working C compiler the build fails (no package
+    without it), and says what is missing and how to get it."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("setup.py", "native"):
+        path = ROOT / name
+        (shutil.copytree if path.is_dir() else shutil.copy2)(path, src / name)  # type: ignore[operator]
+    (src / "transfer").mkdir()
+    env = {**__import__("os").environ, "CC": "/nonexistent/cc"}
+    r = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-temp", str(tmp_path / "t"), "--build-lib", str(tmp_path / "l")],
+                       cwd=src, env=env, capture_output=True, text=True, timeout=110)
+    assert r.returncode != 0
+    assert "cannot build its native core" in r.stderr and "C11 compiler" in r.stderr and "python3-dev" in r.stderr, r.stderr[-2000:]
+
+
+def test_wheels_are_configured_for_both_architectures() -> None:
+    """cibuildwheel builds manylinux wheels for x86_64 and aarch64 (docs/operations.md)."""
+    import tomllib
+
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["cibuildwheel"]
+    assert set(cfg["linux"]["archs"]) == {"x86_64", "aarch64"} and "musllinux" in cfg["skip"]
+    assert "transfer._native" in cfg["test-command"]

@@ -162,7 +162,7 @@ class _Completions:
     def __init__(self) -> None:
         from types import SimpleNamespace
 
-        from transfer.client._pending import Pending
+        from transfer._pending import Pending
 
         self._pending_cls = Pending
         self.sent: list = []

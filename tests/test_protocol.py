@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from transfer import errors as E
 from transfer import protocol as P
-from transfer._native import native_module
+from transfer import _native
 from transfer.kernels import DTYPES, TensorRef
 
 u64 = st.integers(0, 2**64 - 1)
@@ -427,7 +427,7 @@ def test_checksum_many_reply_is_checked(sums: list[int], skew: int) -> None:
     """A ChecksumV sent on the socket is answered with one packed uint64 per range; a reply
     of any other length (or type) fails that request, clearly, and nothing else."""
     from transfer.client._core import ClientCore
-    from transfer.client._pending import Pending
+    from transfer._pending import Pending
 
     core = ClientCore(Pending, lambda p, t: None)
     v = np.zeros(len(sums), np.uint64)
@@ -457,9 +457,7 @@ _INTS = st.one_of(
 def test_native_int_check_agrees_with_check_ints(cls: type, args: list[object]) -> None:
     """The native fast check (`ints_within`) the client submits through says yes only where
     check_ints accepts, and for exact ints says exactly what check_ints says."""
-    within = native_module().ints_within if native_module() is not None else None
-    if within is None:
-        pytest.skip("the native extension is not built")
+    within = _native.ints_within
     args_t = tuple(args)
     try:
         P.check_ints(cls, args_t)

@@ -1,4 +1,4 @@
-"""The shared-memory request ring (transfer/_ring.py, native/ring.h; docs/ring.md).
+"""The shared-memory request ring (transfer/ring, native/queue.h; docs/ring.md).
 
 Every test runs on both implementations (native C extension, pure-Python
 fallback) where the extension is built. The multi-process tests run this
@@ -26,33 +26,30 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from transfer import _ring
+from oracles.packing import pop_finished as _py_pop_finished
+from oracles.packing import push_requests as _py_push_requests
+from oracles.ringqueue import RINGS, group_runs
+from oracles.submission import PySubmission
 from transfer import checksum64 as transfer_checksum64
 from transfer import protocol as P
-from transfer._ring import (
+from transfer._pending import Pending
+from transfer.ring import _layout as L
+from transfer.ring import (
     COMPLETION_DTYPE,
     FLAG_AFTER,
     FLAG_SUM,
+    KINDS as _KINDS,
     REQUEST_DTYPE,
     Op,
     Ring,
     RingCorrupted,
     RingError,
-)
-from transfer.client._ringlink import (
-    _KINDS,
     RingLink,
-    _py_pop_finished,
-    _py_push_requests,
     descriptors_of,
 )
-from transfer.client._pending import Pending
-from transfer.client._submission import PySubmission
 
-IMPLS = [
-    pytest.param("native", marks=pytest.mark.skipif(_ring._native is None, reason="extension not built")),
-    "python",
-]
+#: The native queue, and the Python oracle it is held to (they share the layout).
+IMPLS = ["native", "python"]
 HERE = Path(__file__).resolve()
 
 
@@ -63,8 +60,8 @@ def impl(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def pair(impl: str, shm_dir: Path):
-    srv = Ring.create(shm_dir / "r.ring", 8, 4, impl=impl)
-    cli = Ring.attach(shm_dir / "r.ring", impl=impl)
+    srv = RINGS[impl].create(shm_dir / "r.ring", 8, 4)
+    cli = RINGS[impl].attach(shm_dir / "r.ring")
     yield srv, cli
     cli.close()
     srv.close()
@@ -115,10 +112,10 @@ def test_layouts() -> None:
         assert spans[0][0] == 0 and spans[-1][1] == dt.itemsize
         assert all(spans[k][1] == spans[k + 1][0] for k in range(len(spans) - 1))
     # indices and futex words each on their own line
-    offs = [_ring.OFF_SQ_TAIL, _ring.OFF_SQ_HEAD, _ring.OFF_SQ_DATA_W, _ring.OFF_SQ_SPACE_W,
-            _ring.OFF_CQ_TAIL, _ring.OFF_CQ_HEAD, _ring.OFF_CQ_DATA_W, _ring.OFF_CQ_SPACE_W]
+    offs = [L.OFF_SQ_TAIL, L.OFF_SQ_HEAD, L.OFF_SQ_DATA_W, L.OFF_SQ_SPACE_W,
+            L.OFF_CQ_TAIL, L.OFF_CQ_HEAD, L.OFF_CQ_DATA_W, L.OFF_CQ_SPACE_W]
     assert len({o // 128 for o in offs}) == len(offs) and min(offs) >= 128
-    assert max(offs) + 128 <= _ring.HEADER_SIZE
+    assert max(offs) + 128 <= L.HEADER_SIZE
 
 
 def test_push_pop_both_directions(pair) -> None:
@@ -172,15 +169,11 @@ def test_pop_runs_native_matches_python(rows: list[tuple[int, int, int]], skew: 
     `group_runs` of `pop_list`'s tuples is what both mean."""
     import tempfile
 
-    from transfer._ringqueue import group_runs
-
     got = {}
     for impl in ("native", "python"):
-        if impl == "native" and _ring._native is None:
-            continue
         with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
-            srv = Ring.create(Path(d) / "r.ring", 8, 64, impl=impl)
-            cli = Ring.attach(Path(d) / "r.ring", impl=impl)
+            srv = RINGS[impl].create(Path(d) / "r.ring", 8, 64)
+            cli = RINGS[impl].attach(Path(d) / "r.ring")
             for k in range(skew):  # move the indices so the batch wraps
                 assert srv.push((9, 0, k))
             cli.inbox.pop_list()
@@ -249,36 +242,36 @@ def test_bad_input_rejected(pair) -> None:
 def test_create_and_attach_validation(impl: str, shm_dir: Path) -> None:
     for cap in (0, 1, 3, 1000, 2**25):
         with pytest.raises(ValueError):
-            Ring.create(shm_dir / f"c{cap}", cap, impl=impl)
+            RINGS[impl].create(shm_dir / f"c{cap}", cap)
     p = shm_dir / "r"
-    with Ring.create(p, 16, impl=impl):
+    with RINGS[impl].create(p, 16):
         assert p.stat().st_mode & 0o777 == 0o600
         with pytest.raises(FileExistsError):
-            Ring.create(p, 16, impl=impl)
+            RINGS[impl].create(p, 16)
     bad = shm_dir / "bad"
     bad.write_bytes(b"x" * 8192)
     bad.chmod(0o600)
     with pytest.raises(RingCorrupted, match="magic"):
-        Ring.attach(bad, impl=impl)
+        RINGS[impl].attach(bad)
     bad.write_bytes(b"x" * 100)
     with pytest.raises(RingCorrupted):
-        Ring.attach(bad, impl=impl)
+        RINGS[impl].attach(bad)
     # a truncated ring: geometry no longer matches the file size
-    r = Ring.create(shm_dir / "t", 64, impl=impl)
+    r = RINGS[impl].create(shm_dir / "t", 64)
     os.truncate(shm_dir / "t", r.nbytes - 4096)
     with pytest.raises(RingCorrupted, match="geometry"):
-        Ring.attach(shm_dir / "t", impl=impl)
+        RINGS[impl].attach(shm_dir / "t")
     r.close()
     (shm_dir / "loose").write_bytes(b"")
     (shm_dir / "loose").chmod(0o644)
     with pytest.raises(RingError, match="private"):
-        Ring.attach(shm_dir / "loose", impl=impl)
+        RINGS[impl].attach(shm_dir / "loose")
 
 
 def test_memfd_and_fd_attach(impl: str) -> None:
-    with Ring.create(None, 32, impl=impl) as srv:
+    with RINGS[impl].create(None, 32) as srv:
         assert srv.fd >= 0 and srv.path is None
-        with Ring.attach(srv.fd, impl=impl) as cli:
+        with RINGS[impl].attach(srv.fd) as cli:
             assert cli.peer_pid == os.getpid() and srv.peer_pid == os.getpid()
             cli.push((1, 42))
             assert srv.pop()[1] == 42
@@ -288,26 +281,24 @@ def test_memfd_and_fd_attach(impl: str) -> None:
 def test_corrupt_indices_detected(pair) -> None:
     srv, cli = pair
     cli.push_many(make_descs(0, 3))
-    words = np.frombuffer(srv._mm, np.uint64, count=_ring.HEADER_SIZE // 8)
-    words[_ring.OFF_SQ_TAIL // 8] = 3 + 9  # the "client" claims more than a capacity
+    words = np.frombuffer(srv._mm, np.uint64, count=L.HEADER_SIZE // 8)
+    words[L.OFF_SQ_TAIL // 8] = 3 + 9  # the "client" claims more than a capacity
     with pytest.raises(RingCorrupted):
         srv.pop_many()
     with pytest.raises(RingCorrupted):
         srv.pop()
-    words[_ring.OFF_SQ_TAIL // 8] = 3
+    words[L.OFF_SQ_TAIL // 8] = 3
     check_descs(srv.pop_many(), 0)
-    words[_ring.OFF_CQ_HEAD // 8] = 2**63  # the "client" lies about consumed completions
+    words[L.OFF_CQ_HEAD // 8] = 2**63  # the "client" lies about consumed completions
     with pytest.raises(RingCorrupted):
         srv.push_many(np.zeros(5, COMPLETION_DTYPE))
     del words
 
 
 def test_interop_native_and_python(shm_dir: Path) -> None:
-    if _ring._native is None:
-        pytest.skip("extension not built")
     for a, b in (("native", "python"), ("python", "native")):
         p = shm_dir / f"{a}-{b}"
-        with Ring.create(p, 16, impl=a) as srv, Ring.attach(p, impl=b) as cli:
+        with RINGS[a].create(p, 16) as srv, RINGS[b].attach(p) as cli:
             sent = recv = 0
             for k in (5, 16, 3, 9, 16, 1):
                 sent += cli.push_many(make_descs(sent, k))
@@ -369,7 +360,7 @@ def test_peer_close_wakes_and_local_close_interrupts(pair) -> None:
     th.join(5)
     assert out == [0] and time.monotonic() - t < 1.0 and srv.peer_closed and not srv.peer_alive()
     # a wait() in another thread, interrupted by close() of its own endpoint
-    r = Ring.create(None, 8, impl=srv.implementation)
+    r = type(srv).create(None, 8)
     out2 = []
     th = threading.Thread(target=lambda: out2.append(r.wait(timeout=None)))
     th.start()
@@ -382,24 +373,13 @@ def test_peer_close_wakes_and_local_close_interrupts(pair) -> None:
         r.pop()
 
 
-def test_env_forces_python_and_missing_extension() -> None:
-    env = dict(os.environ, TRANSFER_RING="python")
-    code = "from transfer import _ring; print(_ring.IMPLEMENTATION, _ring.Ring.create(None, 8).implementation)"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["python", "python"]
-    # the .so missing: import still works and falls back (sys.modules None blocks the import)
-    hide = "import sys; sys.modules['transfer._ring_native'] = None\n"
-    env = {k: v for k, v in os.environ.items() if k != "TRANSFER_RING"}
-    out = subprocess.run([sys.executable, "-c", hide + "import transfer\n" + code], env=env,
-                         capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["python", "python"]
-    # ... and checksum64 falls back to NumPy, with the same value
-    sums = "import transfer, numpy as np; print(transfer.checksum64(np.arange(1001, dtype=np.uint8)), transfer._native.native_module())"
-    fell = subprocess.run([sys.executable, "-c", hide + sums], env=env, capture_output=True, text=True, check=True).stdout.split()
-    assert fell == [str(transfer_checksum64(np.arange(1001, dtype=np.uint8))), "None"]
-    env["TRANSFER_RING"] = "native"
-    bad = subprocess.run([sys.executable, "-c", hide + code], env=env, capture_output=True, text=True)
-    assert bad.returncode != 0 and "ImportError" in bad.stderr
+def test_an_import_without_the_extension_fails_naming_the_fix() -> None:
+    """The native core is the product: without it the package does not import at all, and
+    says why and what to do (sys.modules None blocks the extension's import)."""
+    hide = "import sys; sys.modules['transfer._native'] = None\nimport transfer\n"
+    bad = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True)
+    assert bad.returncode != 0 and "ImportError" in bad.stderr, bad.stderr
+    assert "transfer._native" in bad.stderr and "C compiler" in bad.stderr and "pip install" in bad.stderr
 
 
 # --- multi-process tests ---------------------------------------------------------------
@@ -408,8 +388,9 @@ STRESS_N = {"native": 2_000_000, "python": 200_000}
 
 
 def _spawn(impl: str, *args: object) -> subprocess.Popen:
-    env = dict(os.environ, TRANSFER_RING=impl)
-    return subprocess.Popen([sys.executable, str(HERE), *map(str, args)], env=env,
+    """This file as a script, with `impl`'s ring class (native, or the Python oracle)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen([sys.executable, str(HERE), impl, *map(str, args)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -428,7 +409,7 @@ def _consume(srv: Ring, recv: int, until: int | None, timeout: float) -> int:
 def test_two_process_stress(impl: str, shm_dir: Path) -> None:
     n = STRESS_N[impl]
     p = shm_dir / "stress"
-    with Ring.create(p, 1024, 1024, impl=impl) as srv:
+    with RINGS[impl].create(p, 1024, 1024) as srv:
         child = _spawn(impl, "producer", p, n)
         try:
             t = time.monotonic()
@@ -445,7 +426,7 @@ def test_two_process_stress(impl: str, shm_dir: Path) -> None:
 
 def test_producer_killed_mid_stream(impl: str, shm_dir: Path) -> None:
     p = shm_dir / "pk"
-    with Ring.create(p, 1024, impl=impl) as srv:
+    with RINGS[impl].create(p, 1024) as srv:
         child = _spawn(impl, "producer", p, 0)  # 0: push forever
         try:
             recv = _consume(srv, 0, STRESS_N[impl] // 10, timeout=20.0)
@@ -465,7 +446,7 @@ def test_producer_killed_mid_stream(impl: str, shm_dir: Path) -> None:
 
 def test_consumer_killed(impl: str, shm_dir: Path) -> None:
     p = shm_dir / "ck"
-    with Ring.create(p, 1024, role="client", impl=impl) as cli:
+    with RINGS[impl].create(p, 1024, role="client") as cli:
         child = _spawn(impl, "consumer", p)
         try:
             sent = 0
@@ -492,7 +473,7 @@ def test_consumer_killed(impl: str, shm_dir: Path) -> None:
 
 def test_idle_consumer_uses_no_cpu(impl: str, shm_dir: Path) -> None:
     p = shm_dir / "idle"
-    with Ring.create(p, 64, role="client", impl=impl) as cli:
+    with RINGS[impl].create(p, 64, role="client") as cli:
         child = _spawn(impl, "idle", p, 1.0)
         out, err = child.communicate(timeout=30)
         assert child.returncode == 0, err
@@ -567,7 +548,8 @@ def _idle(path: str, seconds: float) -> None:
 
 
 if __name__ == "__main__":
-    mode, *args = sys.argv[1:]
+    _impl, mode, *args = sys.argv[1:]
+    Ring = RINGS[_impl]  # noqa: F811  (this process's ring class: the one its test runs)
     if mode == "producer":
         _producer(args[0], int(args[1]))
     elif mode == "consumer":
@@ -698,7 +680,6 @@ class _Sums:
         self.chain = chain
 
 
-@pytest.mark.skipif(_ring._native is None, reason="extension not built")
 @given(_requests(), st.integers(0, 48), st.sampled_from([0, 1, 2**64 - 1]), st.booleans())
 def test_push_requests_native_matches_python(reqs: list[P.Request], room: int, after: int, corrupt: bool) -> None:
     """The native submission (`Queue.push_requests`) and its pure-Python twin publish the same
@@ -712,8 +693,8 @@ def test_push_requests_native_matches_python(reqs: list[P.Request], room: int, a
     marks = {r.id: object() for r in reqs}  # what each pending entry is: the same for both
     with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
         for push in ("native", "python"):
-            srv = Ring.create(Path(d) / push, 64, 64, impl="native")
-            cli = Ring.attach(Path(d) / push, impl="native")
+            srv = Ring.create(Path(d) / push, 64, 64)
+            cli = Ring.attach(Path(d) / push)
             try:
                 pending = dict(marks)
                 outstanding: dict[int, Any] = {}
@@ -788,7 +769,6 @@ class _Finished:
 _completion = st.tuples(st.integers(1, 6), st.sampled_from([0, 0, 0, -3, 5]), _U64, st.integers(0, 3))
 
 
-@pytest.mark.skipif(_ring._native is None, reason="extension not built")
 @given(st.data(), st.dictionaries(st.integers(1, 6), st.tuples(st.sampled_from([True, False, "sums"]), st.integers(1, 4))),
        st.sets(st.integers(1, 6)), st.booleans())
 def test_pop_finished_native_matches_python(data: st.DataObject, noted: dict[int, tuple[Any, int]], gone: set[int], gather: bool) -> None:
@@ -796,7 +776,8 @@ def test_pop_finished_native_matches_python(data: st.DataObject, noted: dict[int
     successes and (given `array`) the same whole gathered answers, in the same order, with
     the same values, free the same descriptors, and hand back the same runs for everything
     else (failures, part of an answer, ids not outstanding)."""
-    from transfer.client._ringlink import _new_words, _Sums as Gather  # (the real one: it gathers values)
+    from transfer.ring import Sums as Gather  # (the real one: it gathers values)
+    from transfer.ring._client import _new_words
 
     # Completions come in runs of one id (a checksum_many's, a verified copy_many's ranges),
     # often exactly as long as the request noted under that id answers.
@@ -807,8 +788,8 @@ def test_pop_finished_native_matches_python(data: st.DataObject, noted: dict[int
     results = []
     with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
         for impl in ("native", "python"):
-            srv = Ring.create(Path(d) / impl, 64, 64, impl="native")
-            cli = Ring.attach(Path(d) / impl, impl="native")
+            srv = Ring.create(Path(d) / impl, 64, 64)
+            cli = Ring.attach(Path(d) / impl)
             try:
                 arr = np.zeros(len(comps), COMPLETION_DTYPE)
                 for i, (rid, status, result, flags) in enumerate(comps):
@@ -840,19 +821,18 @@ def test_pop_finished_native_matches_python(data: st.DataObject, noted: dict[int
     assert freed == sum(noted[rid][1] for rid, _, _ in log)
 
 
-@pytest.mark.skipif(_ring._native is None, reason="extension not built")
 def test_pop_finished_array_must_give_room_for_the_answer() -> None:
     """A whole gathered answer is finished into array(n) only when that gives n writable
     words: anything else is an error, not a short or silent answer; without `array`, the
     run goes back to the caller's general path."""
-    from transfer.client._ringlink import _Sums as Gather
+    from transfer.ring import Sums as Gather
 
     with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
         cases = ((None, "rest"), (lambda n: np.empty(n + 1, np.uint64), ValueError),  # too long
                  (lambda n: np.empty(n, np.uint64)[::-1], ValueError), (lambda n: bytes(8 * n), BufferError))  # strided, read-only
         for k, (array, want) in enumerate(cases):
-            srv = Ring.create(Path(d) / str(k), 64, 64, impl="native")
-            cli = Ring.attach(Path(d) / str(k), impl="native")
+            srv = Ring.create(Path(d) / str(k), 64, 64)
+            cli = Ring.attach(Path(d) / str(k))
             try:
                 arr = np.zeros(3, COMPLETION_DTYPE)
                 for i in range(3):
@@ -874,13 +854,13 @@ def test_pop_finished_array_must_give_room_for_the_answer() -> None:
 
 
 # --- checksum64: the extension's sum and NumPy's ---------------------------------------------
-@pytest.mark.skipif(_ring._native is None, reason="extension not built")
 @given(st.binary(max_size=4200), st.integers(0, 15), st.sampled_from(["bytes", "u8", "u4", "strided"]))
 def test_checksum64_native_matches_numpy(raw: bytes, skip: int, form: str) -> None:
     """`checksum64` (native where built) gives NumPy's value for any length, any start
     offset (unaligned words), any buffer kind, a strided array's bytes in C order too; and
     a long buffer, summed without the GIL, the same."""
-    from transfer._checksum import _py_checksum64, checksum64
+    from oracles.arith import checksum64 as _py_checksum64
+    from transfer._checksum import checksum64
 
     data: bytes | np.ndarray = raw[skip:]
     if form == "u8":
@@ -903,9 +883,7 @@ class _Inbox:
         self.reaps = reaps
 
     def pop_runs(self, key: int, value: int, clean: int) -> list[tuple[object, ...]]:
-        from transfer._ringqueue import group_runs
-
-        return group_runs(self.reaps.pop(0) if self.reaps else [], key, value, clean)
+            return group_runs(self.reaps.pop(0) if self.reaps else [], key, value, clean)
 
 
 @given(st.data())
@@ -914,7 +892,7 @@ def test_reap_matches_completion_by_completion(data: st.DataObject) -> None:
     with what, and the credits it gives back are what taking them one by one gives, however
     the completions interleave (a hostile daemon), split across reaps, fail, or come in surplus."""
     from transfer import errors as E
-    from transfer.client._ringlink import RingLink, _Sums
+    from transfer.ring import RingLink, Sums as _Sums
 
     kinds = data.draw(st.lists(st.one_of(st.just(0), st.integers(1, 6)), min_size=1, max_size=5))  # 0: a checksum; k: k ranges
     # A verified copy_many's k ranges (a chain of sums): its first failure ends it and frees the rest.
@@ -992,7 +970,7 @@ def test_a_socket_error_ahead_of_its_completions_frees_exactly_their_credits(cha
     its completions: the credits they hold come back as those completions arrive, however
     many the daemon sends (a checksum_many, one per range it still owed; a verified copy_many,
     one for the whole chain), and no more."""
-    from transfer.client._ringlink import RingLink, _Sums
+    from transfer.ring import RingLink, Sums as _Sums
 
     link = object.__new__(RingLink)
     link.outstanding, link.early = {}, {}

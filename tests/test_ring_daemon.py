@@ -1,7 +1,5 @@
 """The request ring through a real transferd: semantics, hostile input, crashes.
 
-Every test runs with both ring implementations (the daemon and the client pick
-theirs from TRANSFER_RING, as a deployment would).
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import transfer
 from transfer import errors as E
 from transfer import protocol as P
-from transfer._ring import COMPLETION_DTYPE, FLAG_AFTER, FLAG_CHAIN, FLAG_SUM, Op, Ring, available_implementations
+from transfer.ring import COMPLETION_DTYPE, FLAG_AFTER, FLAG_CHAIN, FLAG_SUM, Op, Ring
 from transfer.testing import start_daemon, stop_process
 
 from conftest import FAST, leftovers, segment_files
@@ -30,14 +28,8 @@ from conftest import FAST, leftovers, segment_files
 psutil = pytest.importorskip("psutil")
 
 
-@pytest.fixture(params=available_implementations())
-def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setenv("TRANSFER_RING", request.param)
-    return request.param
-
-
 @pytest.fixture
-def ringd(impl: str, daemon_factory):  # type: ignore[no-untyped-def]
+def ringd(daemon_factory):  # type: ignore[no-untyped-def]
     return daemon_factory()
 
 
@@ -59,9 +51,9 @@ def _completions(ring: Ring, n: int, timeout: float = 10.0) -> np.ndarray:
     return np.concatenate(got) if got else np.zeros(0, COMPLETION_DTYPE)
 
 
-def test_requests_over_the_ring(ringd, impl: str) -> None:
+def test_requests_over_the_ring(ringd) -> None:
     with transfer.connect(ringd.endpoint, ring=True) as c:
-        assert c.ring and _raw(c).implementation == impl
+        assert c.ring
         seg = c.segment(1 << 20)
         data = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8)
         seg.buffer[:4096] = data
@@ -189,7 +181,7 @@ def test_hostile_descriptors_get_error_completions(ringd) -> None:
         assert c.checksum(seg.at(0), 8).result(5) == transfer.checksum64(bytes(8))
 
 
-def test_copy_many_takes_the_ring_as_one_chained_request(impl: str, daemon_factory) -> None:  # type: ignore[no-untyped-def]
+def test_copy_many_takes_the_ring_as_one_chained_request(daemon_factory) -> None:  # type: ignore[no-untyped-def]
     """A CopyV travels as COPY descriptors chained under its id, is joined back into one request
     (also when the daemon takes the chain over several polls: --max-pass 7), and is answered
     once, all or nothing, as on the socket."""
@@ -212,7 +204,7 @@ def test_copy_many_takes_the_ring_as_one_chained_request(impl: str, daemon_facto
 
 
 @pytest.mark.parametrize("workers", [True, False], ids=["workers", "event-loop"])
-def test_checksum_many_takes_the_ring_as_one_request(impl: str, workers: bool, daemon_factory) -> None:  # type: ignore[no-untyped-def]
+def test_checksum_many_takes_the_ring_as_one_request(workers: bool, daemon_factory) -> None:  # type: ignore[no-untyped-def]
     """A ChecksumV travels as one CHECKSUM descriptor per range under its id (also when the
     daemon's loop takes them over several passes: --max-pass 7), each completed on its own;
     the client answers the one request with every range's sum, in order. A bad range fails
@@ -507,7 +499,7 @@ def test_client_killed_mid_stream_is_reclaimed(ringd, shm_dir: Path, tmp_path: P
         assert c.stats()["daemon"]["sessions"] == 1
 
 
-def test_daemon_killed_while_a_client_waits_on_the_ring(impl: str, shm_dir: Path, tmp_path: Path) -> None:
+def test_daemon_killed_while_a_client_waits_on_the_ring(shm_dir: Path, tmp_path: Path) -> None:
     wd = tmp_path / "run"
     wd.mkdir(mode=0o700)
     d = start_daemon([*FAST, "--ring-spin", "0"], workdir=wd, shm_dir=shm_dir)
@@ -530,7 +522,7 @@ def test_daemon_killed_while_a_client_waits_on_the_ring(impl: str, shm_dir: Path
         d.stop()
 
 
-def test_rings_can_be_disabled(impl: str, daemon_factory) -> None:  # type: ignore[no-untyped-def]
+def test_rings_can_be_disabled(daemon_factory) -> None:  # type: ignore[no-untyped-def]
     d = daemon_factory("--no-rings")
     with pytest.raises(E.RingUnavailable, match="disabled"):
         transfer.connect(d.endpoint, ring=True)
@@ -589,7 +581,7 @@ def test_a_field_no_descriptor_holds_fails_its_call_and_nothing_else(ringd: Any)
         seg = c.segment(4096)
         seg.buffer[:64] = 7
         core, link = c._core, c._ring
-        assert link is not None and link.ring.implementation == os.environ["TRANSFER_RING"]
+        assert link is not None
         for failed in (None, []):
             with c._lock:
                 good, pg = core.new(P.Copy, seg.va + 64, seg.va, 64, 0)

@@ -19,7 +19,7 @@ import trio
 from hypothesis import example, given, settings, strategies as st
 
 from transfer import protocol as P
-from transfer._ring import FLAG_AFTER, REQUEST_DTYPE, Op, Ring
+from transfer.ring import FLAG_AFTER, REQUEST_DTYPE, Op, Ring
 from transfer.server._accounting import Accounting
 from transfer.server._config import DaemonConfig
 from transfer.server._dataplane import NATIVE, PYTHON, DataPlane

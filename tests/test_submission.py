@@ -21,11 +21,13 @@ from hypothesis import strategies as st
 
 from transfer import errors as E
 from transfer import protocol as P
-from transfer._ring import MAX_CHAIN, Ring
-from transfer.client._pending import AwaitablePending, Pending
-from transfer.client._ringlink import RingLink
+from oracles.submission import PySubmission
+from transfer import _native
+from transfer.ring import MAX_CHAIN, Ring
+from transfer._pending import AwaitablePending, Pending
+from transfer.ring import RingLink
 from transfer.client._session import Session
-from transfer.client._submission import PySubmission, Submission
+Submission = _native.Submission
 from transfer.client._sync import Client
 
 pytestmark = pytest.mark.skipif(Submission is PySubmission, reason="extension not built")
@@ -91,8 +93,8 @@ def _run(native: bool, ops: list[tuple[Any, ...]], after: bool, capacity: int) -
     """What each op did, and the state after it."""
     out: list[Any] = []
     with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
-        srv = Ring.create(Path(d) / "r", capacity, capacity, impl="native")
-        cli = Ring.attach(Path(d) / "r", impl="native")
+        srv = Ring.create(Path(d) / "r", capacity, capacity)
+        cli = Ring.attach(Path(d) / "r")
         try:
             c = _client(native, cli, after)
             core, link = c._core, c._core.ring
@@ -199,8 +201,8 @@ def test_native_submit_takes_a_plain_copy_and_declines_the_rest() -> None:
     leaves to the general path: another kind, a field to convert or refuse, a batch, a
     deferred buffer's definition, frees to send, a held request, the socket's turn."""
     with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
-        srv = Ring.create(Path(d) / "r", 8, 8, impl="native")
-        cli = Ring.attach(Path(d) / "r", impl="native")
+        srv = Ring.create(Path(d) / "r", 8, 8)
+        cli = Ring.attach(Path(d) / "r")
         try:
             c = _client(True, cli, after=False)
             core = c._core
@@ -257,8 +259,8 @@ def test_native_submit_takes_a_plain_copy_and_declines_the_rest() -> None:
             descs = srv.pop_many(16)
             assert (descs["flags"][-3:] & 0x5).tolist() == [5, 5, 4]  # (FLAG_CHAIN | FLAG_SUM; the last FLAG_SUM)
             # The longest copy_many a ring carries is the daemon's chain (MAX_CHAIN), below its credits on a large ring.
-            srv2 = Ring.create(Path(d) / "big", 8192, 8192, impl="native")
-            cli2 = Ring.attach(Path(d) / "big", impl="native")
+            srv2 = Ring.create(Path(d) / "big", 8192, 8192)
+            cli2 = Ring.attach(Path(d) / "big")
             try:
                 c2 = _client(True, cli2, after=False)
                 longest = c2._core.ring.max_chain  # type: ignore[union-attr]

@@ -8,6 +8,16 @@ from __future__ import annotations
 
 from ._version import __version__ as __version__
 
+try:  # the native core: every part of the package needs it, so its absence is said at once
+    from . import _native as _native
+except ImportError as _exc:
+    raise ImportError(
+        f"transfer's native core (transfer._native) cannot be imported: {_exc}. It is built from native/*.c "
+        "when the package is installed: reinstall with a C compiler and the Python headers (pip install "
+        "--force-reinstall --no-binary transfer transfer; in a checkout: pip install -e .), or install a wheel "
+        "built for this platform"
+    ) from _exc
+
 from ._checksum import checksum64
 from .addressing import make_va, split_va
 from .client import AsyncioClient, Client, DeviceBuffer, HostSegment, Pending, TrioClient, connect, open_asyncio_client, open_client

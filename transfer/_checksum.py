@@ -1,9 +1,9 @@
 """checksum64: the integrity check both sides compute over a byte range.
 
 The wrapping sum of the range's little-endian uint64 words (the tail
-zero-padded), mixed with its length. One pass at memory bandwidth: natively
-where the extension is built (the ring workers' own loop, about four times
-NumPy's sum), else with NumPy; both give the same value (tests/test_ring.py).
+zero-padded), mixed with its length. One pass at memory bandwidth, natively
+(the ring workers' own loop, about four times NumPy's sum); tests/oracles/arith.py
+states it in NumPy and the tests hold the two to one value.
 It catches stale, shifted and foreign data; it is not cryptographic and
 does not see two whole words swapped.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ._native import native_module
+from ._native import checksum64 as _native_checksum64
 
 __all__ = ["checksum64", "checksum64_xp"]
 
@@ -22,32 +22,13 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
 
 
-def _py_checksum64(data: "np.ndarray | bytes | bytearray | memoryview") -> int:
-    """checksum64 with NumPy: what `checksum64` is where the extension is not built."""
-    arr = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data
-    flat = arr.reshape(-1).view(np.uint8) if arr.flags.c_contiguous else np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
-    n = flat.nbytes
-    whole = n & ~7
-    total = int(flat[:whole].view("<u8").sum(dtype=np.uint64)) if whole else 0
-    if whole != n:
-        tail = np.zeros(8, np.uint8)
-        tail[: n - whole] = flat[whole:]
-        total += int(tail.view("<u8")[0])
-    return (total + n * _GOLDEN) & _MASK
-
-
-_native_sum = getattr(native_module(), "checksum64", None)
-
-
 def checksum64(data: "np.ndarray | bytes | bytearray | memoryview") -> int:
     """checksum64 of a buffer (any dtype: its bytes are what count; a strided array's
     bytes in C order)."""
-    if _native_sum is not None:
-        try:
-            return _native_sum(data)  # type: ignore[no-any-return]
-        except (BufferError, ValueError):  # not C-contiguous (NumPy says ValueError): its bytes in order
-            return _native_sum(np.ascontiguousarray(data))  # type: ignore[no-any-return]
-    return _py_checksum64(data)
+    try:
+        return _native_checksum64(data)
+    except (BufferError, ValueError):  # not C-contiguous (NumPy says ValueError): its bytes in order
+        return _native_checksum64(np.ascontiguousarray(data))
 
 
 def checksum64_xp(arr: Any, xp: Any) -> int:

@@ -34,9 +34,9 @@ Seconds = Annotated[float, Meta(gt=0, le=86400)]
 Positive = Annotated[int, Meta(ge=1, le=1 << 40)]
 DeviceIndex = Annotated[int, Meta(ge=0, le=(1 << 31) - 1)]
 Capacity = Annotated[int, Meta(ge=2, le=1 << 24)]  # a ring's slots (`_ring.MAX_CAPACITY`)
-#: Segment ids in one arena (the daemon's `arena_ids` is at most this): the client keeps a
-#: list of an arena's free ids.
-MAX_ARENA_IDS = 1 << 16
+#: Segment ids in one arena: the daemon's `arena_ids` is at most this (a quarter of the id
+#: space, so four sessions' arenas fit at once).
+MAX_ARENA_IDS = 1 << 22
 
 
 class Result(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=False):

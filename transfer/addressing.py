@@ -23,7 +23,7 @@ from typing import Any, Generic, Hashable, Iterator, TypeVar
 
 import numpy as np
 
-from ._native import native_module
+from ._native import segment_stats as _native_segment_stats
 from .errors import (
     InvalidAddress,
     NotOwner,
@@ -89,25 +89,9 @@ class Segment(Generic[H]):
         return self.id << OFFSET_BITS
 
 
-def _py_segment_stats(vas: np.ndarray, sizes: np.ndarray, bits: int) -> list[tuple[int, int, int, int, int]]:
-    """`segment_stats` of the native extension, for a build without it: per segment the VAs
-    name, in order of first appearance, (id, first VA, lowest offset, highest end, largest
-    size); an end past 64 bits counts as 2**64 - 1."""
-    mask = (1 << bits) - 1
-    seen: dict[int, list[int]] = {}
-    for va, n in zip(vas.tolist(), sizes.tolist()):
-        sid, off = va >> bits, va & mask
-        end = min(off + n, U64_MAX)
-        s = seen.get(sid)
-        if s is None:
-            seen[sid] = [va, off, end, n]
-        else:
-            s[1], s[2], s[3] = min(s[1], off), max(s[2], end), max(s[3], n)
-    return [(sid, *s) for sid, s in seen.items()]  # type: ignore[misc]
-
-
-#: One pass over a vector's VAs and sizes (native, else its twin just above).
-_segment_stats = getattr(native_module(), "segment_stats", None) or _py_segment_stats
+#: One pass over a vector's VAs and sizes: per segment (id, first VA, lowest offset, highest end,
+#: largest size), in order of first appearance (native/util.c).
+_segment_stats = _native_segment_stats
 
 
 class MappingTable(Generic[H]):

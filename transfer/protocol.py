@@ -72,7 +72,7 @@ from ._fields import (  # noqa: F401 - the wire's field types, validators and li
     u32,
     u64,
 )
-from ._native import native_module
+from ._native import ints_within as _native_ints_within
 from .kernels import MAX_GRAPH_NODES, MAX_GRAPH_TENSORS, TensorRef  # noqa: F401 - graph limits are the protocol's
 
 __all__ = [
@@ -785,9 +785,9 @@ def result(cls: type[Request], value: Any) -> Any:
 
 # --- submission-side checks -----------------------------------------------------
 _INT_BOUNDS: dict[type, tuple[tuple[int, str, int, int], ...]] = {}
-#: check_ints's common case in C, where built: True when every field is an exact int in range
-#: (a NumPy integer, or anything wrong, is left to the loop below, which names it).
-_ints_within: Callable[[tuple[Any, ...], tuple[tuple[int, str, int, int], ...]], bool] | None = getattr(native_module(), "ints_within", None)
+#: check_ints's common case in C: True when every field is an exact int in range (a NumPy
+#: integer, or anything wrong, is left to the loop below, which names it).
+_ints_within: Callable[[tuple[Any, ...], tuple[tuple[int, str, int, int], ...]], bool] = _native_ints_within
 
 
 def int_bounds(cls: type) -> tuple[tuple[int, str, int, int], ...]:
@@ -815,7 +815,7 @@ def check_ints(cls: type, args: tuple[Any, ...]) -> None:
     out); only integer fields are checked.
     """
     bounds = _INT_BOUNDS.get(cls) or int_bounds(cls)
-    if _ints_within is not None and type(args) is tuple and _ints_within(args, bounds):
+    if type(args) is tuple and _ints_within(args, bounds):
         return  # every field an exact int in range: one native call (submission's hot path)
     n = len(args)
     for i, name, lo, hi in bounds:

@@ -43,7 +43,7 @@ import transfer
 from transfer import errors as E
 from transfer import protocol as P
 from transfer._fields import PID_MAX
-from transfer._ring import Op as RingOp
+from transfer.ring import Op as RingOp
 from transfer.addressing import OFFSET_BITS
 from transfer.server._metrics_http import DEFAULT_MAX_CONNECTIONS as METRICS_CAP
 from transfer.server._metrics_http import DEFAULT_TIMEOUT_S as METRICS_TIMEOUT_S

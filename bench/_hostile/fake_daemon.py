@@ -34,7 +34,7 @@ import zmq
 from transfer import _results as R
 from transfer import protocol as P
 from transfer._fields import PID_MAX
-from transfer._ring import Ring
+from transfer.ring import Ring
 from transfer.memory._shm import new_memfd, reserve, seal
 
 KiB = 1 << 10

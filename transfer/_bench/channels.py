@@ -35,7 +35,7 @@ from ._wire import ACK, BYE, HDR, VERIFY, pack_header, unpack_header
 from .common import Cell, Consumer, Producer, Received, Spec
 
 if TYPE_CHECKING:
-    from transfer.client._pending import Pending
+    from transfer._pending import Pending
 
 __all__ = ["PRODUCERS", "CONSUMERS", "VERIFY", "BYE", "HDR", "ACK", "pack_header", "unpack_header", "make_plumbing"]
 

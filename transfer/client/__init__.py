@@ -2,7 +2,7 @@
 (`open_asyncio_client`), one API over one core."""
 
 from ._asyncio import AsyncioClient, AsyncioPending, open_asyncio_client
-from ._pending import Pending
+from .._pending import Pending
 from ._pool import Slot, SlotPool
 from ._remote import RemoteSegment
 from ._resources import DeviceBuffer, HostSegment, SharedSegment

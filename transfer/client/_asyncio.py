@@ -29,8 +29,8 @@ from .. import errors as E
 from ..transport._zmq import default_endpoint, ipc_path
 from ..transport._zmq_asyncio import AsyncioPump
 from ._evloop import BELL, IDLE, YIELD, LoopSession
-from ._pending import AwaitablePending, Pending
-from ._ringlink import RingLink
+from .._pending import AwaitablePending, Pending
+from ..ring import RingLink
 from ._session import open_socket
 
 log = logging.getLogger("transfer.client")

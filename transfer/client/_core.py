@@ -15,17 +15,17 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .._native import Submission
 from .. import _results as R
 from .. import errors as E
 from .. import protocol as P
 from ..addressing import OFFSET_BITS
 from ..transport._fds import fetch_fd
 from ._deferred import DeferredState
-from ._pending import Pending
+from .._pending import Pending
 from ._remote import RemoteAgent
 from ._resources import HostSegment
-from ._ringlink import PLAIN, RingLink
-from ._submission import PySubmission, Submission
+from ..ring import PLAIN, RingLink
 
 #: Bumped in a forked child: a client made before the fork compares its own copy (cheaper
 #: than a getpid() per request, which check_usable did before).
@@ -48,7 +48,7 @@ class ClientCore:
         self._waiter = waiter
         self.pending: dict[int, Pending] = {}
         #: Ids, credits, the routing rule and the push (`_submission`), shared with the ring link.
-        self.sub: PySubmission = Submission(self.pending, pending_cls, waiter)  # (the native one, when built)
+        self.sub: Submission = Submission(self.pending, pending_cls, waiter)
         #: One data request made, routed and pushed in one call, or None when the general
         #: path (`prepare`, then the client's `_send`) must take it.
         self.submit: Callable[[type[P.Request], tuple[Any, ...]], Pending | None] = self.sub.submit

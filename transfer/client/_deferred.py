@@ -45,15 +45,29 @@ def creation_site() -> str:
 
 @dataclass
 class Arena:
+    """A block of `count` segment ids from `first_id`: ids never handed out are counted
+    (`fresh`, the next one), ids given back are kept (`free_ids`, reused first), so an
+    arena costs the same whatever its size."""
+
     device: int
     first_id: int
     count: int
     quota: int
     used: int = 0
     free_ids: list[int] = field(default_factory=list)
+    fresh: int = 0
 
     def __post_init__(self) -> None:
-        self.free_ids = list(range(self.first_id + self.count - 1, self.first_id - 1, -1))
+        self.fresh = self.first_id
+
+    def take(self) -> int | None:
+        """An id of this arena not in use, or None when all are."""
+        if self.free_ids:
+            return self.free_ids.pop()
+        if self.fresh < self.first_id + self.count:
+            self.fresh += 1
+            return self.fresh - 1
+        return None
 
 
 class DeferredBuffer(Addressed):
@@ -255,14 +269,14 @@ class DeferredState:
                 f"alloc of {_human(nbytes)} created at {site} exceeds the session's device quota of {_human(arena.quota)} "
                 f"({_human(arena.used)} in use)"
             )
-        if not arena.free_ids:
+        sid = arena.take()
+        if sid is None:
             raise E.QuotaExceeded(
                 f"alloc at {site}: this session already holds {arena.count} device buffers on device {device}, the most "
                 f"one session may (the daemon's --arena-ids). Free buffers you no longer need (client.free), "
                 "allocate one larger buffer and address parts of it (buf.va + offset), or ask the operator "
                 "to raise --arena-ids"
             )
-        sid = arena.free_ids.pop()
         arena.used += nbytes
         buf = DeferredBuffer(sid << OFFSET_BITS, nbytes, device, site)
         self.buffers[sid] = buf

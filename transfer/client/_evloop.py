@@ -24,8 +24,8 @@ import zmq
 from .. import _results as R
 from .. import errors as E
 from .. import protocol as P
-from ._pending import AwaitablePending, Pending
-from ._ringlink import RingLink
+from .._pending import AwaitablePending, Pending
+from ..ring import RingLink
 from ._session import Op, Session
 
 __all__ = ["LoopSession", "SPIN_S", "FAIR_S", "YIELD", "IDLE", "BELL"]

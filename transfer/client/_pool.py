@@ -27,7 +27,7 @@ import numpy as np
 
 from .. import errors as E
 from ..kernels import TensorRef, shape_tuple
-from ._pending import Pending
+from .._pending import Pending
 from ._resources import DeviceBuffer, HostSegment, make_tensor
 
 __all__ = ["SlotPool", "Slot"]

@@ -34,11 +34,11 @@ from ..transport import _curve
 from ..transport._zmq import endpoint_error, ipc_path
 from ._core import ClientCore
 from ._deferred import DeferredBuffer, Graph, Plan, Tensor, creation_site
-from ._pending import Pending
+from .._pending import Pending
 from ._pool import SlotPool
 from ._remote import RemoteAgent, RemoteSegment, register as register_remote
 from ._resources import Addressable, DeviceBuffer, HostSegment, SharedSegment, resolve_va
-from ._ringlink import RingLink
+from ..ring import RingLink
 
 log = logging.getLogger("transfer.client")
 

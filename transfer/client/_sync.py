@@ -21,8 +21,8 @@ from .. import _results as R
 from .. import errors as E
 from .. import protocol as P
 from ..transport._zmq import default_endpoint, ipc_path
-from ._pending import Pending
-from ._ringlink import RingLink
+from .._pending import Pending
+from ..ring import RingLink
 from ._session import Op, Session, open_socket
 
 T = TypeVar("T")

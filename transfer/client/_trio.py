@@ -25,8 +25,8 @@ import zmq
 from .. import errors as E
 from ..transport._zmq import SocketPump, default_endpoint, ipc_path
 from ._evloop import BELL, IDLE, YIELD, LoopSession
-from ._pending import AwaitablePending, Pending
-from ._ringlink import RingLink
+from .._pending import AwaitablePending, Pending
+from ..ring import RingLink
 from ._session import open_socket
 
 __all__ = ["TrioClient", "open_client", "TrioPending"]

@@ -85,7 +85,7 @@ class DaemonConfig:
     ring_spin_s: float = 200e-6
     #: Each ring gets a native worker thread that executes its copies, fills, checksums and
     #: fences without the event loop (native/dataplane.h). On by default; off
-    #: (`--no-ring-workers`), or without the extension, the event loop serves rings itself.
+    #: (`--no-ring-workers`), the event loop serves rings itself.
     ring_workers: bool = True
     #: Threads that share large copies (8 MiB or more) with the ring workers, chunk by chunk,
     #: when idle (native/dataplane.h, "copy helpers"); -1: the cores left when every ring's

@@ -23,8 +23,8 @@ import logging
 import os
 from typing import Any
 
-from .._native import native_module
-from .._ring import Ring
+from .._native import Table, Worker, copy_helpers
+from ..ring import Ring
 from ..addressing import Segment, SegmentKind
 from ..backends import Backend
 from ._accounting import Accounting
@@ -35,7 +35,6 @@ __all__ = ["DataPlane", "NATIVE", "PYTHON", "BROKEN"]
 
 log = logging.getLogger("transfer.server")
 
-_native = native_module()
 NATIVE, PYTHON, BROKEN = 0, 1, 2
 _COUNTED = ("copy", "fill", "checksum", "fused", "shared", "fence", "bytes", "handovers", "sleeps")
 
@@ -45,12 +44,12 @@ _CPUS = len(os.sched_getaffinity(0))
 
 
 class DataPlane:
-    """The native table and the sessions' workers (absent without the extension, or when off)."""
+    """The native table and the sessions' workers (absent with --no-ring-workers)."""
 
     def __init__(self, config: DaemonConfig, accounting: Accounting) -> None:
         self.config = config
         self.accounting = accounting
-        self.table: Any = _native.Table() if config.ring_workers and _native is not None else None
+        self.table: Any = Table() if config.ring_workers else None
         self._live: list[Any] = []  # the running workers, whose spin _respin sets
         #: Copy helpers that may share a large copy now (_respin; idle ones sleep).
         self.copy_helpers = 0
@@ -69,7 +68,7 @@ class DataPlane:
     def describe(self) -> str:
         if self.table is not None:
             return "native workers"
-        return "off (--no-ring-workers)" if not self.config.ring_workers else "off (the native extension is not built)"
+        return "off (--no-ring-workers)"
 
     # --- the table -----------------------------------------------------------------------------
     def mirror(self, seg: Segment[Any], backend: Backend | None = None) -> None:
@@ -98,9 +97,9 @@ class DataPlane:
     # --- workers ---------------------------------------------------------------------------------
     def start(self, session: Session, ring: Ring, bell_fd: int, cbell_fd: int) -> Any:
         """A worker for the session's new ring, or None (the Python pass serves the ring)."""
-        if self.table is None or ring.implementation != "native":
+        if self.table is None:
             return None
-        worker = _native.Worker(
+        worker = Worker(
             self.table, ring.inbox, ring.outbox, session.id, bell_fd, cbell_fd,
             self.config.worker_spin_s, self.accounting.metrics.latency_bounds(),
         )
@@ -137,7 +136,7 @@ class DataPlane:
         want = self.config.copy_helpers
         if want < 0:  # (before the first session: as for one)
             want = min(8, _CPUS - 2 * max(1, len(self._live)))
-        self.copy_helpers = _native.copy_helpers(max(0, want))
+        self.copy_helpers = copy_helpers(max(0, want))
 
     def fold(self, session: Session) -> None:
         """Add what the worker did since the last fold to the one accounting."""

@@ -32,14 +32,15 @@ import trio
 
 from .. import errors as E
 from .. import protocol as P
-from .._ring import COMPLETION_DTYPE
+from ..ring import COMPLETION_DTYPE
 from ._accounting import Accounting
 from ._config import DaemonConfig
 from ._control import AFTER_PASS, BARRIERS, Control
 from ._deferred import resolve
 from ._ops import RING, Op, in_process, runs_inline
-from ._planner import CopyRun, Planner, answers, plan_batch
-from ._rings import COMPLETION_DETAIL, Rings
+from ..ring import COMPLETION_DETAIL, CopyRun, answers
+from ._planner import Planner, plan_batch
+from ._rings import Rings
 from ._session import Session
 from ._waves import Sent, assign_waves, device_failed, issue, issue_off_loop, one_device, run_inline, run_stretch, run_waves, send_pass, wait_visible
 

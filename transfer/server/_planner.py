@@ -18,16 +18,15 @@ from .. import protocol as P
 from ..addressing import MappingTable, Segment, SegmentKind, make_va
 from ..backends import Answer, Span, Then
 from ..kernels import FAILED, OPERATORS, REGISTRY, SKIPPED, TensorRef, signature, tensor_extent, tensor_nbytes
+from ..ring import VECTOR_RUN, CopyRun
 from ._graphplan import GraphPlan, NodePlan
 from ._ops import SOCKET, Op, Range, lane_of
 from ._placement import Placement, VirtualDevice
 from ._remote import RemotePlan, names_remote, plan_remote_copy, pull_input, remote_op, remote_plan
 
-__all__ = ["Planner", "CopyRun", "Refusal", "plan_batch", "VECTOR_RUN"]
+__all__ = ["Planner", "Refusal", "plan_batch"]
 
 _KIND_NAMES = {P.Copy: "copy", P.CopyV: "copyv", P.Fill: "fill", P.Checksum: "checksum", P.ChecksumV: "checksum", P.Compute: "compute", P.RunGraph: "compute"}
-#: Plain copies in a row planned as one vector op (validated at once by `translate_many`).
-VECTOR_RUN = 8
 #: Remote copy vectors of at most this many pieces have their plans kept for the same vector
 #: again (`Planner._copies`), at most this many plans in all (then they start over): ~14 MB
 #: at worst, ~13 KB a 64-piece plan with its key.
@@ -37,30 +36,9 @@ _RECALL_PLANS = 1024
 Refusal = tuple[int, int, E.TransferError]
 
 
-class CopyRun:
-    """Copy descriptors that arrived together on a ring, as arrays: one vector op if all are valid."""
-
-    __slots__ = ("ids", "dst", "src", "nbytes", "stream")
-
-    def __init__(self, ids: np.ndarray, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, stream: int = 0) -> None:
-        self.ids, self.dst, self.src, self.nbytes, self.stream = ids, dst, src, nbytes, stream
-
-    def singles(self) -> list[P.Copy]:
-        s = self.stream
-        return [P.Copy(int(i), int(d), int(s_), int(n), s) for i, d, s_, n in zip(self.ids.tolist(), self.dst.tolist(), self.src.tolist(), self.nbytes.tolist())]
-
-
 #: A vector of copies translated: (dst segment ids, dst offsets, src segment ids, src offsets,
 #: segments by id, read hulls, write hulls).
 _Copies = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[int, Any], list[Any], list[Any]]
-
-
-def answers(req: Any, ring: bool = False) -> int:
-    """How many answers one queue entry owes: a CopyRun one per copy, a verified CopyV from a
-    `ring` one per piece (a completion each), anything else one."""
-    if type(req) is CopyRun:
-        return len(req.ids)
-    return len(req.nbytes) if ring and type(req) is P.CopyV and req.sums else 1
 
 
 def _rows(dsid: np.ndarray, doff: np.ndarray, ssid: np.ndarray, soff: np.ndarray, size: np.ndarray) -> list[tuple[int, int, int, int, int]]:

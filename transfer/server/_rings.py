@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from bisect import bisect_left
 from typing import Any, Callable
 
 import numpy as np
@@ -42,120 +41,18 @@ import trio
 from .. import errors as E
 from .. import _results as R
 from .. import protocol as P
-from .._ring import COMPLETION_DTYPE, FLAG_AFTER, FLAG_CHAIN, FLAG_SUM, MAX_CHAIN, REQUEST_DTYPE, Op as RingOp, Ring, RingCorrupted, RingError
+from ..ring import COMPLETION_DTYPE, FLAG_AFTER, FLAG_CHAIN, FLAG_SUM, REQUEST_DTYPE, Ring, RingCorrupted, RingError, answers, join_chains, to_batch
 from ..memory._shm import PREFIX, new_memfd, reserve, seal
 from ._accounting import Accounting
 from ._config import DaemonConfig
 from ._dataplane import BROKEN, NATIVE, PYTHON, DataPlane
 from ._fds import FdChannel
 from ._ops import RING
-from ._planner import VECTOR_RUN, CopyRun, answers
 from ._session import Phase, Session
 
-__all__ = ["Rings", "Doorbell", "COMPLETION_DETAIL"]
+__all__ = ["Rings", "Doorbell"]
 
 log = logging.getLogger("transfer.server")
-
-#: Completion flag: the error's message follows on the control socket, as a reply with this id.
-COMPLETION_DETAIL = 1
-# Plain ints: IntEnum attribute lookups cost ~1 µs each in a hot loop.
-_NOP, _COPY, _FILL, _CHECKSUM, _FENCE, _RUN_GRAPH = (
-    int(o) for o in (RingOp.NOP, RingOp.COPY, RingOp.FILL, RingOp.CHECKSUM, RingOp.FENCE, RingOp.RUN_GRAPH))
-
-
-def _request(row: tuple[int, ...]) -> Any:
-    """One descriptor as a request of the batch form (or a BadRequest naming its fault)."""
-    op, rid, dst, src, nbytes, stream, flags, arg0, arg1, arg2 = row
-    try:
-        if rid == 0:
-            raise E.InvalidField("a ring descriptor's id must be non-zero")
-        if flags:
-            raise E.InvalidField(f"unknown descriptor flags {flags:#x}")
-        if op == _COPY:
-            return P.Copy(rid, dst, src, nbytes, stream)
-        if op == _FILL:
-            P.check_ints(P.Fill, (dst, nbytes, arg0, stream))  # a value that is not a byte, in the decoder's words
-            return P.Fill(rid, dst, nbytes, arg0, stream)
-        if op == _CHECKSUM:
-            return P.Checksum(rid, src, nbytes, stream)
-        if op == _FENCE or op == _NOP:
-            return P.Fence(rid, stream)
-        if op == _RUN_GRAPH:
-            if nbytes or arg1 or arg2:
-                raise E.InvalidField("a RUN_GRAPH descriptor's nbytes, arg1 and arg2 must be zero")
-            return P.RunGraph(rid, arg0, [src], [dst], False, stream)
-        raise E.UnknownOperation(f"ring opcode {op} is not served over the ring (use the control socket)")
-    except E.TransferError as exc:
-        return P.BadRequest(rid, exc)
-
-
-def _chained(chain: np.ndarray) -> Any:
-    """A chain of COPY descriptors as the CopyV it stands for (or a BadRequest naming its
-    fault); FLAG_SUM on every one of them: a verified CopyV (`sums`)."""
-    rid, stream = int(chain["id"][0]), int(chain["stream"][0])
-    sums = bool(chain["flags"][0] & FLAG_SUM)
-    try:
-        if rid == 0:
-            raise E.InvalidField("a ring descriptor's id must be non-zero")
-        if (chain["op"] != _COPY).any() or (chain["id"] != rid).any() or (chain["stream"] != stream).any():
-            raise E.InvalidField("a descriptor chain must be COPYs of one id and one stream")
-        if chain["flags"][-1] & FLAG_CHAIN:
-            raise E.BatchTooLarge(f"a descriptor chain longer than {MAX_CHAIN}")
-        if ((chain["flags"] & ~np.uint16(FLAG_CHAIN)) != (FLAG_SUM if sums else 0)).any():
-            raise E.InvalidField("unknown descriptor flags in a chain (FLAG_SUM goes on all of a chain or none)")
-        return P.CopyV(rid, chain["dst"].copy(), chain["src"].copy(), chain["nbytes"].copy(), stream, sums)
-    except E.TransferError as exc:
-        return P.BadRequest(rid, exc)
-
-
-def join_chains(array: np.ndarray) -> tuple[list[tuple[Any, int]], np.ndarray]:
-    """Descriptors in order, each chain (flagged rows and the unflagged one that ends it; a
-    verified one may be a single FLAG_SUM row) joined into its CopyV, the rest as `to_batch`
-    makes them; also the chain still open at the end (its rest is not in the ring yet),
-    empty if none."""
-    out: list[tuple[Any, int]] = []
-    flagged = (array["flags"] & FLAG_CHAIN) != 0
-    chains = (array["flags"] & (FLAG_CHAIN | FLAG_SUM)) != 0
-    ends = np.flatnonzero(~flagged).tolist()  # rows that end a request
-    starts = np.flatnonzero(chains).tolist()  # rows that a chain continues from, or is
-    i, n = 0, len(array)
-    while i < n:
-        if not chains[i]:  # plain descriptors, up to the next chain
-            f = bisect_left(starts, i)
-            j = starts[f] if f < len(starts) else n
-            out.extend(to_batch(None, array[i:j]))
-            i = j
-            continue
-        e = bisect_left(ends, i)
-        if e == len(ends):  # open: its end has not arrived
-            if n - i < MAX_CHAIN:
-                return out, array[i:].copy()
-            end = i + MAX_CHAIN - 1  # too long to be a request: refused, the rest starts anew
-        else:
-            end = min(ends[e], i + MAX_CHAIN - 1)
-        out.append((_chained(array[i : end + 1]), RING))
-        i = end + 1
-    return out, array[:0]
-
-
-def to_batch(rows: list[tuple[int, ...]] | None, array: np.ndarray | None) -> list[tuple[Any, int]]:
-    """Descriptors -> (request, RING) pairs; long clean runs of copies stay arrays (`CopyRun`)."""
-    if rows is not None:
-        return [(_request(r), RING) for r in rows]
-    assert array is not None
-    out: list[tuple[Any, int]] = []
-    n = len(array)
-    kinds = array["op"]
-    cuts = (np.flatnonzero(kinds[1:] != kinds[:-1]) + 1).tolist() if n > 1 else []
-    for a, b in zip([0, *cuts], [*cuts, n]):  # runs of one opcode
-        d = array[a:b]
-        st = d["stream"]
-        if kinds[a] == _COPY and b - a >= VECTOR_RUN and not (d["flags"].any() or (d["id"] == 0).any() or (st != st[0]).any()):
-            out.append((CopyRun(d["id"].copy(), d["dst"].copy(), d["src"].copy(), d["nbytes"].copy(), int(st[0])), RING))
-        else:
-            out.extend((_request(r), RING) for r in d.tolist())
-    return out
-
 
 class Doorbell:
     """A pipe clients write a byte to when they find the loop asleep (trio can poll an fd, not
@@ -403,11 +300,11 @@ class Rings:
     def _requests(session: Session, rows: list[tuple[int, ...]] | None, array: np.ndarray | None, chained: bool) -> list[tuple[Any, int]]:
         """Descriptors as the batch form; a CopyV's chain (maybe begun in an earlier take) is one request."""
         if not chained and session.ring_chain is None:
-            return to_batch(rows, array)
+            return to_batch(rows, array, RING)
         taken = np.array(rows, dtype=REQUEST_DTYPE) if array is None else array
         if session.ring_chain is not None:  # (np.concatenate repacks the layout: astype restores it)
             taken = np.concatenate([session.ring_chain, taken]).astype(REQUEST_DTYPE)
-        items, rest = join_chains(taken)
+        items, rest = join_chains(taken, RING)
         session.ring_chain = rest if len(rest) else None
         return items
 

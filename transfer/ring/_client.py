@@ -1,4 +1,4 @@
-"""The client's end of a session's shared-memory request ring (docs/ring.md).
+"""The client's end of a session's ring (docs/ring.md).
 
 Sans-I/O in the h11 sense as far as a ring allows: it turns requests into
 descriptors and completions into finished `Pending`s; each client decides
@@ -14,7 +14,6 @@ forms); everything else, and every error's message, stays on the control socket.
 from __future__ import annotations
 
 import fcntl
-import functools
 import os
 import stat
 import struct
@@ -22,18 +21,17 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .._native import Submission
 from .. import _results as R
 from .. import errors as E
 from .. import protocol as P
-from .._ring import FLAG_AFTER, FLAG_CHAIN, FLAG_SUM, MAX_CHAIN, REQUEST_DTYPE, Op as RingOp, Ring, RingError
+from .._pending import Pending
 from ..memory._shm import check_sealed
-from ._pending import Pending
-from ._submission import PySubmission
+from ._endpoint import Ring, RingError
+from ._layout import COMPLETION_DETAIL, KIND_NAMES, MAX_CHAIN
 
-__all__ = ["RingLink", "descriptors_of", "PLAIN"]
+__all__ = ["RingLink", "descriptors_of", "PLAIN", "KINDS", "Sums"]
 
-#: A completion whose error message follows on the control socket (server._rings).
-_DETAIL = 1
 _RING_TYPES = frozenset((P.Copy, P.CopyV, P.Fill, P.Checksum, P.ChecksumV, P.Fence, P.Wait, P.RunGraph))
 #: Kinds every request of which takes the ring.
 PLAIN = frozenset((P.Copy, P.Fill, P.Checksum, P.Fence, P.Wait))
@@ -41,62 +39,20 @@ PLAIN = frozenset((P.Copy, P.Fill, P.Checksum, P.Fence, P.Wait))
 _VECTORS = frozenset((P.CopyV, P.ChecksumV))
 #: Kinds only some requests of which take the ring (`takes` decides each).
 _SOME = _VECTORS | {P.RunGraph}
-_COPY, _FILL, _CHECKSUM, _FENCE, _RUN_GRAPH = (int(o) for o in (RingOp.COPY, RingOp.FILL, RingOp.CHECKSUM, RingOp.FENCE, RingOp.RUN_GRAPH))
 
 
-#: A descriptor's bytes, fields in layout order (REQUEST_DTYPE): op, flags, stream, id, dst,
-#: src, nbytes, arg0, arg1, arg2. Packing with struct costs a fraction of a NumPy record.
-_PACK = struct.Struct("<HHIQQQQQQQ").pack
-assert struct.calcsize("<HHIQQQQQQQ") == REQUEST_DTYPE.itemsize
-#: A descriptor's flags (at byte 2) and one of its words (arg2 at byte 56), for `FLAG_AFTER`.
-_FLAGS, _WORD = struct.Struct("<H"), struct.Struct("<Q")
-
-
-def _py_pack_vector(op: int, chain: bool, rid: int, stream: int, dst: Any, src: Any, nbytes: np.ndarray, flags: int = 0) -> bytes:
-    """A vector request's descriptors, one per range, made with NumPy (for the pure-Python
-    twin of `push_requests`): dst and src are a VA for every range or a uint64 array,
-    `chain` sets FLAG_CHAIN on all but the last, and `flags` goes on every one."""
-    if not (0 <= op <= 0xFFFF and 0 <= stream <= 0xFFFFFFFF):
-        raise OverflowError("stream or op out of range")
-    if not isinstance(nbytes, np.ndarray):
-        raise TypeError("nbytes: expected a 1-D uint64 array")
-    for name, v in (("nbytes", nbytes), ("dst", dst), ("src", src)):
-        if not isinstance(v, int) and (not isinstance(v, np.ndarray) or v.dtype != np.uint64 or v.ndim != 1):
-            raise TypeError(f"{name}: expected a 1-D uint64 array")
-        if isinstance(v, np.ndarray) and len(v) != len(nbytes):
-            raise ValueError(f"{name}: {len(v)} ranges, expected {len(nbytes)}")
-    d = np.zeros((len(nbytes), 8), np.uint64)
-    head = op | flags << 16 | stream << 32
-    d[:, 0] = head | FLAG_CHAIN << 16 if chain else head
-    if len(d):
-        d[-1, 0] = head
-    d[:, 1], d[:, 2], d[:, 3], d[:, 4] = rid, dst, src, nbytes
-    return d.tobytes()
-
-
-#: Per ring-able request kind, for the pure-Python twin: its descriptors as bytes (one, or a
-#: vector's, one per range). Raises struct.error or OverflowError for a field out of range.
-_PACKERS: dict[type, Callable[[Any], bytes]] = {
-    P.Copy: lambda r: _PACK(_COPY, 0, r.stream, r.id, r.dst, r.src, r.nbytes, 0, 0, 0),
-    P.CopyV: lambda r: _py_pack_vector(_COPY, True, r.id, r.stream, r.dst, r.src, r.nbytes, FLAG_SUM if r.sums else 0),
-    P.Fill: lambda r: _PACK(_FILL, 0, r.stream, r.id, r.dst, 0, r.nbytes, r.value, 0, 0),
-    P.Checksum: lambda r: _PACK(_CHECKSUM, 0, r.stream, r.id, 0, r.src, r.nbytes, 0, 0, 0),
-    # A checksum per range, each completed on its own under the one id (_Sums gathers them).
-    P.ChecksumV: lambda r: _py_pack_vector(_CHECKSUM, False, r.id, r.stream, 0, r.src, r.nbytes),
-    P.Fence: lambda r: _PACK(_FENCE, 0, r.stream, r.id, 0, 0, 0, 0, 0, 0),
-    P.RunGraph: lambda r: _PACK(_RUN_GRAPH, 0, r.stream, r.id, r.outputs[0], r.inputs[0], 0, r.graph, 0, 0),
-}
-
-#: A ring-able request type's kind code for `push_requests` (native/_ring_native.c's K_*:
-#: which fields go where in its descriptors). A Wait marker takes no descriptor.
-_KINDS: dict[type, int] = {P.Wait: 0, P.Copy: 1, P.Fill: 2, P.Checksum: 3, P.Fence: 4, P.RunGraph: 5, P.CopyV: 6, P.ChecksumV: 7}
+#: A ring-able request type's kind code for `push_requests` (`_layout.KIND_NAMES`, checked
+#: against native/layout.h's K_*: which fields go where in its descriptors).
+KINDS: dict[type, int] = {t: KIND_NAMES.index(name) for t, name in (
+    (P.Wait, "WAIT"), (P.Copy, "COPY"), (P.Fill, "FILL"), (P.Checksum, "CHECKSUM"), (P.Fence, "FENCE"),
+    (P.RunGraph, "RUN_GRAPH"), (P.CopyV, "COPYV"), (P.ChecksumV, "CHECKSUMV"))}
 
 
 #: A run's results as pop_runs packs them: little-endian words.
 _WORDS = np.dtype("<u8")
 
 
-class _Sums:
+class Sums:
     """A checksum_many's answers as they come off the ring: one completion per range, in
     order, all under its id; the first failure is kept. `chain`: a verified copy_many's
     (FLAG_SUM), whose failure is one completion that frees the whole chain."""
@@ -119,74 +75,6 @@ def descriptors_of(req: P.Request) -> int:
     if type(req) in _VECTORS:
         return len(req.nbytes)  # type: ignore[attr-defined]
     return _PLAIN_DESCRIPTORS.get(type(req), 1)
-
-
-def _py_push_requests(outbox: Any, reqs: list[P.Request], start: int, kinds: dict[type, int], room: int, after: int,
-                      pending: dict[int, Pending], outstanding: dict[int, Any], sums: Callable[..., Any]) -> tuple[int, int, int]:
-    """`Queue.push_requests` for the pure-Python queue (no extension built): from reqs[start],
-    the whole requests whose descriptors fit in `room`, packed with struct and NumPy,
-    published in one push, each noted as outstanding; (requests, descriptors, published)."""
-    end, used, datas = start, 0, []
-    while end < len(reqs):
-        r = reqs[end]
-        if type(r) not in kinds:
-            raise TypeError(f"a {type(r).__name__} cannot take the ring")
-        k = descriptors_of(r)
-        if used + k > room:
-            break
-        if k:
-            datas.append(_PACKERS[type(r)](r))
-        used += k
-        end += 1
-    data = b"".join(datas)
-    if after and used:  # the first descriptor carries the fence
-        first = bytearray(data)
-        flags, = _FLAGS.unpack_from(first, 2)
-        _FLAGS.pack_into(first, 2, flags | FLAG_AFTER)
-        _WORD.pack_into(first, 56, after)
-        data = bytes(first)
-    published = outbox.push_buffer(data, used) if used else 0
-    for r in reqs[start:end]:
-        t = type(r)
-        if t is not P.Wait:
-            answers = sums() if t is P.ChecksumV else sums(True) if t is P.CopyV and r.sums else t is P.Checksum  # type: ignore[attr-defined]
-            outstanding[r.id] = (pending[r.id], answers, descriptors_of(r))
-    return end - start, used, published
-
-
-def _py_pop_finished(inbox: Any, outstanding: dict[int, Any], pending: dict[int, Pending],
-                     array: Callable[[int], np.ndarray] | None = None) -> tuple[int, int, list[Any]]:
-    """`Queue.pop_finished` for the pure-Python queue: pop every completion; until the first
-    run that is not one of these, finish each lone success of an outstanding request whose
-    answer is a bool (its value, or None), and (with `array`) each run of successes that is
-    the whole answer of one that gathers a word per descriptor (a `_Sums` with no values
-    yet), as array(n) filled with its n words; hand back (completions, descriptors freed,
-    the other runs in order)."""
-    total = freed = 0
-    rest: list[Any] = []
-    for run in inbox.pop_runs(0, 2, 1):
-        rid, status, result, _, _, count, words = run
-        total += count
-        entry = outstanding.get(rid) if status == 0 and not rest else None
-        value: Any = None
-        if entry is not None:
-            p, answers, took = entry
-            if type(answers) is bool:
-                value = result if answers else None
-                entry = entry if count == 1 else None
-            elif array is not None and took == count and getattr(answers, "values", None) == []:
-                value = array(count)
-                value[:] = np.frombuffer(words, _WORDS) if words is not None else result
-            else:
-                entry = None
-        if entry is not None:
-            del outstanding[rid]
-            pending.pop(rid, None)
-            p._finish(value, None)
-            freed += took
-        else:
-            rest.append(run)
-    return total, freed, rest
 
 
 def _new_words(n: int, empty: Callable[..., np.ndarray] = np.empty, u64: np.dtype[Any] = np.dtype(np.uint64)) -> np.ndarray:
@@ -213,7 +101,7 @@ def _pipe_end(fd: int, mode: int, what: str) -> int:
 class RingLink:
     """One session's ring, mapped here: descriptors out, completions in."""
 
-    def __init__(self, ring: Ring, info: R.RingOpened, sub: PySubmission, bell_fd: int = -1, cbell_fd: int = -1) -> None:
+    def __init__(self, ring: Ring, info: R.RingOpened, sub: Submission, bell_fd: int = -1, cbell_fd: int = -1) -> None:
         """A client's end of a ring mapped here (`open`). `info`: the daemon's OpenRing reply
         (`graphs`, `after`); `sub`: the session's submission state (`_submission`), which
         takes the ring's credits and counts; `bell_fd`, `cbell_fd`: the request doorbell
@@ -233,8 +121,8 @@ class RingLink:
         #: Whether the daemon runs graphs off the ring (RUN_GRAPH); else they take the socket.
         self.graphs = info.graphs
         #: Outstanding requests: id -> (pending, answers with a value (a checksum_many: its
-        #: _Sums), descriptors it took).
-        self.outstanding: dict[int, tuple[Pending, bool | _Sums, int]] = {}
+        #: Sums), descriptors it took).
+        self.outstanding: dict[int, tuple[Pending, bool | Sums, int]] = {}
         #: The other order: answered on the socket before their ring completion was reaped
         #: (the daemon sends a pass's replies, then pushes its completions). Id -> [descriptors
         #: each completion gives back, descriptors left], given back as the completions come.
@@ -245,20 +133,18 @@ class RingLink:
         #: The credits, the descriptors in flight (a CopyV takes one per piece), the last
         #: fence and the count pushed live in the session's submission state, which packs,
         #: publishes and notes a call's requests with the queue's push_requests (one native
-        #: call; the pure-Python queue: the same in Python). Whether the daemon orders
+        #: call). Whether the daemon orders
         #: descriptors after socket frames (`FLAG_AFTER`; else the ring is taken only while
         #: nothing sent on the socket is pending) goes there too.
-        sub.attach(self._outbox, getattr(self._outbox, "push_requests", functools.partial(_py_push_requests, self._outbox)),
-                   self.outstanding, credits, self.max_chain, info.after, _KINDS, _Sums)
+        sub.attach(self._outbox, self._outbox.push_requests, self.outstanding, credits, self.max_chain, info.after, KINDS, Sums)
         #: Pop the completions and finish the lone successes in one native call.
-        self._pop_finished: Callable[..., tuple[int, int, list[Any]]] = getattr(
-            self._inbox, "pop_finished", functools.partial(_py_pop_finished, self._inbox))
+        self._pop_finished: Callable[..., tuple[int, int, list[Any]]] = self._inbox.pop_finished
         #: Completions waiting in the inbox (the queue's own call: a look before a reap
         #: costs no Python frame when none are in yet).
         self.ready: Callable[[], int] = self._inbox.available
 
     @classmethod
-    def open(cls, info: R.RingOpened, collect: Callable[[bytes], int], sub: PySubmission, *,
+    def open(cls, info: R.RingOpened, collect: Callable[[bytes], int], sub: Submission, *,
              completion_bell: bool = False) -> RingLink:
         """Map the ring an OpenRing reply names. `collect` turns the reply's token into the
         ring's memfd (the daemon's fd socket). `completion_bell`: also open the session's
@@ -397,11 +283,11 @@ class RingLink:
                     self._late(rid)  # else not ours (a confused daemon): ignore
                 continue
             p, valued, took = entry
-            if type(valued) is _Sums and status and valued.chain:
+            if type(valued) is Sums and status and valued.chain:
                 # A verified copy_many failed: its one completion frees the whole chain.
                 used = 1
                 sub.in_flight -= took - len(valued.values)
-            elif type(valued) is _Sums:
+            elif type(valued) is Sums:
                 # A checksum_many (or a verified copy_many): one completion per range, in order,
                 # under its id (a run of them comes as one), never more than the ranges it still owes.
                 values = valued.values
@@ -425,7 +311,7 @@ class RingLink:
             if status == 0:
                 pending.pop(rid, None)
                 p._finish(result if valued else None, None)
-            elif not flags & _DETAIL:
+            elif not flags & COMPLETION_DETAIL:
                 pending.pop(rid, None)
                 p._finish(None, E.error_for_code(status, "failed on the ring (no detail)"))
                 unobserved.append(p)
@@ -450,10 +336,10 @@ class RingLink:
         entry = self.outstanding.pop(rid, None)
         if entry is not None:
             _, valued, took = entry
-            if type(valued) is _Sums and valued.chain:  # failed: its one completion frees the rest
+            if type(valued) is Sums and valued.chain:  # failed: its one completion frees the rest
                 left = took - len(valued.values)
                 self.early[rid] = [left, left]
-            elif type(valued) is _Sums:  # its ranges still to complete, one credit each
+            elif type(valued) is Sums:  # its ranges still to complete, one credit each
                 self.early[rid] = [1, took - len(valued.values)]
             else:
                 self.early[rid] = [took, took]

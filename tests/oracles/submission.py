@@ -1,27 +1,21 @@
-"""A client's submission state: ids, credits, the routing rule and the push (docs/ring.md).
+"""A client's submission state in Python: the oracle of transfer._native.Submission
+(native/submission.c), held to it by tests/test_submission.py: the same ids, errors,
+descriptors, frames, tables and counts.
 
-The numbers routing and credits read and write live in one object that the client's
-Python code and the native `submit` share: the next request id, the socket frames sent,
-the ring's credits and descriptors in flight, the last fence pushed, and the pending and
-outstanding tables (the client's own dicts). `route` decides ring or socket, `push`
-publishes within the credits and counts what went out: each rule once.
-
-`Submission` is the native extension's (native/submission.h) when it is built, else
-`PySubmission`, its pure-Python twin here. The native one's `submit` makes, routes and
-pushes one data request (a copy, fill, checksum, copy_many or checksum_many) in one call,
-with those same two rules, whenever nothing else is due; the twin's declines every
-request, and the client's general path (`ClientCore.prepare`, then `_send`) does the same
-work through `route` and `push`. A property test (tests/test_submission.py) holds the two
-to the same ids, errors, descriptors, frames, tables and counts.
+What routing and credits read and write lives in one object: the next request id, the socket
+frames sent, the ring's credits and descriptors in flight, the last fence pushed, and the
+pending and outstanding tables (the client's own dicts). `route` decides ring or socket,
+`push` publishes within the credits and counts what went out. The native one's `submit`
+makes, routes and pushes one data request in one call; this one's declines every request,
+and the client's general path (`ClientCore.prepare`, then `_send`) does the same work
+through `route` and `push`.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Sized
 
-from .._native import native_module
-
-__all__ = ["Submission", "PySubmission"]
+__all__ = ["PySubmission"]
 
 
 class PySubmission:
@@ -109,7 +103,3 @@ class PySubmission:
         """None: the general path takes every request here (the native one takes plain
         requests itself, as that path would, under the client's lock if it is free)."""
         return None
-
-
-_native = native_module()
-Submission: Any = getattr(_native, "Submission", None) or PySubmission

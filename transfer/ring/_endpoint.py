@@ -1,31 +1,15 @@
-"""Shared-memory request ring for same-host clients (docs/ring.md).
+"""One endpoint of a session's ring: the mapping, its header, and its two queues
+(transfer._native.Queue).
 
-One session = one shared mapping holding two single-producer/single-consumer
-queues of fixed-size slots:
-
-* the **request queue** (client -> server): 64-byte descriptors,
-  :data:`REQUEST_DTYPE`;
-* the **completion queue** (server -> client): 32-byte completions,
-  :data:`COMPLETION_DTYPE`.
-
-Each endpoint (``role="server"`` or ``role="client"``) has an *outbox* it
-produces into and an *inbox* it consumes, so the API is symmetric::
-
-    srv = Ring.create("/dev/shm/x.ring", capacity=1024)        # role="server"
-    cli = Ring.attach("/dev/shm/x.ring")                       # role="client"
-    cli.push((Op.COPY, 7, dst_va, src_va, 4096))               # request
-    srv.wait(timeout=1.0); reqs = srv.pop_many()               # structured array
-    srv.push_many(completions)                                 # completion(s)
+    srv = Ring.create(None, capacity=1024)        # the daemon: a fresh memfd (ring.fd)
+    cli = Ring.attach(fd)                         # the client: the fd it was handed
+    cli.push((Op.COPY, 7, dst_va, src_va, 4096))  # a request
+    srv.wait(timeout=1.0); reqs = srv.pop_many()  # a structured array of REQUEST_DTYPE
+    srv.push_many(completions)                    # completions
     cli.wait(timeout=1.0); done = cli.pop_many()
 
-Two implementations with one API and one shared layout (they interoperate):
-``native`` (``transfer._ring_native``, C11 atomics + futex, built by
-setup.py when a compiler is present) and ``python`` (``transfer._ringqueue``:
-NumPy/struct views, a ctypes futex; relies on x86-64 TSO, see docs/ring.md). The native one is
-chosen when it imports; ``TRANSFER_RING=python`` forces the fallback,
-``TRANSFER_RING=native`` makes a missing extension an ImportError.
-
-The daemon (`server._rings`) and the clients (`client._ringlink`) use it.
+Each endpoint (``role="server"`` or ``role="client"``) has an *outbox* it produces into
+and an *inbox* it consumes, so the API is symmetric. The layout is `_layout`'s.
 """
 
 from __future__ import annotations
@@ -33,159 +17,33 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-import platform
 import stat
-import struct
 import time
-import warnings
-from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ._native import NATIVE_ERROR, native_module
-from ._ringqueue import RingCorrupted, RingError, _fence, _PyQueue
-
-__all__ = [
-    "Ring",
-    "RingError",
-    "RingCorrupted",
-    "Op",
-    "REQUEST_DTYPE",
-    "COMPLETION_DTYPE",
-    "IMPLEMENTATION",
-    "available_implementations",
-    "LAYOUT_VERSION",
-    "FLAG_CHAIN",
-    "FLAG_AFTER",
-    "FLAG_SUM",
-    "MAX_CHAIN",
-]
-
-
-class Op(IntEnum):
-    """Request opcodes (provisional: the daemon integration owns their meaning)."""
-
-    NOP = 0
-    COPY = 1
-    FILL = 2
-    CHECKSUM = 3
-    FENCE = 4
-    COMPUTE = 5
-    #: A graph run with one input and one output, no profile: src is the input's VA, dst the
-    #: output's, arg0 the graph's (`protocol.RunGraph`). Served by the daemon's loop.
-    RUN_GRAPH = 6
-
-
-# --- descriptor layouts -------------------------------------------------------
-# Field order is the tuple order push()/pop() use; offsets are the byte layout.
-# Little-endian, naturally aligned, no holes.
-REQUEST_DTYPE = np.dtype(
-    {
-        "names": ["op", "id", "dst", "src", "nbytes", "stream", "flags", "arg0", "arg1", "arg2"],
-        "formats": ["<u2", "<u8", "<u8", "<u8", "<u8", "<u4", "<u2", "<u8", "<u8", "<u8"],
-        "offsets": [0, 8, 16, 24, 32, 4, 2, 40, 48, 56],
-        "itemsize": 64,
-    }
-)
-#: Request flag: the next descriptor belongs to the same request. A CopyV travels as COPY
-#: descriptors sharing its id, this flag on all but the last; the daemon joins them into one
-#: request (validated, executed and answered as the socket's CopyV: one completion).
-FLAG_CHAIN = 1
-#: Request flag: this descriptor, and every one after it, waits until the daemon has read
-#: `arg2` frames from this session's control socket (its client counts every frame it sent,
-#: hello included). A client sets it when it pushes while requests it sent on the socket
-#: are still pending, so the ring's requests keep their place behind them.
-FLAG_AFTER = 2
-#: Request flag: a chain whose every descriptor has it is a verified CopyV (`sums`): it is
-#: validated and executed as one, like any chain, and answers one completion per piece, in
-#: order, whose result is the checksum64 of the bytes that piece copied; or, if it fails, one
-#: completion only (its error), which frees the whole chain's slots.
-FLAG_SUM = 4
-#: Descriptors one chain may have (longer vectors take the socket).
-MAX_CHAIN = 4096
-COMPLETION_DTYPE = np.dtype(
-    {
-        "names": ["id", "status", "result", "flags", "aux"],
-        "formats": ["<u8", "<i4", "<u8", "<u4", "<u8"],
-        "offsets": [0, 8, 16, 12, 24],
-        "itemsize": 32,
-    }
+from .._native import Queue as NativeQueue
+from .._native import _set_corrupt_error
+from ._layout import (
+    COMPLETION_DTYPE, HEADER, HEADER_SIZE, LAYOUT_VERSION, MAGIC, MAX_CAPACITY, OFF_CLIENT_CLOSED, OFF_CLIENT_PID,
+    OFF_CQ_DATA_W, OFF_CQ_HEAD, OFF_CQ_SPACE_W, OFF_CQ_TAIL, OFF_SERVER_CLOSED, OFF_SERVER_PID, OFF_SQ_DATA_W,
+    OFF_SQ_HEAD, OFF_SQ_SPACE_W, OFF_SQ_TAIL, REQUEST_DTYPE, check_capacity, fields, geometry,
 )
 
-
-def _fields(dt: np.dtype) -> tuple[tuple[int, int, bool], ...]:
-    assert dt.names is not None and dt.fields is not None, "a structured dtype"
-    fields = [dt.fields[name][:2] for name in dt.names]
-    return tuple((off, fdt.itemsize, fdt.kind == "i") for fdt, off in fields)
+__all__ = ["Ring", "RingError", "RingCorrupted"]
 
 
-# --- shared layout -------------------------------------------------------------
-LAYOUT_VERSION = 1
-MAGIC = int.from_bytes(b"TRNSRING", "little")
-HEADER_SIZE = 4096
-LINE = 128  # >= the cache line (64 on x86-64; 128 covers adjacent-line prefetch and 128-byte lines)
-# header line 0: geometry (written once by the creator) and the closed flags
-_H = struct.Struct("<QIIIIIIQQQII")  # magic ver hdr sq_cap cq_cap sq_slot cq_slot sq_off cq_off total spid cpid
-OFF_SERVER_CLOSED = 64
-OFF_CLIENT_CLOSED = 68
-# one cache line each: who writes it in parentheses
-OFF_SQ_TAIL = 1 * LINE  # (client)  u64
-OFF_SQ_HEAD = 2 * LINE  # (server)  u64
-OFF_SQ_DATA_W = 3 * LINE  # server sleeps on "no requests"   u32 futex
-OFF_SQ_SPACE_W = 4 * LINE  # client sleeps on "request queue full"  u32 futex
-OFF_CQ_TAIL = 5 * LINE  # (server)
-OFF_CQ_HEAD = 6 * LINE  # (client)
-OFF_CQ_DATA_W = 7 * LINE  # client sleeps on "no completions"
-OFF_CQ_SPACE_W = 8 * LINE  # server sleeps on "completion queue full"
-MAX_CAPACITY = 1 << 24
-PAGE = mmap.PAGESIZE
+class RingError(RuntimeError):
+    """A ring could not be created, attached or used."""
 
 
-def _round_up(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
+class RingCorrupted(RingError):
+    """The peer wrote impossible indices or header fields: stop trusting this ring."""
 
 
-def _geometry(sq_cap: int, cq_cap: int) -> tuple[int, int, int]:
-    sq_off = HEADER_SIZE
-    cq_off = _round_up(sq_off + sq_cap * REQUEST_DTYPE.itemsize, PAGE)
-    total = _round_up(cq_off + cq_cap * COMPLETION_DTYPE.itemsize, PAGE)
-    return sq_off, cq_off, total
-
-
-def _check_capacity(n: int, what: str) -> int:
-    n = int(n)
-    if n < 2 or n > MAX_CAPACITY or n & (n - 1):
-        raise ValueError(f"{what} must be a power of two in 2..{MAX_CAPACITY}, got {n}")
-    return n
-
-
-# --- implementation selection ----------------------------------------------------
-_native = native_module()
-if _native is not None:
-    _native._set_corrupt_error(RingCorrupted)
-
-
-def available_implementations() -> list[str]:
-    return (["native"] if _native is not None else []) + ["python"]
-
-
-def _choose(impl: str | None) -> str:
-    want = (impl or os.environ.get("TRANSFER_RING", "auto")).strip().lower() or "auto"
-    if want not in ("auto", "native", "python"):
-        raise ValueError(f"ring implementation must be auto, native or python, not {want!r}")
-    if want == "native" and _native is None:
-        raise ImportError(f"the native ring extension is not available: {NATIVE_ERROR}")
-    if want == "auto":
-        want = "native" if _native is not None else "python"
-    return want
-
-
-IMPLEMENTATION = _choose(None)
-
-
-# --- the endpoint ------------------------------------------------------------------
+_set_corrupt_error(RingCorrupted)
 
 
 class Ring:
@@ -201,30 +59,33 @@ class Ring:
     REQUEST_DTYPE = REQUEST_DTYPE
     COMPLETION_DTYPE = COMPLETION_DTYPE
 
-    def __init__(self, mm: mmap.mmap, fd: int, path: Path | None, role: str, impl: str,
-                 sq_cap: int, cq_cap: int) -> None:
+    #: The queue type both ends are made of (a test oracle's stands in for it there).
+    Queue: type[NativeQueue] = NativeQueue
+
+    def __init__(self, mm: mmap.mmap, fd: int, path: Path | None, role: str, sq_cap: int, cq_cap: int) -> None:
         if role not in ("server", "client"):
             raise ValueError("role must be 'server' or 'client'")
         self._mm = mm
         self._fd = fd
         self.path = path
         self.role = role
-        self.implementation = impl
         self.request_capacity = sq_cap
         self.completion_capacity = cq_cap
-        sq_off, cq_off, total = _geometry(sq_cap, cq_cap)
+        sq_off, cq_off, total = geometry(sq_cap, cq_cap)
         self.nbytes = total
-        Q = _native.Queue if impl == "native" else _PyQueue
+        Q = self.Queue
         server = role == "server"
         peer_closed = OFF_CLIENT_CLOSED if server else OFF_SERVER_CLOSED
         sq = Q(mm, not server, sq_cap, REQUEST_DTYPE.itemsize, sq_off, OFF_SQ_TAIL, OFF_SQ_HEAD,
-               OFF_SQ_DATA_W, OFF_SQ_SPACE_W, peer_closed, _fields(REQUEST_DTYPE))
+               OFF_SQ_DATA_W, OFF_SQ_SPACE_W, peer_closed, fields(REQUEST_DTYPE))
         try:
             cq = Q(mm, server, cq_cap, COMPLETION_DTYPE.itemsize, cq_off, OFF_CQ_TAIL, OFF_CQ_HEAD,
-                   OFF_CQ_DATA_W, OFF_CQ_SPACE_W, peer_closed, _fields(COMPLETION_DTYPE))
+                   OFF_CQ_DATA_W, OFF_CQ_SPACE_W, peer_closed, fields(COMPLETION_DTYPE))
         except BaseException:
             sq.close()
             raise
+        self.outbox: NativeQueue
+        self.inbox: NativeQueue
         self.outbox, self.inbox = (cq, sq) if server else (sq, cq)
         self.out_dtype = COMPLETION_DTYPE if server else REQUEST_DTYPE
         self.in_dtype = REQUEST_DTYPE if server else COMPLETION_DTYPE
@@ -238,19 +99,17 @@ class Ring:
     @staticmethod
     def nbytes_for(capacity: int, completion_capacity: int | None = None) -> int:
         """The size of a ring's mapping (what ``create`` sizes a given fd to)."""
-        sq_cap = _check_capacity(capacity, "capacity")
-        return _geometry(sq_cap, _check_capacity(completion_capacity or capacity, "completion_capacity"))[2]
+        sq_cap = check_capacity(capacity, "capacity")
+        return geometry(sq_cap, check_capacity(completion_capacity or capacity, "completion_capacity"))[2]
 
     @classmethod
     def create(cls, target: str | os.PathLike[str] | int | None = None, capacity: int = 1024,
-               completion_capacity: int | None = None, *, role: str = "server",
-               impl: str | None = None) -> "Ring":
+               completion_capacity: int | None = None, *, role: str = "server") -> "Ring":
         """Create a new ring. ``target``: a path (created O_EXCL, mode 0600), an
         fd (e.g. a memfd; resized here), or None for a fresh memfd (``ring.fd``)."""
-        impl = _choose(impl)
-        sq_cap = _check_capacity(capacity, "capacity")
-        cq_cap = _check_capacity(completion_capacity or capacity, "completion_capacity")
-        sq_off, cq_off, total = _geometry(sq_cap, cq_cap)
+        sq_cap = check_capacity(capacity, "capacity")
+        cq_cap = check_capacity(completion_capacity or capacity, "completion_capacity")
+        sq_off, cq_off, total = geometry(sq_cap, cq_cap)
         path: Path | None = None
         own_fd = True
         if target is None:
@@ -280,7 +139,7 @@ class Ring:
         mv[:HEADER_SIZE] = bytes(HEADER_SIZE)
         pid = os.getpid()
         # geometry first, magic last: an attacher that sees the magic sees a whole header
-        _H.pack_into(mm, 0, 0, LAYOUT_VERSION, HEADER_SIZE, sq_cap, cq_cap, REQUEST_DTYPE.itemsize,
+        HEADER.pack_into(mm, 0, 0, LAYOUT_VERSION, HEADER_SIZE, sq_cap, cq_cap, REQUEST_DTYPE.itemsize,
                      COMPLETION_DTYPE.itemsize, sq_off, cq_off, total,
                      pid if role == "server" else 0, pid if role == "client" else 0)
         mv[0:8].cast("Q")[0] = MAGIC
@@ -288,7 +147,7 @@ class Ring:
         if not own_fd:
             fd = -1
         try:
-            return cls(mm, fd, path, role, impl, sq_cap, cq_cap)
+            return cls(mm, fd, path, role, sq_cap, cq_cap)
         except BaseException:
             mm.close()
             if fd >= 0:
@@ -296,11 +155,9 @@ class Ring:
             raise
 
     @classmethod
-    def attach(cls, target: str | os.PathLike[str] | int, *, role: str = "client",
-               impl: str | None = None) -> "Ring":
+    def attach(cls, target: str | os.PathLike[str] | int, *, role: str = "client") -> "Ring":
         """Map an existing ring (a path, or an fd received with socket.recv_fds),
         validating its header against the layout this code expects."""
-        impl = _choose(impl)
         path: Path | None = None
         if isinstance(target, int):
             fd = os.dup(target)
@@ -315,8 +172,8 @@ class Ring:
                 raise RingError(f"{path} is not a private file of this user")
             if st.st_size < HEADER_SIZE:
                 raise RingCorrupted(f"{target!r} is too small for a ring ({st.st_size} bytes)")
-            hdr = os.pread(fd, _H.size, 0)
-            (magic, ver, hsize, sq_cap, cq_cap, sq_slot, cq_slot, sq_off, cq_off, total, _, _) = _H.unpack(hdr)
+            hdr = os.pread(fd, HEADER.size, 0)
+            (magic, ver, hsize, sq_cap, cq_cap, sq_slot, cq_slot, sq_off, cq_off, total, _, _) = HEADER.unpack(hdr)
             if magic != MAGIC:
                 raise RingCorrupted(f"{target!r} is not a transfer ring (bad magic)")
             if ver != LAYOUT_VERSION or hsize != HEADER_SIZE:
@@ -326,7 +183,7 @@ class Ring:
                     raise RingCorrupted(f"ring capacity {n} is not a power of two in range")
             if (sq_slot, cq_slot) != (REQUEST_DTYPE.itemsize, COMPLETION_DTYPE.itemsize):
                 raise RingCorrupted(f"ring slot sizes {sq_slot}/{cq_slot} do not match this code")
-            if (sq_off, cq_off, total) != _geometry(sq_cap, cq_cap) or st.st_size != total:
+            if (sq_off, cq_off, total) != geometry(sq_cap, cq_cap) or st.st_size != total:
                 raise RingCorrupted(f"ring geometry does not match its size ({st.st_size} bytes)")
             mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
@@ -334,16 +191,16 @@ class Ring:
             raise
         os.close(fd)
         try:
-            ring = cls(mm, -1, path, role, impl, sq_cap, cq_cap)
+            ring = cls(mm, -1, path, role, sq_cap, cq_cap)
         except BaseException:
             mm.close()
             raise
-        ring._words[(56 if role == "server" else 60) // 4] = os.getpid()
+        ring._words[(OFF_SERVER_PID if role == "server" else OFF_CLIENT_PID) // 4] = os.getpid()
         return ring
 
     # -- doorbell for a peer that sleeps in an event loop
     def set_doorbell(self, fd: int) -> None:
-        """Also ring ``fd`` (a pipe or FIFO the peer polls; we write one byte) whenever
+        """Also ring ``fd`` (a pipe the peer polls; we write one byte) whenever
         the peer armed its inbox (``arm()``) instead of sleeping on the futex.
         The fd stays the caller's; -1 turns it off."""
         self.outbox.bell = fd  # the queue writes it itself, in the same call as the futex wake
@@ -443,7 +300,7 @@ class Ring:
 
     @property
     def peer_pid(self) -> int:
-        return int(self._words[(60 if self.role == "server" else 56) // 4])
+        return int(self._words[(OFF_CLIENT_PID if self.role == "server" else OFF_SERVER_PID) // 4])
 
     def peer_alive(self) -> bool:
         """Peer has not closed, and its recorded pid exists (a hint: pids are
@@ -488,8 +345,9 @@ class Ring:
         if self._closed:
             return
         self._closed = True
+        # A plain store, then the queues' wakes: each is a seq_cst store and a futex wake in C,
+        # which orders this store before them for a peer that wakes and looks.
         self._words[self._my_closed] = reason if 0 < reason < 1 << 32 else 1
-        _fence()
         for q in (self.outbox, self.inbox):
             try:
                 q.wake_peer()
@@ -520,7 +378,7 @@ class Ring:
             pass
 
     def __repr__(self) -> str:
-        return (f"<Ring {self.role} {self.implementation} requests={self.request_capacity} "
+        return (f"<Ring {self.role} requests={self.request_capacity} "
                 f"completions={self.completion_capacity} {'closed' if self._closed else 'open'}>")
 
 
@@ -531,10 +389,3 @@ def _unlink(path: Path) -> None:
         pass
 
 
-if IMPLEMENTATION == "python" and platform.machine().lower() not in ("x86_64", "amd64"):
-    warnings.warn(
-        "transfer ring: using the pure-Python fallback on a non-x86-64 CPU; its memory-ordering "
-        "argument assumes x86 TSO (docs/ring.md). Build the native extension.",
-        RuntimeWarning,
-        stacklevel=2,
-    )

@@ -20,15 +20,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RingError", "RingCorrupted"]
+from transfer.ring import RingCorrupted, RingError
 
-
-class RingError(RuntimeError):
-    """A ring could not be created, attached or used."""
-
-
-class RingCorrupted(RingError):
-    """The peer wrote impossible indices or header fields: stop trusting this ring."""
+__all__ = ["PyQueue", "group_runs"]
 
 
 # Memory-ordering assumption (docs/ring.md): x86-64 TSO. Stores become visible
@@ -107,7 +101,7 @@ def group_runs(rows: list[tuple[int, ...]], key: int, value: int, clean: int) ->
     return out
 
 
-class _PyQueue:
+class PyQueue:
     """Pure-Python twin of ``_ring_native.Queue`` (same constructor and methods)."""
 
     def __init__(
@@ -419,3 +413,17 @@ class _PyQueue:
     @property
     def closed(self) -> bool:
         return self._closed
+
+
+from transfer.ring import Ring  # noqa: E402  (below the oracle it is made of)
+
+
+class OracleRing(Ring):
+    """A `Ring` whose two queues are this module's PyQueue: the same layout, so one end of a
+    mapping may be this and the other native (tests/test_ring.py's interop and parity)."""
+
+    Queue = PyQueue
+
+
+#: The ring class of each queue implementation, by the name a test's parameter gives.
+RINGS: dict[str, type[Ring]] = {"native": Ring, "python": OracleRing}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .. import errors as E
+from . import errors as E
 
 __all__ = ["Pending", "AwaitablePending"]
 
@@ -17,7 +17,7 @@ class Pending:
     """A request in flight. `result()` waits for it (driving the client's I/O).
 
     Always true as a bool (no `__len__`, no `__bool__`): `submit(...) or _submit(...)`
-    relies on it. The native submit makes one without `__init__` (native/submission.h,
+    relies on it. The native submit makes one without `__init__` (native/submission.c,
     `template_learn`): every field but `id` and `_waiter` starts as `__init__` leaves it."""
 
     __slots__ = ("id", "_waiter", "_done", "_value", "_error", "_observed", "_waker", "_deps")

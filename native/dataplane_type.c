@@ -1,0 +1,471 @@
+/*
+ * dataplane_type.c: transfer._native.Table (the native mirror of the mapping table) and
+ * transfer._native.Worker (one ring's data-plane thread), over dataplane.h.
+ */
+#include "binding.h"
+
+typedef struct {
+    PyObject_HEAD
+    tdp_table_t t;
+    int ok;
+} TableObject;
+
+static int Table_init(TableObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "", kwlist))
+        return -1;
+    if (self->ok) {
+        PyErr_SetString(PyExc_RuntimeError, "already initialised");
+        return -1;
+    }
+    if (tdp_table_init(&self->t) != 0) {
+        PyErr_SetString(PyExc_OSError, "cannot create the table's lock");
+        return -1;
+    }
+    self->ok = 1;
+    return 0;
+}
+
+static void release_keep(void *keep)
+{
+    if (keep) {
+        PyBuffer_Release((Py_buffer *)keep);
+        PyMem_Free(keep);
+    }
+}
+
+static void Table_dealloc(TableObject *self)
+{
+    if (self->ok) {
+        /* Workers hold a reference: none is running. */
+        for (uint32_t i = 0; i < self->t.n; i++) {
+            free(self->t.segs[i].guests);
+            release_keep(self->t.segs[i].keep);
+        }
+        free(self->t.segs);
+        pthread_rwlock_destroy(&self->t.lock);
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int table_ok(TableObject *self)
+{
+    if (!self->ok) {
+        PyErr_SetString(PyExc_ValueError, "table not initialised");
+        return 0;
+    }
+    return 1;
+}
+
+/* The write lock, waited for without the GIL (a worker may hold the read lock for a chunk). */
+static void write_lock(TableObject *self)
+{
+    if (pthread_rwlock_trywrlock(&self->t.lock) != 0) {
+        Py_BEGIN_ALLOW_THREADS
+        pthread_rwlock_wrlock(&self->t.lock);
+        Py_END_ALLOW_THREADS
+    }
+}
+
+static PyObject *Table_add(TableObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"sid", "buffer", "owner", "device", NULL};
+    unsigned int sid;
+    PyObject *obj;
+    unsigned long long owner;
+    int device = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "IOK|i", kwlist, &sid, &obj, &owner, &device))
+        return NULL;
+    if (!table_ok(self))
+        return NULL;
+    if (sid == 0 || sid >= (1u << 24)) {
+        PyErr_SetString(PyExc_ValueError, "segment id out of range");
+        return NULL;
+    }
+    Py_buffer *view = PyMem_Malloc(sizeof *view);
+    if (!view)
+        return PyErr_NoMemory();
+    if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_SIMPLE) < 0) {
+        PyMem_Free(view);
+        return NULL;
+    }
+    write_lock(self);
+    int rc = tdp_table_add(&self->t, sid, view->buf, (uint64_t)view->len, owner, device, view);
+    pthread_rwlock_unlock(&self->t.lock);
+    if (rc < 0) {
+        release_keep(view);
+        if (rc == -2)
+            PyErr_Format(PyExc_KeyError, "segment %u is already in the table", sid);
+        else
+            PyErr_NoMemory();
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Table_remove(TableObject *self, PyObject *arg)
+{
+    unsigned long sid = PyLong_AsUnsignedLong(arg);
+    if (sid == (unsigned long)-1 && PyErr_Occurred())
+        return NULL;
+    if (!table_ok(self))
+        return NULL;
+    write_lock(self);
+    void *keep = tdp_table_remove(&self->t, (uint32_t)sid);
+    pthread_rwlock_unlock(&self->t.lock);
+    release_keep(keep); /* after the unlock: no worker can be inside these bytes now */
+    return PyBool_FromLong(keep != NULL);
+}
+
+static PyObject *Table_guest(TableObject *self, PyObject *args)
+{
+    unsigned int sid;
+    unsigned long long session;
+    int allow;
+    if (!PyArg_ParseTuple(args, "IKp", &sid, &session, &allow) || !table_ok(self))
+        return NULL;
+    write_lock(self);
+    int rc = tdp_table_guest(&self->t, sid, session, allow);
+    pthread_rwlock_unlock(&self->t.lock);
+    if (rc < 0)
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *Table_translate(TableObject *self, PyObject *args)
+{
+    unsigned long long session, va, n;
+    if (!PyArg_ParseTuple(args, "KKK", &session, &va, &n) || !table_ok(self))
+        return NULL;
+    int32_t dev;
+    pthread_rwlock_rdlock(&self->t.lock);
+    uint8_t *p = tdp_translate(&self->t, session, va, n, &dev);
+    pthread_rwlock_unlock(&self->t.lock);
+    if (!p)
+        Py_RETURN_NONE;
+    return PyLong_FromVoidPtr(p);
+}
+
+static Py_ssize_t Table_len(TableObject *self)
+{
+    return self->ok ? (Py_ssize_t)self->t.n : 0;
+}
+
+static PyMethodDef Table_methods[] = {
+    {"add", (PyCFunction)(void (*)(void))Table_add, METH_VARARGS | METH_KEYWORDS,
+     "add(sid, buffer, owner, device=-1): mirror a segment (holds the buffer exported until removed)"},
+    {"remove", (PyCFunction)Table_remove, METH_O,
+     "remove(sid) -> bool: drop a segment once no worker touches it (waits without the GIL)"},
+    {"guest", (PyCFunction)Table_guest, METH_VARARGS,
+     "guest(sid, session, allow): let another session use the segment (Attach), or stop it"},
+    {"translate", (PyCFunction)Table_translate, METH_VARARGS,
+     "translate(session, va, nbytes) -> address | None: what a worker would touch"},
+    {NULL}};
+
+static PySequenceMethods Table_as_sequence = {.sq_length = (lenfunc)Table_len};
+
+PyTypeObject TableType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "transfer._native.Table",
+    .tp_basicsize = sizeof(TableObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The data plane's mapping table: segment id -> host memory, owner, guests (dataplane.h).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Table_init,
+    .tp_dealloc = (destructor)Table_dealloc,
+    .tp_methods = Table_methods,
+    .tp_as_sequence = &Table_as_sequence,
+};
+
+/* Worker: one thread serving one session's ring (dataplane.h). */
+typedef struct {
+    PyObject_HEAD
+    tdp_worker_t w;
+    TableObject *table;
+    QueueObject *requests, *completions;
+} WorkerObject;
+
+/* A worker's spin in nanoseconds: at most 10 ms (a worker polls between requests, it does
+ * not own a core). */
+static uint64_t spin_ns_of(double spin)
+{
+    return spin <= 0 ? 0 : spin >= 0.01 ? 10000000ull : (uint64_t)(spin * 1e9);
+}
+
+static int Worker_init(WorkerObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"table", "requests", "completions", "session", "bell_fd", "cbell_fd", "spin", "bounds", NULL};
+    PyObject *table, *rq, *cq, *bounds = NULL;
+    unsigned long long session;
+    int bell = -1, cbell = -1;
+    double spin = 20e-6;
+    if (self->table) {
+        PyErr_SetString(PyExc_RuntimeError, "already initialised");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!K|iidO", kwlist, &TableType, &table, &QueueType, &rq,
+                                     &QueueType, &cq, &session, &bell, &cbell, &spin, &bounds))
+        return -1;
+    uint64_t hb[TDP_HMAX];
+    uint32_t nb = 0;
+    if (bounds && bounds != Py_None) {
+        PyObject *seq = PySequence_Fast(bounds, "bounds must be a sequence of seconds");
+        if (!seq)
+            return -1;
+        Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
+        for (Py_ssize_t i = 0; i < k && nb < TDP_HMAX; i++) {
+            double v = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq, i));
+            if (v == -1.0 && PyErr_Occurred()) {
+                Py_DECREF(seq);
+                return -1;
+            }
+            if (v != v || v > 1e9) /* inf (the +Inf bucket) and nan end the finite bounds */
+                break;
+            hb[nb++] = v <= 0 ? 0 : (uint64_t)(v * 1e9);
+        }
+        Py_DECREF(seq);
+    }
+    QueueObject *r = (QueueObject *)rq, *c = (QueueObject *)cq;
+    if (!table_ok((TableObject *)table) || check_role(r, 0) < 0 || check_role(c, 1) < 0)
+        return -1;
+    if (r->q.slot_size != sizeof(tdp_desc_t) || c->q.slot_size != sizeof(tdp_comp_t)) {
+        PyErr_SetString(PyExc_ValueError, "not a request ring: slot sizes differ from the descriptor layout");
+        return -1;
+    }
+    if (r->lent || c->lent) {
+        PyErr_SetString(PyExc_RuntimeError, "another worker serves this ring");
+        return -1;
+    }
+    tdp_worker_t *w = &self->w;
+    memset(w, 0, sizeof *w);
+    w->rq = &r->q;
+    w->cq = &c->q;
+    w->table = &((TableObject *)table)->t;
+    w->session = session;
+    w->bell_fd = bell;
+    w->cbell_fd = cbell;
+    atomic_store(&w->spin_ns, spin_ns_of(spin));
+    memcpy(w->hbounds_ns, hb, nb * sizeof *hb);
+    w->nbounds = nb;
+    int rc = tdp_worker_start(w);
+    if (rc != 0) {
+        tdp_worker_stop(w);
+        errno = rc;
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    Py_INCREF(table);
+    Py_INCREF(rq);
+    Py_INCREF(cq);
+    self->table = (TableObject *)table;
+    self->requests = r;
+    self->completions = c;
+    r->lent = c->lent = 1;
+    return 0;
+}
+
+static void worker_stop(WorkerObject *self)
+{
+    if (!self->table || !self->requests)
+        return;
+    Py_BEGIN_ALLOW_THREADS
+    tdp_worker_stop(&self->w);
+    Py_END_ALLOW_THREADS
+    self->requests->lent = self->completions->lent = 0;
+    Py_CLEAR(self->requests);
+    Py_CLEAR(self->completions);
+}
+
+static void Worker_dealloc(WorkerObject *self)
+{
+    worker_stop(self);
+    Py_CLEAR(self->table);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int worker_ok(WorkerObject *self)
+{
+    if (!self->table || !self->requests) {
+        PyErr_SetString(PyExc_ValueError, "the worker is stopped");
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *Worker_stop(WorkerObject *self, PyObject *unused)
+{
+    worker_stop(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Worker_resume(WorkerObject *self, PyObject *unused)
+{
+    if (!worker_ok(self))
+        return NULL;
+    if (atomic_load_explicit(&self->w.mode, memory_order_acquire) != TDP_PYTHON) {
+        PyErr_SetString(PyExc_RuntimeError, "resume: the worker does not stand aside (mode is not PYTHON)");
+        return NULL;
+    }
+    atomic_store_explicit(&self->w.why, TDP_WHY_NONE, memory_order_relaxed);
+    atomic_store_explicit(&self->w.done, self->w.rq->mine, memory_order_seq_cst);
+    atomic_store_explicit(&self->w.mode, TDP_NATIVE, memory_order_release);
+    atomic_fetch_add_explicit(&self->w.ctl, 1, memory_order_release);
+    tdp_private_wake(&self->w.ctl);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Worker_watch(WorkerObject *self, PyObject *arg)
+{
+    unsigned long long index = PyLong_AsUnsignedLongLong(arg);
+    if ((index == (unsigned long long)-1 && PyErr_Occurred()) || !worker_ok(self))
+        return NULL;
+    atomic_store_explicit(&self->w.watch, index, memory_order_seq_cst);
+    return PyLong_FromUnsignedLongLong(atomic_load_explicit(&self->w.done, memory_order_seq_cst));
+}
+
+static PyObject *Worker_take_signal(WorkerObject *self, PyObject *unused)
+{
+    return PyBool_FromLong(atomic_exchange_explicit(&self->w.signalled, 0, memory_order_seq_cst));
+}
+
+static PyObject *Worker_tail(WorkerObject *self, PyObject *unused)
+{
+    if (!worker_ok(self))
+        return NULL;
+    return PyLong_FromUnsignedLongLong(atomic_load_explicit(self->w.rq->tail, memory_order_acquire));
+}
+
+static PyObject *Worker_counters(WorkerObject *self, PyObject *unused)
+{
+    tdp_worker_t *w = &self->w;
+#define C(x) (unsigned long long)atomic_load_explicit(&w->x, memory_order_relaxed)
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "copy", C(n_copy), "fill", C(n_fill),
+                         "checksum", C(n_checksum), "fused", C(n_fused), "shared", C(n_shared), "fence", C(n_fence),
+                         "bytes", C(n_bytes),
+                         "batches", C(n_batches), "wakes", C(n_wakes), "sleeps", C(n_sleeps),
+                         "handover_opcode", C(handovers[TDP_WHY_OPCODE]),
+                         "handover_fields", C(handovers[TDP_WHY_FIELDS]),
+                         "handover_address", C(handovers[TDP_WHY_ADDRESS]),
+                         "handover_devices", C(handovers[TDP_WHY_DEVICES]),
+                         "handover_chain", C(handovers[TDP_WHY_CHAIN]),
+                         "handover_after", C(handovers[TDP_WHY_AFTER]),
+                         "done", C(done));
+#undef C
+}
+
+static PyObject *Worker_latency(WorkerObject *self, PyObject *unused)
+{
+    /* {kind: (counts per bucket (len(bounds) + 1), sum of seconds)} */
+    static const char *names[TDP_KINDS] = {"copy", "copyv", "fill", "checksum"};
+    PyObject *out = PyDict_New();
+    if (!out)
+        return NULL;
+    for (int k = 0; k < TDP_KINDS; k++) {
+        PyObject *counts = PyList_New(self->w.nbounds + 1);
+        if (!counts)
+            goto fail;
+        for (uint32_t b = 0; b <= self->w.nbounds; b++)
+            PyList_SET_ITEM(counts, b, PyLong_FromUnsignedLongLong(
+                atomic_load_explicit(&self->w.hist[k][b], memory_order_relaxed)));
+        double sum = atomic_load_explicit(&self->w.hsum_ns[k], memory_order_relaxed) / 1e9;
+        PyObject *v = Py_BuildValue("(Nd)", counts, sum);
+        if (!v || PyDict_SetItemString(out, names[k], v) < 0) {
+            Py_XDECREF(v);
+            goto fail;
+        }
+        Py_DECREF(v);
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
+static PyObject *Worker_get_mode(WorkerObject *self, void *c)
+{
+    return PyLong_FromLong(atomic_load_explicit(&self->w.mode, memory_order_acquire));
+}
+
+static PyObject *Worker_get_why(WorkerObject *self, void *c)
+{
+    static const char *names[TDP_WHY_COUNT] = {"", "opcode", "fields", "address", "devices", "chain", "after"};
+    int why = atomic_load_explicit(&self->w.why, memory_order_relaxed);
+    return PyUnicode_FromString(why >= 0 && why < TDP_WHY_COUNT ? names[why] : "?");
+}
+
+static PyObject *Worker_get_spin(WorkerObject *self, void *c)
+{
+    return PyFloat_FromDouble(atomic_load_explicit(&self->w.spin_ns, memory_order_relaxed) / 1e9);
+}
+
+static int Worker_set_spin(WorkerObject *self, PyObject *v, void *c)
+{
+    double spin = v ? PyFloat_AsDouble(v) : -1.0;
+    if (!v || (spin == -1.0 && PyErr_Occurred())) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "spin: seconds, a number");
+        return -1;
+    }
+    atomic_store_explicit(&self->w.spin_ns, spin_ns_of(spin), memory_order_relaxed); /* read at its next wait */
+    return 0;
+}
+
+static PyObject *Worker_get_done(WorkerObject *self, void *c)
+{
+    return PyLong_FromUnsignedLongLong(atomic_load_explicit(&self->w.done, memory_order_seq_cst));
+}
+
+static PyObject *Worker_get_limit(WorkerObject *self, void *c)
+{
+    return PyLong_FromUnsignedLongLong(atomic_load_explicit(&self->w.limit, memory_order_acquire));
+}
+
+static int Worker_set_limit(WorkerObject *self, PyObject *v, void *c)
+{
+    unsigned long long limit = v ? PyLong_AsUnsignedLongLong(v) : (unsigned long long)-1;
+    if (!v || (limit == (unsigned long long)-1 && PyErr_Occurred())) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "limit: a request index");
+        return -1;
+    }
+    atomic_store_explicit(&self->w.limit, limit, memory_order_release);
+    atomic_fetch_add_explicit(&self->w.ctl, 1, memory_order_release);
+    tdp_private_wake(&self->w.ctl);
+    return 0;
+}
+
+static PyMethodDef Worker_methods[] = {
+    {"stop", (PyCFunction)Worker_stop, METH_NOARGS, "stop and join the thread (idempotent)"},
+    {"resume", (PyCFunction)Worker_resume, METH_NOARGS,
+     "hand the ring back to the worker (Python has stopped touching it)"},
+    {"watch", (PyCFunction)Worker_watch, METH_O,
+     "watch(index) -> done: ring the bell once `done` reaches index; returns `done` now"},
+    {"take_signal", (PyCFunction)Worker_take_signal, METH_NOARGS,
+     "whether the worker rang the bell since the last call (and clear it)"},
+    {"tail", (PyCFunction)Worker_tail, METH_NOARGS, "the client's published request index (unvalidated)"},
+    {"counters", (PyCFunction)Worker_counters, METH_NOARGS, "requests, bytes, wakes and handovers so far"},
+    {"latency", (PyCFunction)Worker_latency, METH_NOARGS,
+     "{kind: (counts per latency bucket, total seconds)} so far (peek to completion)"},
+    {NULL}};
+
+static PyGetSetDef Worker_getset[] = {
+    {"mode", (getter)Worker_get_mode, NULL, "0 native (the worker owns the ring), 1 python, 2 broken", NULL},
+    {"why", (getter)Worker_get_why, NULL, "why it last handed the ring to Python", NULL},
+    {"done", (getter)Worker_get_done, NULL, "request index below which all is executed and completed", NULL},
+    {"limit", (getter)Worker_get_limit, (setter)Worker_set_limit,
+     "serve descriptors below this request index only (a drain's cut; 2**64-1: all)", NULL},
+    {"spin", (getter)Worker_get_spin, (setter)Worker_set_spin, "seconds it polls an empty ring before it sleeps (at most 0.01)", NULL},
+    {NULL}};
+
+PyTypeObject WorkerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "transfer._native.Worker",
+    .tp_basicsize = sizeof(WorkerObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A data-plane thread serving one ring's copies, fills, checksums and fences (dataplane.h).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Worker_init,
+    .tp_dealloc = (destructor)Worker_dealloc,
+    .tp_methods = Worker_methods,
+    .tp_getset = Worker_getset,
+};
+
