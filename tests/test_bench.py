@@ -414,3 +414,11 @@ def test_nodrain_producer_runs_on_the_ring_after_its_first_run(tmp_path: Path) -
     row = json.loads(proc.stdout.splitlines()[-1])
     assert row["runs"] >= 16 and row["runs_on_ring"] == row["runs"] - 1, row
     assert row["max_abs_error"] < 1e-3
+
+
+def test_metrics_cost_bench_tiny(tmp_path: Path) -> None:
+    """bench/metrics_cost.py runs small and prints a figure for each method and the scrape."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "metrics_cost.py"), "--calls", "200", "--sessions", "8", "--rounds", "1"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "request_done" in proc.stdout and "ns/call" in proc.stdout and "scrape, 8 sessions" in proc.stdout

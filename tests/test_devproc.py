@@ -253,7 +253,7 @@ def test_a_pass_the_process_takes_in_part_is_finished_in_order() -> None:
     thread's) sends the rest in order; the pass is done when its last op is answered."""
     from transfer.backends import Answer
     from transfer.server._ops import Op
-    from transfer.server._waves import Sent
+    from transfer.server._pipeline import Sent
 
     order: list[tuple[int, bool]] = []
     answers = [Answer() for _ in range(3)]

@@ -20,8 +20,10 @@ from transfer.backends._streamsim import SimMemory, StreamSimBackend
 from transfer.kernels import TensorRef
 from transfer.server._ops import SOCKET
 from transfer.server._placement import VirtualDevice, make_policy
-from transfer.server._planner import Planner, plan_batch
-from transfer.server._waves import _Intervals, _loop_posts, assign_waves, coalesce, run_waves
+from transfer.server._batch import plan_batch
+from transfer.server._planner import Planner
+from transfer.server._remotepost import loop_posts as _loop_posts
+from transfer.server._waves import _Intervals, assign_waves, coalesce, run_waves
 
 SIZES = [4096, 8192, 3000]  # two host segments and one device buffer per test
 

@@ -24,7 +24,7 @@ from transfer.backends import Span, make_backend
 from transfer.backends._streamsim import POISON, StreamSimBackend, StreamSimViolation
 from transfer.kernels import REGISTRY, TensorRef
 from transfer.server._ops import SOCKET
-from transfer.server._planner import plan_batch
+from transfer.server._batch import plan_batch
 from transfer.server._waves import assign_waves, run_waves
 
 from test_scheduler import make_world, va

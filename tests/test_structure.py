@@ -31,6 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 #: "Readable in one sitting". The largest today are the ring (its pure-Python twin of the
 #: native queue) and the NIXL wrapper, near 900; every server and client module is under 450.
 MAX_LINES = 900
+#: The daemon's modules are read in one sitting: at most this many lines each.
+MAX_SERVER_LINES = 450
 
 
 EXTENSIONS = ("*.so", "*.pyd")
@@ -274,6 +276,12 @@ def test_modules_are_small() -> None:
     report = "\n".join(f"  {p}: {n} lines" for p, n in sorted(too_big.items(), key=lambda kv: -kv[1]))
     print(f"modules over {MAX_LINES} lines:\n{report}")
     assert not too_big, f"{len(too_big)} module(s) over {MAX_LINES} lines:\n{report}"
+
+
+def test_the_daemons_modules_are_read_in_one_sitting() -> None:
+    server = ROOT / "server"
+    too_big = {p.name: n for p in sorted(server.glob("*.py")) if (n := len(p.read_text().splitlines())) > MAX_SERVER_LINES}
+    assert not too_big, f"modules of transfer/server over {MAX_SERVER_LINES} lines: {too_big}"
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sized
 
+from transfer.ring._order import route
+
 __all__ = ["PySubmission"]
 
 
@@ -80,9 +82,7 @@ class PySubmission:
         nothing sent on the socket is pending."""
         if self._outbox is None:
             return None
-        if len(self._pending) - len(self._outstanding) == unsent:
-            return 0
-        return self.frames if self.after else None
+        return route(len(self._pending), len(self._outstanding), unsent, self.frames, self.after)
 
     def push(self, reqs: list[Any], start: int, after: int) -> tuple[int, int, int]:
         """push_requests from reqs[start] within the credits left, the fence on the first

@@ -26,6 +26,7 @@ from .._pending import Pending
 from ._remote import RemoteAgent
 from ._resources import HostSegment
 from ..ring import PLAIN, RingLink
+from ..ring._order import route
 
 #: Bumped in a forked child: a client made before the fork compares its own copy (cheaper
 #: than a getpid() per request, which check_usable did before).
@@ -213,7 +214,7 @@ class ClientCore:
     # --- routing and credits ------------------------------------------------------------------
     def ring_route(self, reqs: Sequence[P.Request], unsent: int) -> int | None:
         """Whether `reqs` may take the ring: None if not, else the fence their descriptors
-        carry (`Submission.route`, the rule). `unsent`: requests in the pending table not
+        carry (`ring._order.route`, the rule). `unsent`: requests in the pending table not
         handed to any transport yet (including `reqs`). (The other direction, ring then
         socket, the daemon keeps: it takes what is in the ring before each frame it reads.)"""
         link = self.ring
@@ -221,7 +222,8 @@ class ClientCore:
             return None
         if (len(reqs) != 1 or type(reqs[0]) not in PLAIN) and not link.takes_all(reqs):
             return None  # (one plain request, most submissions, is decided without a call)
-        return self.sub.route(unsent)
+        sub = self.sub
+        return route(len(self.pending), len(link.outstanding), unsent, sub.frames, sub.after)
 
     def unsent(self, reqs: Sequence[P.Request], batch: Sequence[P.Request] | None) -> int:
         """Requests created but not handed to a transport yet: those of `reqs` in the pending

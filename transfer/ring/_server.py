@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import errors as E
 from .. import protocol as P
-from ._layout import FLAG_AFTER, FLAG_CHAIN, FLAG_SUM, MAX_CHAIN, Op
+from ._layout import FLAG_CHAIN, FLAG_SUM, MAX_CHAIN, Op
 
 __all__ = ["CopyRun", "answers", "join_chains", "to_batch", "VECTOR_RUN"]
 

@@ -203,7 +203,7 @@ class Front:
     async def _run_session(self, session: Session) -> None:
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self.pass_.answer_pipeline, session)
+                nursery.start_soon(self.pass_.pipeline.answer, session)
                 try:
                     with session.cancel_scope:
                         while session.running:
@@ -216,7 +216,7 @@ class Front:
                             await self.pass_.run(session)
                 finally:
                     with trio.CancelScope(shield=True):  # queued device work is answered first
-                        await self.pass_.drain(session)
+                        await self.pass_.pipeline.drain(session)
                     nursery.cancel_scope.cancel()
         finally:
             session.finished.set()

@@ -7,7 +7,7 @@ since a run's VAs are new and a weight may have been freed since), then the
 intermediates, whose spans and hazard ranges in the graph's own segment are
 fixed for that segment's life and made once, when the graph is defined
 (`server/_deferred.define_graph`). A run fills in the externals' slots and
-places each node from its slots (`Planner._plan_graph`).
+places each node from its slots (`_graphrun.plan_graph`).
 """
 
 from __future__ import annotations

@@ -10,15 +10,16 @@ Three sources, one exposition (docs/operations.md lists every family):
   plain Python numbers in slots bound on first use of each label (one dict
   lookup, one or two integer adds, a `bisect` for histograms).
   prometheus_client's own ``Counter.labels(...).inc()`` takes a lock per call
-  and costs several times more (see `bench()`).
+  and costs several times more (bench/metrics_cost.py measures both).
 * **The daemon's Stats counters** (`set_source`) are read when someone
   scrapes and exported under the names in `STATS_FAMILIES`: counters as
   counters ending in `_total`, levels as gauges, units in the names. A Stats
   key that is neither there nor in `STATS_NOT_EXPORTED` is not exported
   (tests/test_metrics.py fails on it), so a new counter cannot slip out
   under an unconventional name.
-* **Per-client series** (`SessionSeries`): bounded cardinality, folded from
-  the sessions' own counters at scrape time; the request path pays nothing.
+* **Per-client series** (`_metrics_series.SessionSeries`): bounded cardinality,
+  folded from the sessions' own counters at scrape time; the request path pays
+  nothing.
 
 Threading: call the request-path methods and `session_ended` from the
 daemon's trio thread. A scrape runs on the HTTP server's thread; it reads,
@@ -30,11 +31,7 @@ torn or decreasing value (each slot is a Python int, replaced atomically).
 from __future__ import annotations
 
 import bisect
-import re
-import threading
-import time
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -44,6 +41,7 @@ from .. import errors as E
 from .._version import __version__
 from ..protocol import VERSION
 from ._metrics_http import DEFAULT_MAX_CONNECTIONS, DEFAULT_TIMEOUT_S, MetricsHTTP
+from ._metrics_series import OTHER, SessionLike, SessionSeries
 
 __all__ = ["Metrics", "SessionSeries", "LATENCY_BUCKETS", "BATCH_BUCKETS", "STATS_FAMILIES", "STATS_NOT_EXPORTED", "OTHER"]
 
@@ -99,17 +97,6 @@ STATS_NOT_EXPORTED: dict[str, str] = {
     "devices": "per device: transfer_device_queued_bytes and transfer_device_batches_total",
 }
 
-#: The per-client series that gathers every client without a label of its own. Client names
-#: are sanitized to [A-Za-z0-9_.:@/-], so no client can be called this.
-OTHER = "(other)"
-_LABEL_CHARS = re.compile(r"[^A-Za-z0-9_.:@/-]")
-
-
-def client_label(name: str) -> str:
-    """A client name (hello's `client`, from the wire) as a label value: safe characters, short."""
-    return _LABEL_CHARS.sub("_", name)[:64] or "unnamed"
-
-
 class _Hist:
     """A histogram as plain numbers: per-bucket counts (non-cumulative), sum."""
 
@@ -128,187 +115,6 @@ class _Hist:
             out.append(("+Inf" if b == float("inf") else repr(float(b)), acc))
         return out
 
-
-class SessionStatsLike(Protocol):
-    @property
-    def bytes_moved(self) -> int: ...
-    @property
-    def requests(self) -> int: ...
-    @property
-    def errors(self) -> int: ...
-
-
-class SessionLike(Protocol):
-    """What `SessionSeries` reads of a session (`server._session.Session` is one)."""
-
-    @property
-    def id(self) -> int: ...
-    @property
-    def client(self) -> str: ...
-    @property
-    def stats(self) -> SessionStatsLike: ...
-    @property
-    def running(self) -> bool: ...
-
-
-@dataclass
-class _Client:
-    """A client name with live sessions: their number, its rank, its series if labeled."""
-
-    live: int = 0
-    #: Bytes its sessions moved while it had live ones: the rank for a label.
-    rank: int = 0
-    #: [bytes, requests, errors] of its series; None: counted in (other).
-    values: list[int] | None = None
-    #: `values` as the last scrape showed them (or as the series started).
-    shown: list[int] | None = None
-
-
-class SessionSeries:
-    """Per-client counters whose label count stays bounded, however many sessions come and go.
-
-    Sessions are grouped by their client name (hello's `client`: `connect(name=...)`,
-    default `pid<N>`). At most `limit` names with a live session hold a label of their
-    own: the first ones seen while a slot is free, then, after each scrape, the `limit`
-    names whose sessions moved the most bytes. Everything else is counted in the
-    `(other)` series. A name whose last session ended keeps its series for one more
-    scrape, so its last increments are seen (at most `limit` such: beyond, the
-    increments no scrape has shown go to `(other)`). So each family has at most
-    2 * limit + 1 series.
-
-    Every increment is counted in exactly one series, and no series ever decreases:
-    a name that loses its label stops (what it moves next goes to `(other)`), and
-    one that gets a label back goes on from where it stopped (the last `RETIRED`
-    names are remembered; an older one starts again at 0, which Prometheus reads
-    as a counter reset). So `rate()` and `increase()` summed across the series are
-    right; a raw sum is not (a series that stopped no longer adds to it).
-    """
-
-    #: Stopped series remembered, so a name that comes back goes on instead of resetting.
-    RETIRED = 1024
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._lock = threading.Lock()
-        #: session id -> [client label, bytes, requests, errors] as last folded
-        self._seen: dict[int, list[Any]] = {}
-        #: Names with a live session.
-        self._clients: dict[str, _Client] = {}
-        self._other = [0, 0, 0]
-        #: Labeled names whose last session ended, oldest first: (final values, values last shown).
-        self._lingering: dict[str, tuple[list[int], list[int]]] = {}
-        #: Stopped series' last values, oldest first (at most RETIRED).
-        self._retired: dict[str, list[int]] = {}
-        self._slots = 0  # labeled names with a live session
-
-    # --- the trio thread -----------------------------------------------------------------------
-    def ended(self, session: SessionLike) -> None:
-        """A session ended (after its last request was accounted): fold what it did last."""
-        if self.limit <= 0:
-            return
-        with self._lock:
-            rec = self._seen.get(session.id)
-            if rec is None:  # never scraped while it lived
-                rec = self._track(session)
-            del self._seen[session.id]
-            self._fold_one(session, rec)
-            label = rec[0]
-            c = self._clients[label]
-            c.live -= 1
-            if c.live:
-                return
-            del self._clients[label]
-            if c.values is not None:
-                self._slots -= 1
-                assert c.shown is not None
-                if len(self._lingering) < self.limit:
-                    self._lingering[label] = (c.values, c.shown)
-                else:  # a burst of endings between scrapes: (other) takes what no scrape showed
-                    for k in range(3):
-                        self._other[k] += c.values[k] - c.shown[k]
-                    self._retire(label, c.shown)
-
-    # --- the scrape (HTTP thread) ----------------------------------------------------------------
-    def collect(self, sessions: Iterable[SessionLike]) -> tuple[list[tuple[str, list[int]]], list[int]]:
-        """Fold the live sessions; return ([(label, [bytes, requests, errors])], (other)'s);
-        then drop the series of ended names and move labels to the heaviest names."""
-        with self._lock:
-            for s in sessions:
-                if not s.running:
-                    continue  # ending: `ended` folds it (it may already have)
-                rec = self._seen.get(s.id)
-                if rec is None:
-                    rec = self._track(s)
-                self._fold_one(s, rec)
-            out: list[tuple[str, list[int]]] = []
-            for name, c in self._clients.items():
-                if c.values is not None:
-                    c.shown = list(c.values)
-                    out.append((name, c.shown))
-            out.extend((name, list(v)) for name, (v, _) in self._lingering.items())
-            for name, (v, _) in self._lingering.items():
-                self._retire(name, v)
-            self._lingering.clear()
-            other = list(self._other)
-            self._rebalance()
-            return out, other
-
-    # --- inside the lock -------------------------------------------------------------------------
-    def _track(self, s: SessionLike) -> list[Any]:
-        label = client_label(s.client)
-        c = self._clients.get(label)
-        if c is None:
-            c = self._clients[label] = _Client()
-            if self._slots < self.limit:
-                if label in self._lingering:  # back before its last values were shown: go on
-                    c.values, c.shown = self._lingering.pop(label)
-                    self._slots += 1
-                else:
-                    self._label(c, self._resume(label))
-        c.live += 1
-        rec = self._seen[s.id] = [label, 0, 0, 0]
-        return rec
-
-    def _fold_one(self, s: SessionLike, rec: list[Any]) -> None:
-        st = s.stats
-        b, r, e = st.bytes_moved, st.requests, st.errors
-        db, dr, de = b - rec[1], r - rec[2], e - rec[3]
-        rec[1], rec[2], rec[3] = b, r, e
-        c = self._clients[rec[0]]
-        c.rank += db
-        v = c.values if c.values is not None else self._other
-        v[0] += db
-        v[1] += dr
-        v[2] += de
-
-    def _rebalance(self) -> None:
-        """Labels go to the `limit` live names that moved the most bytes (holders win ties)."""
-        if len(self._clients) <= self._slots:
-            return  # every live name holds a label
-        ranked = sorted(self._clients.items(), key=lambda nc: (-nc[1].rank, nc[1].values is None, nc[0]))
-        keep = {name for name, _ in ranked[: self.limit]}
-        for name, c in ranked:
-            if c.values is not None and name not in keep:
-                self._retire(name, c.values)  # just shown by this scrape
-                c.values = c.shown = None
-                self._slots -= 1
-        for name, c in ranked:
-            if c.values is None and name in keep:
-                self._label(c, self._resume(name))
-
-    def _label(self, c: _Client, values: list[int]) -> None:
-        c.values, c.shown = values, list(values)
-        self._slots += 1
-
-    def _retire(self, label: str, values: list[int]) -> None:
-        """Remember a stopped series' values (always what a scrape showed last)."""
-        self._retired.pop(label, None)
-        self._retired[label] = values
-        if len(self._retired) > self.RETIRED:
-            del self._retired[next(iter(self._retired))]
-
-    def _resume(self, label: str) -> list[int]:
-        return self._retired.pop(label) if label in self._retired else [0, 0, 0]
 
 
 class Metrics:
@@ -494,81 +300,3 @@ class _Collector(Collector):
             for fam, v in zip(fams, values):
                 fam.add_metric([label], v)
         yield from fams
-
-
-def bench(n: int = 200_000) -> dict[str, float]:
-    """ns per call of the request-path methods, and of prometheus_client's own objects for contrast."""
-    from prometheus_client import Counter, Histogram
-
-    m = Metrics(process=False)
-    out: dict[str, float] = {}
-
-    def timeit(name: str, fn: Callable[[], None]) -> None:
-        t0 = time.perf_counter_ns()
-        fn()
-        out[name] = (time.perf_counter_ns() - t0) / n
-
-    rng = range(n)
-
-    def f1() -> None:
-        rd = m.request_done
-        for _ in rng:
-            rd("copy", 3e-5)
-
-    def f2() -> None:
-        bm = m.bytes_moved
-        for _ in rng:
-            bm("cpu", 4096)
-
-    def f3() -> None:
-        er = m.error
-        for _ in rng:
-            er(204)
-
-    def f4() -> None:
-        b = m.batch
-        for _ in rng:
-            b(17)
-
-    def f0() -> None:
-        for _ in rng:
-            pass
-
-    reg = CollectorRegistry()
-    c = Counter("x", "x", ["op"], registry=reg).labels("copy")
-    h = Histogram("y", "y", ["op"], registry=reg, buckets=LATENCY_BUCKETS).labels("copy")
-
-    def p1() -> None:
-        for _ in rng:
-            c.inc()
-            h.observe(3e-5)
-
-    for name, fn in (("loop", f0), ("request_done", f1), ("bytes_moved", f2), ("error", f3), ("batch", f4), ("prometheus_client counter+histogram", p1)):
-        timeit(name, fn)
-    base = out.pop("loop")
-    return {k: round(v - base, 1) for k, v in out.items()}
-
-
-def bench_scrape(sessions: int = 1024, rounds: int = 20) -> float:
-    """ms per scrape with `sessions` live sessions (the per-client fold and the exposition)."""
-
-    class _S:
-        def __init__(self, i: int) -> None:
-            self.id, self.client, self.running = i, f"producer-{i}", True
-            self.stats = type("st", (), {"bytes_moved": i, "requests": i, "errors": 0})()
-
-    live = [_S(i) for i in range(1, sessions + 1)]
-    m = Metrics(process=False)
-    m.set_source(lambda: {}, lambda: live)
-    t0 = time.perf_counter()
-    for r in range(rounds):
-        for s in live:
-            s.stats.bytes_moved += s.id * r
-        m.render()
-    return round((time.perf_counter() - t0) / rounds * 1e3, 2)
-
-
-if __name__ == "__main__":
-    for k, v in bench().items():
-        print(f"{k:40s} {v:8.1f} ns/call")
-    print(f"{'scrape, 1024 sessions':40s} {bench_scrape():8.2f} ms")

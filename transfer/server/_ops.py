@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -18,7 +18,7 @@ from ..addressing import SegmentKind
 from ..backends import Answer, Span, Then
 from ._placement import VirtualDevice
 
-__all__ = ["Op", "Range", "Staged", "in_process", "lane_of", "runs_inline", "SOCKET", "RING", "LANES_PER_SESSION"]
+__all__ = ["Op", "Range", "Staged", "fail_ops", "in_process", "lane_of", "runs_inline", "SOCKET", "RING", "LANES_PER_SESSION"]
 
 Range = tuple[int, int, int]  # (segment id, start offset, end offset)
 
@@ -127,3 +127,10 @@ class Staged:
 
 
 _staging_ids = itertools.count(1)
+
+
+def fail_ops(ops: Sequence[Op], exc: BaseException) -> None:
+    """The ops fail with `exc`: their own error, or a backend's failure as `BackendError`."""
+    err = E.as_transfer_error(exc)
+    for op in ops:
+        op.error = err

@@ -12,19 +12,17 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from .. import _results as R
 from .. import errors as E
 from .. import protocol as P
 from ..addressing import MappingTable, Segment, SegmentKind, make_va
 from ..backends import Answer, Span, Then
-from ..kernels import FAILED, OPERATORS, REGISTRY, SKIPPED, TensorRef, signature, tensor_extent, tensor_nbytes
-from ..ring import VECTOR_RUN, CopyRun
-from ._graphplan import GraphPlan, NodePlan
-from ._ops import SOCKET, Op, Range, lane_of
+from ..kernels import OPERATORS, REGISTRY, TensorRef, signature, tensor_extent, tensor_nbytes
+from ._graphrun import plan_graph
+from ._ops import Op, Range
 from ._placement import Placement, VirtualDevice
-from ._remote import RemotePlan, names_remote, plan_remote_copy, pull_input, remote_op, remote_plan
+from ._remoteplan import RemotePlan, names_remote, plan_remote_copy, pull_input, remote_op, remote_plan
 
-__all__ = ["Planner", "Refusal", "plan_batch"]
+__all__ = ["Planner", "Refusal"]
 
 _KIND_NAMES = {P.Copy: "copy", P.CopyV: "copyv", P.Fill: "fill", P.Checksum: "checksum", P.ChecksumV: "checksum", P.Compute: "compute", P.RunGraph: "compute"}
 #: Remote copy vectors of at most this many pieces have their plans kept for the same vector
@@ -148,7 +146,7 @@ class Planner:
         if isinstance(req, P.Compute):
             return self._plan_compute(owner, req)
         if isinstance(req, P.RunGraph):
-            return self._plan_graph(owner, req)
+            return plan_graph(self, owner, req)
         raise E.UnknownOperation(f"{type(req).__name__} is not a data request")
 
     def _copy_backend(self, dseg: Segment[Any], sseg: Segment[Any], dev: VirtualDevice) -> Any:
@@ -322,12 +320,12 @@ class Planner:
                 )
             work += elements if elements > extent else extent
             if seg.kind == SegmentKind.REMOTE:
-                seg, off = self._pull(owner, seg, off, extent, k < op.n_inputs, pulls)
+                seg, off = self.pull(owner, seg, off, extent, k < op.n_inputs, pulls)
             segs.append(seg)
             spans.append(Span(seg.kind, seg.handle, off, extent))
             ranges.append((seg.id, off, off + extent))
             nbytes += extent
-        dev, kernel, ins, outs = self._place(req.op, op.in_place, op.n_inputs, signature(req.inputs, req.outputs),
+        dev, kernel, ins, outs = self.place(req.op, op.in_place, op.n_inputs, signature(req.inputs, req.outputs),
                                              refs, segs, spans, ranges, nbytes, work, req.device, req.placement)
         reads, writes = ranges[:op.n_inputs], ranges[op.n_inputs:]
         backend, params = dev.backend, req.params
@@ -346,11 +344,11 @@ class Planner:
                         raise pull.error  # the input never arrived: this request fails with the reason
                 return backend.compute(kernel, ins, outs, params, dev.local_id)
             finally:
-                self._release(pulls)
+                self.release_pulls(pulls)
 
         return [*pulls, Op(req.id, reads, writes, dev, nbytes, run, work=work)]
 
-    def _pull(self, owner: Any, seg: Segment[Any], off: int, extent: int, is_input: bool, pulls: list[Op]) -> tuple[Any, int]:
+    def pull(self, owner: Any, seg: Segment[Any], off: int, extent: int, is_input: bool, pulls: list[Op]) -> tuple[Any, int]:
         """A compute operand in a remote segment: an input is pulled first (one NIXL READ into
         a staging buffer, whose synthetic segment makes the compute wait for the pull); an
         output is refused."""
@@ -360,11 +358,11 @@ class Planner:
         pulls.append(pull)
         return staged, soff
 
-    def _release(self, pulls: list[Op]) -> None:
+    def release_pulls(self, pulls: list[Op]) -> None:
         for pull in pulls:
             self.remote.release_staging(pull.info)
 
-    def _place(self, name: str, in_place: bool, n_in: int, sig: tuple[str, ...], refs: Sequence[TensorRef], segs: Sequence[Any],
+    def place(self, name: str, in_place: bool, n_in: int, sig: tuple[str, ...], refs: Sequence[TensorRef], segs: Sequence[Any],
                spans: Sequence[Span], ranges: Sequence[Range], nbytes: int, work: int, pinned: int, policy: str,
                ) -> tuple[VirtualDevice, Any, list[tuple[TensorRef, Span]], list[tuple[TensorRef, Span]]]:
         """The rest of planning one compute once its operands are translated (per operand,
@@ -393,263 +391,3 @@ class Planner:
             if kind != dev.kind:
                 dev = min((d for d in self.devices if d.kind == kind), key=lambda d: (d.queued_bytes, d.index))
         return dev, kernel, list(zip(refs[:n_in], spans[:n_in])), list(zip(refs[n_in:], spans[n_in:]))
-
-    def _bind_externals(self, owner: Any, plan: GraphPlan, vas: tuple[int, ...], segs: list[Any], spans: list[Any],
-                        ranges: list[Any], pulls: list[Op]) -> None:
-        """Fill a run's slots of the memory outside the graph: each bound VA translated, and
-        the weights one translation per segment they share (the hull of their ranges lies in
-        the segment exactly when each of them does). Where anything fails (or is remote),
-        every external is translated alone, in the order the nodes first use them, so the
-        error names the node that names the first bad VA, as one request per node would."""
-        translate = self.table.translate
-        externals = plan.spec.externals
-
-        def put(e: int, seg: Any, off: int) -> None:
-            n = externals[e].extent
-            segs[e] = seg
-            spans[e] = Span(seg.kind, seg.handle, off, n)
-            ranges[e] = (seg.id, off, off + n)
-
-        try:
-            for lo, n, members in plan.weight_groups:
-                seg, base = translate(lo, n, owner)
-                if seg.kind == SegmentKind.REMOTE:
-                    raise _Alone()
-                for e in members:
-                    put(e, seg, base + externals[e].va - lo)
-            for e, k in plan.bound_slots:
-                seg, off = translate(vas[k], externals[e].extent, owner)
-                if seg.kind == SegmentKind.REMOTE:
-                    raise _Alone()
-                put(e, seg, off)
-            return
-        except (E.TransferError, _Alone):
-            pass
-        for e, ext in enumerate(externals):
-            try:
-                seg, off = translate(ext.va or vas[plan.binding[e]], ext.extent, owner)
-                if seg.kind == SegmentKind.REMOTE:
-                    seg, off = self._pull(owner, seg, off, ext.extent, not ext.written, pulls)
-            except E.TransferError as exc:
-                raise _at_node(exc, plan, ext.first) from None
-            put(e, seg, off)
-
-    def _plan_graph(self, owner: Any, req: P.RunGraph) -> list[Op]:
-        """A graph run, planned with what its definition laid out (`GraphPlan`): the VAs
-        outside the graph's memory (the run's inputs and outputs, the weights) are translated
-        once each (bounds, ownership: a freed weight fails here), then each node is placed
-        as the compute request it is (`_place`: the overlap rule, the placement rule, the
-        kernel by dtype). Shapes, dtypes and parameters were checked when the graph was
-        defined, and a run binds only VAs, so they are not checked again.
-
-        Consecutive nodes on one device are ONE op: a worker runs the whole stretch in one
-        call, with no wave, unit or thread hop per node. A graph whose nodes go to several
-        devices is one op per stretch, ordered by their hazard ranges. The last op answers:
-        the first failing node's error (a node whose input failed is skipped with that
-        error), or with `profile` each node's device, kernel and time.
-        """
-        gseg = self.table.lookup(req.graph, owner)
-        plan: GraphPlan | None = gseg.info.get("graph")
-        if plan is None or req.graph != gseg.va:
-            raise E.InvalidField(f"RunGraph: {req.graph:#x} is not a graph's VA (define the graph first)")
-        graph = plan.spec
-        if len(req.inputs) != len(graph.inputs) or len(req.outputs) != len(graph.outputs):
-            raise E.InvalidField(
-                f"RunGraph: the graph takes {len(graph.inputs)} input and {len(graph.outputs)} output VA(s), "
-                f"got {len(req.inputs)} and {len(req.outputs)}"
-            )
-        segs, spans, ranges = plan.table(gseg)
-        pulls: list[Op] = []
-        self._bind_externals(owner, plan, (*req.inputs, *req.outputs), segs, spans, ranges, pulls)
-        run = _GraphRun(plan, req.profile, pulls, self if pulls else None)
-        ops: list[Op] = []
-        current: _Stretch | None = None
-        for i, node in enumerate(plan.nodes):
-            gather = node.gather
-            nranges = gather(ranges)
-            try:
-                dev, kernel, ins, outs = self._place(
-                    node.op, node.in_place, node.n_inputs, node.signature, node.refs, gather(segs),
-                    gather(spans), nranges, node.nbytes, node.work, node.device, node.placement)
-            except E.TransferError as exc:
-                raise _at_node(exc, plan, i) from None
-            if current is None or dev is not current.device:
-                current = _Stretch(run, dev)
-                ops.append(current.op)
-            current.add(i, kernel, ins, outs, node, nranges)
-        for op in ops[:-1]:  # the last, which answers, waits for every other
-            ops[-1].reads.extend(op.writes)
-        if len(ops) == 1 and not pulls and ops[0].device.backend.out_of_process:
-            # (one stretch: a later one's start would depend on what failed before it)
-            ops[0].begin = current.begin  # type: ignore[union-attr]
-        ops[-1].rid = req.id
-        run.ops = ops
-        return [*pulls, *ops]
-
-
-class _Alone(Exception):
-    """A run's externals are translated one by one instead (a failure, or remote memory)."""
-
-
-def _at_node(exc: E.TransferError, plan: GraphPlan, i: int) -> E.TransferError:
-    """A planning error of a graph's node i, naming the graph's creation site and the node."""
-    site = plan.site
-    return type(exc)(f"graph{' created at ' + site if site else ''}, node {i} ({plan.nodes[i].op}): {exc.message}")
-
-
-class _GraphRun:
-    """One run of a graph: its nodes' errors and times, shared by its stretches (ops)."""
-
-    __slots__ = ("graph", "profile", "pulls", "planner", "errors", "times", "ops")
-
-    def __init__(self, plan: GraphPlan, profile: bool, pulls: list[Op], planner: Planner | None) -> None:
-        self.graph, self.profile, self.pulls, self.planner = plan.spec, profile, pulls, planner
-        n = len(plan.nodes)
-        self.errors: list[E.TransferError | None] = [None] * n
-        self.times = [0.0] * n
-        self.ops: list[Op] = []
-
-    def answer(self) -> Any:
-        """The last stretch's end: the first failure in node order, or the profile."""
-        errors = self.errors
-        for op in self.ops[:-1]:  # a stretch the device failed under (its synchronize)
-            if op.error is not None:
-                raise op.error
-        for err in errors:
-            if err is not None:
-                raise err
-        if not self.profile:
-            return None
-        graph, times, ops = self.graph, self.times, self.ops
-        device = {i: op.device for op in ops for i in op.info}
-        return R.GraphProfile([
-            R.NodeProfile(i, node.op, device[i].index, device[i].kind, graph.layout[i].signature_text, round(times[i] * 1e6, 1))
-            for i, node in enumerate(graph.nodes)
-        ])
-
-
-class _Stretch:
-    """Consecutive nodes of a graph run on one device: one op that runs them in order."""
-
-    __slots__ = ("run", "device", "op", "steps")
-
-    def __init__(self, run: _GraphRun, device: VirtualDevice) -> None:
-        self.run, self.device = run, device
-        self.steps: list[tuple[int, Any, list[Any], list[Any], Any, tuple[int, ...], str]] = []
-        self.op = Op(0, [], [], device, 0, self.execute)
-        self.op.info = []  # the node indices it runs (what a profile reports per node)
-
-    def add(self, i: int, kernel: Any, ins: list[Any], outs: list[Any], node: NodePlan, ranges: Sequence[Range]) -> None:
-        op = self.op
-        self.steps.append((i, kernel, ins, outs, node.params, node.deps, node.op))
-        op.info.append(i)
-        op.reads.extend(ranges[:node.n_inputs])
-        op.writes.extend(ranges[node.n_inputs:])
-        op.nbytes += node.nbytes
-        op.work += node.work
-
-    def execute(self) -> Any:
-        """A worker's (or the loop's) share: each node, skipped with its producer's error if
-        one failed, timed, and its own error named by node (`kernels.run_steps`, in the
-        device's process on a CPU). The last stretch answers."""
-        run = self.run
-        try:
-            for pull in run.pulls:
-                if pull.error is not None:
-                    raise pull.error  # an input never arrived: the run fails with the reason
-            return self.begin()()
-        finally:
-            if self.op is run.ops[-1] and run.planner is not None:
-                run.planner._release(run.pulls)
-
-    def begin(self, block: bool = True) -> Then:
-        """Start the nodes on the device; the answer is the run's, once they have run."""
-        run = self.run
-        errors = run.errors
-        failed = {j for j, err in enumerate(errors) if err is not None}
-
-        def end(outcomes: list[tuple[int, Any, float]]) -> Any:
-            times = run.times
-            for step, (state, value, seconds) in zip(self.steps, outcomes):
-                i = step[0]
-                times[i] = seconds
-                errors[i] = value if state == FAILED else errors[value] if state == SKIPPED else None
-            return run.answer() if self.op is run.ops[-1] else None
-
-        answer: Answer | Then = self.device.backend.begin_steps(self.steps, failed, self.device.local_id, block)
-        return answer.then(end)
-
-
-def plan_batch(planner: Planner, owner: Any, items: Sequence[tuple[Any, int]]) -> tuple[list[Op], list[Refusal]]:
-    """Plan a pass's data requests, (request, route) pairs in arrival order.
-
-    Returns the ops in arrival order and the refused requests. Runs of plain
-    copies (socket Copy requests in a row, or a ring's CopyRun) are planned as
-    one vector op validated at once; if any copy in a run is invalid, the
-    run is planned one by one so that only that copy fails.
-    """
-    ops: list[Op] = []
-    refused: list[Refusal] = []
-
-    def one(req: P.Request, route: int) -> None:
-        try:
-            planned = planner.plan(owner, req)
-        except E.TransferError as exc:
-            refused.append((req.id, route, exc))
-            return
-        except Exception as exc:  # a bug: fail this request, keep serving
-            refused.append((req.id, route, E.InternalError(f"{type(exc).__name__}: {exc}")))
-            return
-        lane = lane_of(owner, req.stream)  # type: ignore[attr-defined]  # every data request has one
-        for op in planned if isinstance(planned, list) else (planned,):
-            if op.rid:
-                op.route = route
-            op.lane = lane
-            ops.append(op)
-
-    def vector(ids: Any, dst: np.ndarray, src: np.ndarray, size: np.ndarray, route: int, stream: int) -> bool:
-        try:
-            op = planner.plan_copies(owner, int(ids[0]), dst, src, size)
-        except E.TransferError:
-            return False  # one of them is bad: the caller plans them one by one
-        op.kind, op.ids, op.route, op.lane = "copy", ids, route, lane_of(owner, stream)
-        ops.append(op)
-        return True
-
-    run: list[P.Copy] = []
-    run_route = SOCKET
-
-    def flush() -> None:
-        n = len(run)
-        if n >= VECTOR_RUN and vector(
-            [r.id for r in run],
-            np.fromiter((r.dst for r in run), np.uint64, n),
-            np.fromiter((r.src for r in run), np.uint64, n),
-            np.fromiter((r.nbytes for r in run), np.uint64, n),
-            run_route,
-            run[0].stream,
-        ):
-            run.clear()
-            return
-        for r in run:
-            one(r, run_route)
-        run.clear()
-
-    for req, route in items:
-        if type(req) is P.Copy:
-            if run and (route != run_route or req.stream != run[0].stream):
-                flush()
-            run.append(req)
-            run_route = route
-            continue
-        if run:
-            flush()
-        if type(req) is CopyRun:
-            if not vector(req.ids, req.dst, req.src, req.nbytes, route, req.stream):
-                for r in req.singles():
-                    one(r, route)
-        else:
-            one(req, route)
-    if run:
-        flush()
-    return ops, refused

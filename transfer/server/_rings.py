@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import Any, Callable
 
 import numpy as np
@@ -40,53 +39,20 @@ import trio
 
 from .. import errors as E
 from .. import _results as R
-from .. import protocol as P
 from ..ring import COMPLETION_DTYPE, FLAG_AFTER, FLAG_CHAIN, FLAG_SUM, REQUEST_DTYPE, Ring, RingCorrupted, RingError, answers, join_chains, to_batch
 from ..memory._shm import PREFIX, new_memfd, reserve, seal
 from ._accounting import Accounting
 from ._config import DaemonConfig
-from ._dataplane import BROKEN, NATIVE, PYTHON, DataPlane
+from ._dataplane import NATIVE, PYTHON, DataPlane
 from ._fds import FdChannel
 from ._ops import RING
+from ..ring import _order as order
+from ._ringloop import RingLoop, room, served_here
 from ._session import Phase, Session
 
-__all__ = ["Rings", "Doorbell"]
+__all__ = ["Rings"]
 
 log = logging.getLogger("transfer.server")
-
-class Doorbell:
-    """A pipe clients write a byte to when they find the loop asleep (trio can poll an fd, not
-    a futex).
-
-    It has no name: each client gets a write end of its own over the fd socket (`writer`),
-    a new open file description of the pipe, so the flags one client sets on its end
-    (blocking, say) are not the daemon's or another client's. The daemon's read end and its
-    own write end (its workers' and `Rings._wake_loop`'s) are non-blocking: a writer never
-    blocks, and a full pipe rings already.
-    """
-
-    def __init__(self) -> None:
-        self.fd, self.write_fd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-
-    def writer(self) -> int:
-        """A write end for one client (ours until handed over): reopened through /proc, so
-        it is an open file description of its own."""
-        return os.open(f"/proc/self/fd/{self.write_fd}", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-
-    def drain(self) -> None:
-        try:
-            while os.read(self.fd, 4096):
-                pass
-        except BlockingIOError:
-            pass
-
-    def close(self) -> None:
-        for name in ("fd", "write_fd"):
-            fd = getattr(self, name)
-            if fd >= 0:
-                os.close(fd)
-                setattr(self, name, -1)
-
 
 class Rings:
     """Every session's ring: open, ingest into the queue, push completions, poll, sleep."""
@@ -99,11 +65,11 @@ class Rings:
         self._instance = instance
         self.accounting = accounting
         self.sessions: dict[int, Session] = {}
-        self.bell: Doorbell | None = None
+        #: The event loop's service of the rings it serves itself, and the doorbell (`_ringloop`).
+        self.loop = RingLoop(self)
         #: Set by the server: run what a session has queued (`Pass.kick`), and end a session.
         self.kick: Callable[[Session], None] = lambda s: None
         self.on_broken: Callable[[Session, str], None] = lambda s, why: None
-        self._loop_started = False
 
     # --- setup ---------------------------------------------------------------------------------
     def _create(self, session: Session, cap: int) -> tuple[Ring, int]:
@@ -134,18 +100,14 @@ class Rings:
             raise E.InvalidField(f"ring capacity {capacity} is outside 2..{limit}")
         cap = min(1 << (capacity - 1).bit_length(), 1 << (limit.bit_length() - 1))
         self.fds.check_room(session, 3 if completion_bell else 2)
-        if self.bell is None:  # made with the first ring: daemons without ring clients have none
-            try:
-                self.bell = Doorbell()
-            except OSError as exc:
-                raise E.OutOfSharedMemory(f"cannot create the rings' doorbell: {exc}") from None
+        doorbell = self.loop.doorbell()  # made with the first ring: daemons without ring clients have none
         ring, ring_fd = self._create(session, cap)
         offered: list[bytes] = []
         wr = -1
         try:
             # Each fd is the channel's once offered (it closes it if the offer fails).
             offered.append(self.fds.offer(session, ring_fd))
-            offered.append(self.fds.offer(session, self._fd("the rings' doorbell", self.bell.writer)))
+            offered.append(self.fds.offer(session, self._fd("the rings' doorbell", doorbell.writer)))
             if completion_bell:
                 # Its read end goes to the client by token; when our write end closes (the
                 # session is over, or the daemon died) the client reads EOF.
@@ -166,14 +128,12 @@ class Rings:
         session.ring = ring
         self.sessions[session.id] = session
         try:
-            session.worker = self.dataplane.start(session, ring, self.bell.write_fd, wr)
+            session.worker = self.dataplane.start(session, ring, doorbell.write_fd, wr)
         except OSError as exc:  # no thread to be had: the loop serves this ring
             log.warning("session %d: no ring worker (%s); the event loop serves its ring", session.id, exc, extra={"session": session.id})
         if session.worker is None:
             ring.arm()  # if the ring loop sleeps now, the client's first push must ring the bell
-        if not self._loop_started:
-            self._loop_started = True
-            nursery.start_soon(self._loop)
+        self.loop.start(nursery)
         log.info("session %d opened a %d-descriptor ring", session.id, ring.request_capacity, extra={"session": session.id})
         return R.RingOpened(
             token, bell, cbell, ring.request_capacity, ring.completion_capacity,
@@ -206,9 +166,7 @@ class Rings:
             os.close(bell)
 
     def shutdown(self) -> None:
-        if self.bell is not None:
-            self.bell.close()
-            self.bell = None
+        self.loop.close()
 
     # --- the drain -----------------------------------------------------------------------------
     def cut(self, session: Session) -> None:
@@ -229,8 +187,8 @@ class Rings:
         except RingCorrupted as exc:
             session.ring_cut = ring.inbox.index
             self.broken(session, exc)
-        if self._served_here(session):
-            self._wake_loop()  # the loop ingests up to the cut (it skipped this ring unarmed)
+        if served_here(session):
+            self.loop.wake()  # the loop ingests up to the cut (it skipped this ring unarmed)
 
     def drained(self, session: Session) -> bool:
         """Whether everything published before the cut is answered (or the ring is gone)."""
@@ -272,7 +230,7 @@ class Rings:
                 avail = min(avail, max(0, session.ring_cut - ring.inbox.index))
             if not avail:
                 return placed
-            n: int = min(avail, self._room(session), avail if limit is None else limit)
+            n: int = min(avail, room(session), avail if limit is None else limit)
             if n <= 0:
                 return placed  # the client has not taken its completions: it waits, we do not
             if n <= 4:  # tuples, no NumPy (one wake for the batch, if any)
@@ -313,7 +271,8 @@ class Rings:
         (`FLAG_AFTER`: a descriptor and those after it follow the first `arg2` frames); from
         the first whose frame has not been read, they are held until it is."""
         after = (array["flags"] & FLAG_AFTER) != 0
-        fences = np.maximum(np.maximum.accumulate(np.where(after, array["arg2"], np.uint64(0))), np.uint64(session.ring_fence))
+        fences = order.fences(array["flags"], array["arg2"], session.ring_fence)
+        held = order.first_held(fences, session.frames_seen)
         clean = array
         if after.any():  # the fence is read: the request itself has neither
             clean = array.copy()
@@ -321,10 +280,10 @@ class Rings:
             clean["arg2"][after] = 0
         cuts = (np.flatnonzero(fences[1:] != fences[:-1]) + 1).tolist()
         for a, b in zip([0, *cuts], [*cuts, len(array)]):  # runs of one fence
-            fence = int(fences[a])
-            if fence > session.frames_seen:
+            if held is not None and a >= held:
                 session.ring_held = array[a:].copy()
                 return
+            fence = int(fences[a])
             session.ring_fence = fence
             part = clean[a:b]
             self._queue(session, self._requests(session, None, part, bool((part["flags"] & (FLAG_CHAIN | FLAG_SUM)).any())), fence)
@@ -355,8 +314,8 @@ class Rings:
         if worker is None or worker.mode != NATIVE:
             self.ingest(session)
         else:
-            tail = worker.tail()
-            if 0 < tail - worker.done <= session.ring.request_capacity:  # (an impossible tail: the worker reports it)
+            tail = order.frame_waits(worker.tail(), worker.done, session.ring.request_capacity)
+            if tail is not None:
                 session.ring_wait = tail if session.ring_wait is None else max(session.ring_wait, tail)
         if session.ring_wait is not None:  # this frame's requests begin here (`_queue` places ahead of them)
             session.waiting_frames.append((session.frames_seen + 1, len(session.queue)))
@@ -365,8 +324,8 @@ class Rings:
         """A frame was counted: what its ring held for it goes into the queue, and the loop
         (which left this ring unarmed while they waited) looks at it again."""
         self.ingest(session)
-        if session.ring_held is None and self._served_here(session):
-            self._wake_loop()
+        if session.ring_held is None and served_here(session):
+            self.loop.wake()
 
     async def catch_up(self, session: Session) -> None:
         """Wait until the worker has done what came before the waiting frame, or handed it over
@@ -386,8 +345,8 @@ class Rings:
         finally:
             session.ring_wait = None
             session.waiting_frames.clear()
-            if self._served_here(session):
-                self._wake_loop()  # `_arm` skipped this ring while the frame waited: look again
+            if served_here(session):
+                self.loop.wake()  # `_arm` skipped this ring while the frame waited: look again
 
     def settle(self, session: Session) -> None:
         """Give a handed-over ring back to its worker once the session is idle on it."""
@@ -430,117 +389,3 @@ class Rings:
             return  # already on its way out
         log.warning("session %d: %s; ending the session", session.id, exc, extra={"session": session.id})
         self.on_broken(session, f"ring: {exc}")
-
-    # --- the loop ------------------------------------------------------------------------------
-    def _poll(self) -> int:
-        """Ingest every ring its worker does not own; each session's pass decides to run
-        inline or on its task. Note what the workers rang the bell for."""
-        took = 0
-        for session in list(self.sessions.values()):
-            try:
-                worker = session.worker
-                if worker is not None:
-                    if worker.take_signal():
-                        session.ring_moved.set()
-                        if session.ring_cut is not None:
-                            session.wake.set()  # a draining session's task waits for the cut
-                    mode = worker.mode
-                    if mode == NATIVE:
-                        continue
-                    if mode == BROKEN:
-                        self.broken(session, RingCorrupted("the ring's worker found impossible indices"))
-                        continue
-                n = self.ingest(session, self.config.max_pass)
-                if n:
-                    took += n
-                    self.kick(session)
-                elif worker is not None:
-                    self.settle(session)
-            except Exception as exc:  # a bug: this session goes, the daemon keeps serving the rest
-                log.exception("session %d: internal error on its ring", session.id, extra={"session": session.id})
-                self.broken(session, exc)
-        return took
-
-    async def _loop(self) -> None:
-        """Busy-poll while the rings are busy, then sleep on the doorbell pipe.
-
-        Busy-polling holds the event loop for at most 50 µs at a time, then lets the
-        other tasks (the zmq pump) run; after `ring_spin_s` without a descriptor it
-        arms every ring (a client's next push then writes the doorbell) and sleeps.
-        """
-        assert self.bell is not None
-        bell = self.bell
-        spin = self.config.ring_spin_s
-        clock = time.perf_counter
-        poll = self._poll
-        until = 0.0
-        while True:
-            try:
-                now = clock()
-                if poll():
-                    until = now + spin
-                if clock() < until:
-                    end = min(until, clock() + 50e-6)
-                    while (now := clock()) < end:
-                        if poll():
-                            until = now + spin
-                            end = min(until, now + 50e-6)
-                    await trio.lowlevel.checkpoint()
-                    continue
-                if self._arm():
-                    continue
-                await trio.lowlevel.wait_readable(bell.fd)
-                bell.drain()
-                for session in list(self.sessions.values()):
-                    if self._served_here(session):
-                        session.ring.disarm()
-            except RingCorrupted:  # a ring went bad between checks: ingest ends its session
-                await trio.lowlevel.checkpoint()
-
-    def _wake_loop(self) -> None:
-        """Ring our own doorbell: the loop, maybe asleep on it, polls and re-arms every ring."""
-        if self.bell is not None:
-            try:
-                os.write(self.bell.write_fd, b"\0")
-            except BlockingIOError:
-                pass  # a full pipe rings already
-
-    @staticmethod
-    def _room(session: Session) -> int:
-        """Descriptors the loop may take from a ring: each needs a completion slot when it is
-        answered, counting those of a chain taken in part (a verified one answers each of its
-        pieces) besides those reserved."""
-        assert session.ring is not None
-        open_chain = len(session.ring_chain) if session.ring_chain is not None else 0
-        return int(session.ring.free()) - session.ring_pending - open_chain
-
-    @staticmethod
-    def _served_here(session: Session) -> bool:
-        """The event loop serves this ring now (it has no worker, or its worker handed it over)."""
-        return session.ring is not None and (session.worker is None or session.worker.mode == PYTHON)
-
-    def _arm(self) -> bool:
-        """Arm every ring's doorbell; True (and disarmed) if one has work after all."""
-        ready = False
-        for session in list(self.sessions.values()):
-            ring = session.ring
-            if ring is None or not session.running or session.ring_wait is not None or session.ring_held is not None:
-                continue  # (a waiting frame's `catch_up` takes that ring's requests, a held one's frame the rest)
-            if session.ring_cut is not None and ring.inbox.index >= session.ring_cut:
-                continue  # drained to its cut: what comes after is not served
-            if session.worker is not None:
-                if session.worker.mode != PYTHON:
-                    continue  # the worker sleeps on the ring itself
-                self.settle(session)
-                if session.worker.mode != PYTHON:
-                    continue
-            try:
-                if ring.arm() and self._room(session) > 0:
-                    ready = True
-            except RingCorrupted as exc:
-                self.broken(session, exc)
-        if ready:
-            for session in self.sessions.values():
-                if self._served_here(session):
-                    session.ring.disarm()
-        return ready

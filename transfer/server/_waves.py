@@ -17,20 +17,19 @@ is visible, and only then may the pass answer it.
 
 from __future__ import annotations
 
-import threading
 from bisect import bisect_right
 from collections import defaultdict
 from typing import Any, Callable, Sequence
 
-import numpy as np
 import trio
 
 from .. import errors as E
-from ..backends import Answer, Span, Then
-from ._ops import Op, in_process, runs_inline
+from ..backends import Span
+from ._ops import Op, fail_ops, runs_inline
+from ._remotepost import loop_posts, post_remote, post_remote_on_loop, remote_groups, remote_limiter
 from ._placement import VirtualDevice
 
-__all__ = ["assign_waves", "coalesce", "run_inline", "run_waves", "run_stretch", "send_pass", "Sent", "one_device", "issue", "issue_off_loop", "wait_visible", "device_failed"]
+__all__ = ["assign_waves", "coalesce", "run_inline", "run_waves", "run_stretch", "fail_rest", "one_device", "issue", "issue_off_loop", "wait_visible", "device_failed"]
 
 
 class _Intervals:
@@ -184,7 +183,7 @@ def _run_units(units: Sequence[tuple[list[Op], Callable[[], Any] | None]], devic
             with backend.lane(lane):
                 result = work()
         except Exception as exc:  # a backend failure fails these requests, not the daemon
-            _fail_ops(ops, exc)
+            fail_ops(ops, exc)
             continue
         for op in ops:
             op.result = result
@@ -235,123 +234,15 @@ def wait_visible(fence: Any, ops: Sequence[Op], block: bool = True) -> bool:
     return True
 
 
-def _remote_groups(wave: Sequence[Op]) -> tuple[list[Op], list[list[Op]]]:
-    """Split a wave: (local ops, remote ops grouped by (plane, peer, direction)).
-
-    Nothing in a wave conflicts, so each group can be ONE NIXL transfer whose
-    descriptor list is the concatenation of its ops' ranges.
-    """
-    local: list[Op] = []
-    groups: dict[tuple[int, str, str], list[Op]] = {}
-    for op in wave:
-        w = op.remote
-        if w is None:
-            local.append(op)
-        else:
-            groups.setdefault((id(w.plane), w.peer, w.op), []).append(op)
-    return local, list(groups.values())
-
-
-def _group_ranges(ops: Sequence[Op]) -> tuple[np.ndarray, np.ndarray, int, Any]:
-    """One post's rows (local, remote), bytes, and the plan whose NIXL request it posts
-    again (an op posted alone: its `RemoteWork.plan`), for a group of remote ops."""
-    if len(ops) == 1:
-        w = ops[0].remote
-        return w.local, w.remote, ops[0].nbytes, w.plan
-    return (np.concatenate([o.remote.local for o in ops]), np.concatenate([o.remote.remote for o in ops]),
-            sum(o.nbytes for o in ops), None)
-
-
-def _fail_ops(ops: Sequence[Op], exc: BaseException) -> None:
-    """The ops fail with `exc`: their own error, or a backend's failure as `BackendError`."""
-    err = E.as_transfer_error(exc)
-    for op in ops:
-        op.error = err
-
-
-async def _post_remote_on_loop(ops: Sequence[Op]) -> None:
-    """Small groups: post from the loop (a same-host post of <= inline_bytes takes tens of
-    microseconds, less than a thread hop), then poll with short sleeps until done."""
-    w = ops[0].remote
-    local, remote, nbytes, plan = _group_ranges(ops)
-    try:
-        xfer = w.plane.start(w.peer, w.op, local, remote, nbytes, plan)
-        if not w.plane.finish(xfer, wait=False):  # (a same-host cma post copies in place: done)
-            delay = 20e-6
-            # Shielded: a cancelled session must not free memory a transfer still writes into
-            # (the wait is bounded by the plane's timeout; a dead peer fails it within ms).
-            with trio.CancelScope(shield=True):
-                while not w.plane.finish(xfer, wait=False):
-                    await trio.sleep(delay)
-                    delay = min(delay * 2, 1e-3)
-    except Exception as exc:  # a NIXL failure fails these requests, not the daemon
-        _fail_ops(ops, exc)
-        return
-    _landed(ops)
-
-
-def _post_remote(ops: Sequence[Op]) -> None:
-    """Post one group as one transfer and wait (blocking: a worker thread's job)."""
-    w = ops[0].remote
-    local, remote, nbytes, plan = _group_ranges(ops)
-    try:
-        w.plane.post(w.peer, w.op, local, remote, nbytes, plan)
-    except Exception as exc:  # a NIXL failure fails these requests, not the daemon
-        _fail_ops(ops, exc)
-        return
-    _landed(ops)
-
-
-def _landed(ops: Sequence[Op]) -> None:
-    """A group's transfer is done: each op's answer that needs its bytes (`RemoteWork.then`:
-    a verified copy's sums), where the post ran, while they are still in cache."""
-    for op in ops:
-        then = op.remote.then
-        if then is not None:
-            try:
-                op.result = then()
-            except Exception as exc:
-                _fail_ops([op], exc)
-
-
-def _loop_posts(group: list[Op], limit: int) -> list[list[Op]]:
-    """Cut a remote group into posts of at most `limit` bytes each, at op boundaries; a
-    group with an op larger than `limit` stays ONE post, for a worker thread.
-
-    Posting from the loop blocks it only while a same-host (cma) post copies in place:
-    <= 1 MiB is ~80 us, far less than two thread hops on 2 cores (a pass that took two
-    1 MiB frames went to a thread, and the hop was a quarter of the daemon's CPU per
-    frame). NIC and tcp posts return at once whatever the size (then we poll). So a
-    group is several posts from the loop, with the loop yielding between them
-    (`_on_device`), rather than one post on a thread; it stays one post when it fits.
-    Not beside a thread's post of the same group: a post holds the plane's lock while
-    it copies, so a loop post would wait out the thread's large copy.
-    """
-    if sum(o.nbytes for o in group) <= limit or any(o.nbytes > limit for o in group):
-        return [group]
-    parts: list[list[Op]] = []
-    cur: list[Op] = []
-    size = 0
-    for op in group:
-        if cur and size + op.nbytes > limit:
-            parts.append(cur)
-            cur, size = [], 0
-        cur.append(op)
-        size += op.nbytes
-    if cur:
-        parts.append(cur)
-    return parts
-
-
 def _run_wave_inline(wave: Sequence[Op]) -> None:
     """Execute one wave on the calling thread (small work: cheaper than a thread hop)."""
     if len(wave) == 1 and wave[0].remote is None:
         _run_units(coalesce(wave), wave[0].device)
         return
     by_device: dict[int, list[Op]] = defaultdict(list)
-    wave, remote_groups = _remote_groups(wave)
-    for group in remote_groups:
-        _post_remote(group)
+    wave, groups = remote_groups(wave)
+    for group in groups:
+        post_remote(group)
     for op in wave:
         by_device[op.device.index].append(op)
     for ops in by_device.values():
@@ -387,7 +278,7 @@ async def run_waves(
     each cost ~150 us, more than a small layer's math). A stretch whose work is at most
     `inline_bytes` runs on the loop. A wave's remote copies are posted as NIXL transfers
     per (peer, direction), concurrently with the wave's local work: from the loop in posts
-    of at most max(2 * inline_bytes, 1 MiB) (`_loop_posts`), an op larger than that on a
+    of at most max(2 * inline_bytes, 1 MiB) (`_remotepost.loop_posts`), an op larger than that on a
     worker thread (a same-host READ copies inside the post). Before each wave `stop()` may
     give an error: the waves not yet started fail with it instead (a wave already
     running finishes).
@@ -396,7 +287,7 @@ async def run_waves(
     while k < len(waves):
         why = stop() if stop is not None else None
         if why is not None:
-            _fail_rest(waves[k:], why)
+            fail_rest(waves[k:], why)
             return
         device = one_device(waves[k])
         if device is not None:
@@ -414,15 +305,15 @@ async def run_waves(
         wave = waves[k]
         k += 1
         by_device: dict[int, list[Op]] = defaultdict(list)
-        wave, remote_groups = _remote_groups(wave)
+        wave, groups = remote_groups(wave)
         for op in wave:
             by_device[op.device.index].append(op)
         jobs: list[Any] = []
         small: list[list[Op]] = []
         big: list[list[Op]] = []
         limit = max(2 * inline_bytes, 1 << 20)
-        for group in remote_groups:
-            for part in _loop_posts(group, limit):
+        for group in groups:
+            for part in loop_posts(group, limit):
                 (small if sum(o.nbytes for o in part) <= limit else big).append(part)
         if small:
             jobs.append((small, None, -1))  # posted from the loop, one after another
@@ -445,7 +336,7 @@ async def run_waves(
                 nursery.start_soon(_on_device, units, device, nbytes, None if device is None else limiters[device.index])
 
 
-def _fail_rest(waves: Sequence[Sequence[Op]], why: E.TransferError) -> None:
+def fail_rest(waves: Sequence[Sequence[Op]], why: E.TransferError) -> None:
     for wave in waves:
         for op in wave:
             if op.error is None:
@@ -461,92 +352,9 @@ def run_stretch(waves: Sequence[Sequence[Op]], device: VirtualDevice,
         for i, wave in enumerate(waves):
             why = stop() if stop is not None else None
             if why is not None:
-                _fail_rest(waves[i:], why)
+                fail_rest(waves[i:], why)
                 return
             _run_units(coalesce(wave), device)
-
-
-class Sent:
-    """A pass whose every op runs in a CPU device's process (`Op.begin`), sent there in order
-    and answered later. The event loop sends what the process takes without waiting
-    (`send(False)`) and a worker thread the rest; `on_done` says when the answers are in,
-    and `end` takes them. Passes sent one after another run in that order: one device's
-    process runs what it is sent in order, so the waves' order holds too."""
-
-    __slots__ = ("ops", "answers", "done")
-
-    @property
-    def sent_all(self) -> bool:
-        return len(self.answers) == len(self.ops)
-
-    def __init__(self, ops: list[Op]) -> None:
-        self.ops = ops
-        #: The answer of each op sent so far, in order (`ops[i]` has `answers[i]`).
-        self.answers: list[Answer | Then] = []
-        #: Set by the loop once told (`on_done`).
-        self.done = False
-
-    def send(self, block: bool) -> bool:
-        """Send the ops not sent yet, in order. False if `block` is False and the process
-        cannot take the next one now (nothing of that op was sent; ask again, blocking)."""
-        ops, answers = self.ops, self.answers
-        while len(answers) < len(ops):
-            op = ops[len(answers)]
-            try:
-                answers.append(op.begin(block))  # type: ignore[misc]
-            except BlockingIOError:
-                return False
-            except Exception as exc:
-                _fail_ops([op], exc)
-                answers.append(Answer.ready(None))
-        return True
-
-    def on_done(self, callback: Callable[[], None]) -> None:
-        """`callback()` once every op sent is answered (at once if none was), on the thread
-        that sets the last answer (the loop, or a thread reading a process's answers), so it must be thread-safe.
-        Counted, not just the last op's: an op that failed to send is answered at once,
-        while ops before it may still run."""
-        answers = self.answers
-        if not answers:
-            callback()
-            return
-        left = [len(answers)]
-        lock = threading.Lock()
-
-        def one() -> None:
-            with lock:
-                left[0] -= 1
-                last = not left[0]
-            if last:
-                callback()
-
-        for answer in answers:
-            answer.on_done(one)
-
-    def end(self) -> None:
-        """(Once answered.) Each op's result or error."""
-        for op, answer in zip(self.ops, self.answers):
-            try:
-                result = answer()
-            except Exception as exc:
-                _fail_ops([op], exc)
-            else:
-                if op.error is None:
-                    op.result = result
-
-
-def send_pass(waves: Sequence[Sequence[Op]], stop: Callable[[], E.TransferError | None] | None) -> Sent | None:
-    """A pass to send to its CPU device's process (`Sent`; nothing sent yet), if every op of
-    it runs there; else None (it runs in the daemon: `run_stretch`). If `stop()` gives an
-    error, every op fails with it and nothing will be sent."""
-    ops = [op for wave in waves for op in wave]
-    if not in_process(ops):
-        return None
-    why = stop() if stop is not None else None
-    if why is not None:
-        _fail_rest(waves, why)
-        return Sent([])
-    return Sent(ops)
 
 
 async def _on_device(waves: Any, device: VirtualDevice | None, nbytes: int, limiter: trio.CapacityLimiter | None,
@@ -558,9 +366,9 @@ async def _on_device(waves: Any, device: VirtualDevice | None, nbytes: int, limi
                     # Other tasks run between two posts from the loop (each is <= ~80 us of
                     # copying); not cancellable: every group of the wave is posted, or failed.
                     await trio.lowlevel.cancel_shielded_checkpoint()
-                await _post_remote_on_loop(group)
+                await post_remote_on_loop(group)
             else:
-                await trio.to_thread.run_sync(_post_remote, group, limiter=_remote_limiter())
+                await trio.to_thread.run_sync(post_remote, group, limiter=remote_limiter())
         return
     device.queued_bytes += nbytes
     try:
@@ -568,16 +376,3 @@ async def _on_device(waves: Any, device: VirtualDevice | None, nbytes: int, limi
     finally:
         device.queued_bytes -= nbytes
         device.completed += 1
-
-
-_REMOTE_LIMITER: trio.lowlevel.RunVar[trio.CapacityLimiter] = trio.lowlevel.RunVar("transfer_remote_limiter")
-
-
-def _remote_limiter() -> trio.CapacityLimiter:
-    """Threads posting NIXL transfers (one limiter per trio run; posts block, briefly)."""
-    try:
-        return _REMOTE_LIMITER.get()
-    except LookupError:
-        lim = trio.CapacityLimiter(2)
-        _REMOTE_LIMITER.set(lim)
-        return lim
