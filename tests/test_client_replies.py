@@ -10,11 +10,9 @@ descriptors of the wrong kind, size or shape.
 
 from __future__ import annotations
 
-import array
 import math
 import os
-import secrets
-import socket
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -29,53 +27,13 @@ from hypothesis import strategies as st
 import transfer
 from transfer import _results as R
 from transfer import protocol as P
-from transfer.ring import Ring
-from transfer.memory._shm import new_memfd, reserve, seal
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from _hostile.fake_daemon import FdServer, pipe_end, ring_memfd, sealed_memfd  # noqa: E402  (the soak's own)
 
 KiB = 1 << 10
 
 # --- the fake daemon --------------------------------------------------------------------------
-
-
-class FdServer:
-    """A real fd socket: hands out whatever fd `make(token)` returns (or a raw reply)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offers: dict[bytes, Callable[[], Any]] = {}
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.sock.bind(str(path))
-        self.sock.listen(16)
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def offer(self, make: Callable[[], Any]) -> bytes:
-        token = secrets.token_bytes(16)
-        self.offers[token] = make
-        return token
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                token = conn.recv(64)
-                make = self.offers.pop(token, None)
-                made = make() if make is not None else b"\x01unknown"
-                if isinstance(made, bytes):
-                    conn.send(made)
-                    continue
-                try:
-                    conn.sendmsg([b"\x00"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [made]))])
-                finally:
-                    os.close(made)
-
-    def close(self) -> None:
-        self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
-        self.thread.join(5)
 
 
 class FakeDaemon:
@@ -215,7 +173,7 @@ def test_any_reply_to_a_call(tmp_path: Path, request_type: type) -> None:
 
     def valid(req: Any) -> Any:
         if type(req) is P.RegisterHost:
-            token = fake.fds.offer(lambda: _sealed(4 * KiB))
+            token = fake.fds.offer(lambda: sealed_memfd(4 * KiB))
             return {"va": 5 << 40, "nbytes": 4 * KiB, "token": token}
         if type(req) is P.Alloc:
             return {"va": 6 << 40, "nbytes": req.nbytes, "device": 0}
@@ -267,36 +225,10 @@ def test_any_reply_to_a_call(tmp_path: Path, request_type: type) -> None:
         fake.close()
 
 
-def _sealed(nbytes: int, seals: bool = True) -> int:
-    fd = new_memfd("fake")
-    reserve(fd, nbytes, "fake")
-    if seals:
-        seal(fd)
-    return fd
-
-
-def _ring_fd(garbage: bytes | None = None) -> int:
-    fd = new_memfd("fake-ring")
-    reserve(fd, Ring.nbytes_for(64), "fake ring")
-    if garbage is None:
-        Ring.create(fd, 64).close()  # (the fd stays ours: create does not take it)
-    else:
-        os.pwrite(fd, garbage, 0)
-    seal(fd)
-    return fd
-
-
-def _pipe_end(which: int) -> int:
-    """One end of a new pipe (the other closed)."""
-    ends = os.pipe()
-    os.close(ends[1 - which])
-    return ends[which]
-
-
 HANDOVERS: dict[str, Callable[[], Any]] = {
-    "unsealed memfd": lambda: _sealed(4 * KiB, seals=False),
-    "sealed, another size": lambda: _sealed(8 * KiB),
-    "a pipe": lambda: _pipe_end(0),
+    "unsealed memfd": lambda: sealed_memfd(4 * KiB, seals=False),
+    "sealed, another size": lambda: sealed_memfd(8 * KiB),
+    "a pipe": lambda: pipe_end(0),
     "refused": lambda: b"\x01no",
     "garbage reply": lambda: b"\x07\x07",
     "empty": lambda: b"",
@@ -316,11 +248,11 @@ def test_a_segment_handed_over_wrong_is_refused(tmp_path: Path, what: str) -> No
 
 
 RINGS: dict[str, Callable[[FakeDaemon], dict[str, Any]]] = {
-    "a header of garbage": lambda f: {"token": f.fds.offer(lambda: _ring_fd(os.urandom(4096))), "bell": f.fds.offer(lambda: _pipe_end(1))},
-    "a header of zeros": lambda f: {"token": f.fds.offer(lambda: _ring_fd(bytes(4096))), "bell": f.fds.offer(lambda: _pipe_end(1))},
-    "another capacity": lambda f: {"token": f.fds.offer(_ring_fd), "bell": f.fds.offer(lambda: _pipe_end(1)), "capacity": 128},
-    "a bell that is a memfd": lambda f: {"token": f.fds.offer(_ring_fd), "bell": f.fds.offer(lambda: _sealed(4096))},
-    "a bell's read end": lambda f: {"token": f.fds.offer(_ring_fd), "bell": f.fds.offer(lambda: _pipe_end(0))},
+    "a header of garbage": lambda f: {"token": f.fds.offer(lambda: ring_memfd(garbage=os.urandom(4096))), "bell": f.fds.offer(lambda: pipe_end(1))},
+    "a header of zeros": lambda f: {"token": f.fds.offer(lambda: ring_memfd(garbage=bytes(4096))), "bell": f.fds.offer(lambda: pipe_end(1))},
+    "another capacity": lambda f: {"token": f.fds.offer(ring_memfd), "bell": f.fds.offer(lambda: pipe_end(1)), "capacity": 128},
+    "a bell that is a memfd": lambda f: {"token": f.fds.offer(ring_memfd), "bell": f.fds.offer(lambda: sealed_memfd(4096))},
+    "a bell's read end": lambda f: {"token": f.fds.offer(ring_memfd), "bell": f.fds.offer(lambda: pipe_end(0))},
 }
 
 

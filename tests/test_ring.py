@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -986,3 +987,19 @@ def test_a_socket_error_ahead_of_its_completions_frees_exactly_their_credits(cha
     link._pop_finished = functools.partial(_py_pop_finished, link._inbox)
     assert link.reap({}, []) == len(comps)
     assert link.in_flight == 0 and not link.early
+
+
+def test_a_layout_drift_between_python_and_the_extension_fails_the_import() -> None:
+    """transfer/ring/_layout.py and native/layout.h declare the ring's layout; the import
+    compares what the extension was built with against the Python declarations, and any
+    difference (a field moved, an opcode renumbered, a flag or a kind) names itself."""
+    from transfer import _native
+    from transfer.ring import _layout
+
+    built = _native.layout()
+    _layout.check_native(built)  # as built: the same
+    for key, value in (("desc.nbytes", 40), ("op.FENCE", 9), ("FLAG_SUM", 8), ("kind.COPYV", 2), ("desc_size", 72)):
+        with pytest.raises(ImportError, match=re.escape(key)):
+            _layout.check_native({**built, key: value})
+    with pytest.raises(ImportError, match="kind.EXTRA"):
+        _layout.check_native({**built, "kind.EXTRA": 8})

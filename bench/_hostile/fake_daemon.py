@@ -91,7 +91,7 @@ def ring_memfd(capacity: int = 64, garbage: bytes | None = None) -> int:
     return fd
 
 
-def _pipe_end(which: int) -> int:
+def pipe_end(which: int) -> int:
     r, w = os.pipe()
     os.close(w if which == 0 else r)
     return r if which == 0 else w
@@ -102,7 +102,7 @@ SEGMENT_HANDOVERS: dict[str, Callable[[], int | bytes]] = {
     "unsealed_memfd": lambda: sealed_memfd(4 * KiB, seals=False),
     "other_size": lambda: sealed_memfd(8 * KiB),
     "smaller": lambda: sealed_memfd(KiB),
-    "pipe": lambda: _pipe_end(0),
+    "pipe": lambda: pipe_end(0),
     "refused": lambda: b"\x01no",
     "garbage_reply": lambda: b"\x07\x07",
     "empty": lambda: b"",
@@ -110,12 +110,12 @@ SEGMENT_HANDOVERS: dict[str, Callable[[], int | bytes]] = {
 }
 #: A ring's handover gone wrong: (the ring's memfd, the bell) makers.
 RING_HANDOVERS: dict[str, tuple[Callable[[], int | bytes], Callable[[], int | bytes]]] = {
-    "header_garbage": (lambda: ring_memfd(garbage=os.urandom(4096)), lambda: _pipe_end(1)),
-    "header_zeros": (lambda: ring_memfd(garbage=bytes(4096)), lambda: _pipe_end(1)),
-    "unsealed_ring": (lambda: sealed_memfd(Ring.nbytes_for(64), seals=False), lambda: _pipe_end(1)),
+    "header_garbage": (lambda: ring_memfd(garbage=os.urandom(4096)), lambda: pipe_end(1)),
+    "header_zeros": (lambda: ring_memfd(garbage=bytes(4096)), lambda: pipe_end(1)),
+    "unsealed_ring": (lambda: sealed_memfd(Ring.nbytes_for(64), seals=False), lambda: pipe_end(1)),
     "bell_memfd": (ring_memfd, lambda: sealed_memfd(4096)),
-    "bell_read_end": (ring_memfd, lambda: _pipe_end(0)),
-    "ring_is_pipe": (lambda: _pipe_end(0), lambda: _pipe_end(1)),
+    "bell_read_end": (ring_memfd, lambda: pipe_end(0)),
+    "ring_is_pipe": (lambda: pipe_end(0), lambda: pipe_end(1)),
     "bell_refused": (ring_memfd, lambda: b"\x01no"),
 }
 
@@ -315,7 +315,7 @@ class FakeDaemon:
             make = SEGMENT_HANDOVERS[handover] if handover else (lambda: sealed_memfd(4 * KiB))
             return {"va": SEGMENT_VA, "nbytes": 4 * KiB, "token": self.fds.offer(make)}
         if t is P.OpenRing:
-            ring, bell = RING_HANDOVERS[handover] if handover else (ring_memfd, lambda: _pipe_end(1))
+            ring, bell = RING_HANDOVERS[handover] if handover else (ring_memfd, lambda: pipe_end(1))
             return {"token": self.fds.offer(ring), "bell": self.fds.offer(bell), "cbell": None, "capacity": 64,
                     "completion_capacity": 64, "graphs": True, "after": True}
         if t is P.Alloc:

@@ -190,22 +190,10 @@ class Cell:
                 f"P={self.producers} D={self.depth}")
 
 
-def fallback_checksum64(buf: Bytes) -> int:
-    """Used only when ``transfer.checksum64`` does not exist yet (baselines only)."""
-    a = np.frombuffer(buf, dtype=np.uint8)
-    n8 = len(a) // 8 * 8
-    s = int(np.add.reduce(a[:n8].view(np.uint64), dtype=np.uint64)) if n8 else 0
-    if n8 != len(a):
-        s += int(a[n8:].sum())
-    return (s ^ len(a)) & 0xFFFFFFFFFFFFFFFF
-
-
 def get_checksum() -> tuple[Callable[[Bytes], int], str]:
-    """The checksum every method uses: transfer's own (the daemon's) when available."""
-    try:
-        from transfer import checksum64
-    except Exception:  # pragma: no cover - core not there yet
-        return fallback_checksum64, "fallback (transfer.checksum64 unavailable)"
+    """The checksum every method uses: transfer's own (the daemon's)."""
+    from transfer import checksum64
+
     return checksum64, "transfer.checksum64"
 
 

@@ -152,8 +152,6 @@ def _main(args: argparse.Namespace) -> int:
                   "(use --methods to run only the baselines)", file=sys.stderr)
             return 2
     cks, cks_name = common.get_checksum()
-    if cks is common.fallback_checksum64:
-        notes.append("checksum: transfer.checksum64 unavailable, baselines used a fallback sum")
 
     gpu_sizes = [s for s in sizes if s >= 64 << 10] if args.sizes else common.parse_sizes("64K..256M")
     cell_modes = [m for m in run_modes if m not in ("gpu", "latency")]  # their own methods: _bench.gpu, _bench.latency
