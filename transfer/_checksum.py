@@ -32,7 +32,10 @@ def checksum64(data: "np.ndarray | bytes | bytearray | memoryview") -> int:
 
 
 def checksum64_xp(arr: Any, xp: Any) -> int:
-    """checksum64 with NumPy or CuPy (`xp`): the same value as `checksum64`, computed on the device."""
+    """checksum64 of an array of `xp`'s: host memory (NumPy) natively, as `checksum64`;
+    device memory (CuPy) on the device, to the same value."""
+    if xp is np:
+        return checksum64(arr)
     flat = xp.ascontiguousarray(arr).reshape(-1).view(xp.uint8)
     n = int(flat.nbytes)
     whole = n & ~7
