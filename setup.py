@@ -39,6 +39,7 @@ setup(
             sources=sorted(glob("native/*.c")),
             depends=sorted(glob("native/*.h")),
             include_dirs=["native"],
+            libraries=["dl"],  # dlopen of the CUDA driver (native/cuda.c); part of libc from glibc 2.34
             extra_compile_args=["-std=gnu11", "-O3", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wno-unused-parameter",
                                 "-Wno-missing-field-initializers", "-Wno-cast-function-type"],
         )

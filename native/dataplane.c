@@ -28,6 +28,8 @@ int tdp_table_init(tdp_table_t *t)
     pthread_rwlockattr_destroy(&a);
     t->segs = NULL;
     t->n = t->cap = 0;
+    atomic_store(&t->pinned_bytes, 0);
+    atomic_store(&t->pin_cap, 0);
     return rc;
 }
 
@@ -70,20 +72,49 @@ int tdp_table_add(tdp_table_t *t, uint32_t sid, uint8_t *base, uint64_t nbytes,
         return -2;
     if (tdp_grow((void **)&t->segs, t->n, &t->cap, sizeof *t->segs, 64) < 0)
         return -1;
+    tdp_busy_t *busy = calloc(1, sizeof *busy);
+    if (!busy)
+        return -1;
+    busy->base = base;
+    busy->nbytes = nbytes;
     memmove(&t->segs[i + 1], &t->segs[i], (size_t)(t->n - i) * sizeof *t->segs);
-    t->segs[i] = (tdp_seg_t){sid, device, base, nbytes, owner, NULL, 0, 0, keep};
+    t->segs[i] = (tdp_seg_t){sid, device, base, nbytes, owner, NULL, 0, 0, keep, -1, 0, busy};
     t->n++;
     return 0;
 }
 
-/* Remove (under the write lock); returns the entry's keep handle (NULL if absent). */
-void *tdp_table_remove(tdp_table_t *t, uint32_t sid)
+int tdp_table_add_cuda(tdp_table_t *t, uint32_t sid, uint64_t ptr, uint64_t nbytes, uint64_t owner, int32_t device,
+                       int32_t ordinal, void *keep)
+{
+    int rc = tdp_table_add(t, sid, (uint8_t *)(uintptr_t)ptr, nbytes, owner, device, keep);
+    if (rc == 0) {
+        int found;
+        tdp_seg_t *e = &t->segs[tdp_find(t, sid, &found)];
+        e->cuda = 1;
+        e->ordinal = ordinal;
+        atomic_store(&e->busy->pin, TDP_PIN_REFUSED); /* (device memory is never page-locked) */
+    }
+    return rc;
+}
+
+tdp_busy_t *tdp_table_busy(tdp_table_t *t, uint32_t sid)
 {
     int found;
     uint32_t i = tdp_find(t, sid, &found);
+    return found ? t->segs[i].busy : NULL;
+}
+
+/* Remove (under the write lock); returns the entry's keep handle (NULL if absent). */
+void *tdp_table_remove(tdp_table_t *t, uint32_t sid, tdp_busy_t **busy, int *cuda)
+{
+    int found;
+    uint32_t i = tdp_find(t, sid, &found);
+    *busy = NULL;
     if (!found)
         return NULL;
     void *keep = t->segs[i].keep;
+    *busy = t->segs[i].busy;
+    *cuda = t->segs[i].cuda;
     free(t->segs[i].guests);
     memmove(&t->segs[i], &t->segs[i + 1], (size_t)(t->n - i - 1) * sizeof *t->segs);
     t->n--;
@@ -113,10 +144,21 @@ int tdp_table_guest(tdp_table_t *t, uint32_t sid, uint64_t session, int allow)
     return 0;
 }
 
-/* [va, va + n) as a pointer, if it lies in one segment `session` may use; else NULL.
- * *device gets the segment's device (-1: host). Under the read lock. */
+/* [va, va + n) as a pointer the worker may touch, if it lies in one segment `session` may use
+ * and in host memory; else NULL (CUDA memory: tdp_lookup). *device gets the segment's device
+ * (-1: host). Under the read lock. */
 uint8_t *tdp_translate(const tdp_table_t *t, uint64_t session, uint64_t va, uint64_t n,
                                      int32_t *device)
+{
+    uint64_t off;
+    const tdp_seg_t *e = tdp_lookup(t, session, va, n, &off);
+    if (!e || e->cuda)
+        return NULL;
+    *device = e->device;
+    return e->base + off;
+}
+
+const tdp_seg_t *tdp_lookup(const tdp_table_t *t, uint64_t session, uint64_t va, uint64_t n, uint64_t *off_out)
 {
     int found;
     uint64_t sid64 = va >> TDP_OFFSET_BITS, off = va & TDP_OFFSET_MASK;
@@ -133,8 +175,8 @@ uint8_t *tdp_translate(const tdp_table_t *t, uint64_t session, uint64_t va, uint
     }
     if (off > e->nbytes || n > e->nbytes - off)
         return NULL;
-    *device = e->device;
-    return e->base + off;
+    *off_out = off;
+    return e;
 }
 
 /* checksum64's word sum (transfer/_checksum.py): little-endian u64 words, the tail zero-padded.
@@ -266,16 +308,23 @@ static inline void tdp_signal(tdp_worker_t *w)
     }
 }
 
-/* Consume `n` peeked descriptors and push `nc` completions; then publish `done`. 0, or TRQ_CORRUPT. */
-static inline int tdp_commit(tdp_worker_t *w, uint64_t n, uint64_t nc)
+/* Consume `n` peeked descriptors (their slots are the client's again). */
+static inline void tdp_consume(tdp_worker_t *w, uint64_t n)
 {
     if (n) {
         w->rq->mine += n;
         atomic_store_explicit(w->rq->head, w->rq->mine, memory_order_release);
         trq_ring_doorbell(w->rq->space_waiter);
     }
+}
+
+/* Push `nc` completions, account their latency (from `t0`, by `kinds`, zeroed), then publish
+ * `done`. 0, or TRQ_CORRUPT. */
+static inline int tdp_push(tdp_worker_t *w, const tdp_comp_t *comps, uint64_t nc, uint64_t done, uint64_t t0,
+                           uint64_t *kinds)
+{
     if (nc) {
-        int64_t pushed = trq_push_from(w->cq, w->comps, nc, 0);
+        int64_t pushed = trq_push_from(w->cq, comps, nc, 0);
         if (pushed != (int64_t)nc)
             return TRQ_CORRUPT;  /* the slots were free when counted: only a hostile client gets here */
         if (trq_ring_doorbell(w->cq->data_waiter) == 1 && w->cbell_fd >= 0) {
@@ -283,23 +332,75 @@ static inline int tdp_commit(tdp_worker_t *w, uint64_t n, uint64_t nc)
             (void)r;
         }
     }
-    uint64_t dt = trq_now_ns() - w->t0, b = 0;
+    uint64_t dt = trq_now_ns() - t0, b = 0;
     while (b < w->nbounds && w->hbounds_ns[b] < dt)
         b++;
     for (int k = 0; k < TDP_KINDS; k++) {
-        if (w->kinds[k]) {
-            atomic_fetch_add_explicit(&w->hist[k][b], w->kinds[k], memory_order_relaxed);
-            atomic_fetch_add_explicit(&w->hsum_ns[k], dt * w->kinds[k], memory_order_relaxed);
-            w->kinds[k] = 0;
+        if (kinds[k]) {
+            atomic_fetch_add_explicit(&w->hist[k][b], kinds[k], memory_order_relaxed);
+            atomic_fetch_add_explicit(&w->hsum_ns[k], dt * kinds[k], memory_order_relaxed);
+            kinds[k] = 0;
         }
     }
-    atomic_store_explicit(&w->done, w->rq->mine, memory_order_seq_cst);
+    atomic_store_explicit(&w->done, done, memory_order_seq_cst);
     uint64_t want = atomic_load_explicit(&w->watch, memory_order_seq_cst);
-    if (want && w->rq->mine >= want) {
+    if (want && done >= want) {
         atomic_store_explicit(&w->watch, 0, memory_order_relaxed);
         tdp_signal(w);
     }
     return 0;
+}
+
+/* The parked batch's device work is done: push its completions. 0, or -1 (a hostile client
+ * broke the ring: the worker is BROKEN). */
+static int tdp_unpark(tdp_worker_t *w)
+{
+    if (!w->parked)
+        return 0;
+    tdp_dev_settle_parked(w, w->pcomps);
+    w->parked = 0;
+    if (tdp_push(w, w->pcomps, w->pnc, w->pdone, w->pt0, w->pkinds) < 0) {
+        atomic_store_explicit(&w->mode, TDP_BROKEN, memory_order_release);
+        tdp_signal(w);
+        return -1;
+    }
+    return 0;
+}
+
+void tdp_dev_wait(tdp_worker_t *w)
+{
+    tdp_unpark(w);
+    tdp_dev_settle(w);
+}
+
+/* Consume `n` peeked descriptors and push `nc` completions; then publish `done`. 0, or
+ * TRQ_CORRUPT. Completions are only for work that is done: a batch with device work queued
+ * (`may_park`: not before a handover) is parked instead, its events recorded, and its
+ * completions pushed once they have passed, after the next batch's work is queued behind it
+ * (or as soon as there is no next batch): the copy engine never waits for the worker. */
+static inline int tdp_commit(tdp_worker_t *w, uint64_t n, uint64_t nc, int may_park)
+{
+    w->dsince = 0;
+    if (may_park && nc && tdp_dev_record(w) == 0) {
+        if (tdp_unpark(w) < 0)
+            return TRQ_CORRUPT;
+        tdp_consume(w, n);
+        memcpy(w->pcomps, w->comps, nc * sizeof *w->comps);
+        memcpy(w->pkinds, w->kinds, sizeof w->kinds);
+        memset(w->kinds, 0, sizeof w->kinds);
+        w->pnc = nc;
+        w->pdone = w->rq->mine;
+        w->pt0 = w->t0;
+        w->parked = 1;
+        atomic_fetch_add_explicit(&w->n_dparks, 1, memory_order_relaxed);
+        tdp_dev_swap(w);
+        return 0;
+    }
+    tdp_dev_wait(w); /* (the parked batch first: completions go out in ring order) */
+    if (atomic_load_explicit(&w->mode, memory_order_acquire) == TDP_BROKEN)
+        return TRQ_CORRUPT;
+    tdp_consume(w, n);
+    return tdp_push(w, w->comps, nc, w->rq->mine, w->t0, w->kinds);
 }
 
 /* A write to [d, d + n) drops the sums of the ranges it overlaps. */
@@ -493,6 +594,13 @@ static inline int tdp_bytes(tdp_worker_t *w, int op, uint64_t dva, uint64_t sva,
     /* A copy whose ranges overlap (one segment: VAs are segment << 40 | offset) is never
      * summed as it goes, and one onto a higher address goes chunk by chunk from the end, so
      * that no chunk reads bytes an earlier chunk already overwrote (memmove's rule). */
+    if (tdp_dev_touches(w, op, dva, sva, n)) {
+        if (op == TDP_CHECKSUM || (want & TDP_WANT_SUM))
+            return TDP_WHY_DEVICE; /* (summing device memory: the Python pass's kernel) */
+        return tdp_dev_op(w, op, dva, sva, n, value);
+    }
+    if (w->parked || w->fl[w->cf].dused || w->fl[w->cf].ndevc)
+        tdp_dev_wait(w); /* host work after queued device work: in ring order */
     int overlap = op == TDP_COPY && dva < sva + n && sva < dva + n;
     int back = overlap && dva > sva && n > TDP_CHUNK;
     uint64_t off = back ? (n - 1) / TDP_CHUNK * TDP_CHUNK : 0, fsum = 0;
@@ -616,12 +724,18 @@ static inline int tdp_chain(tdp_worker_t *w, uint64_t i, uint64_t n, uint64_t *l
             why = TDP_WHY_CHAIN;
             break;
         }
-        int32_t dd = -1, sd = -1;
-        if (!tdp_translate(w->table, w->session, d->dst, d->nbytes, &dd) ||
-            !tdp_translate(w->table, w->session, d->src, d->nbytes, &sd)) {
+        uint64_t o;
+        const tdp_seg_t *de = tdp_lookup(w->table, w->session, d->dst, d->nbytes, &o);
+        const tdp_seg_t *se = tdp_lookup(w->table, w->session, d->src, d->nbytes, &o);
+        if (!de || !se) {
             why = TDP_WHY_ADDRESS;
             break;
         }
+        if (sum && (de->cuda || se->cuda)) {
+            why = TDP_WHY_DEVICE;
+            break;
+        }
+        int32_t dd = de->device, sd = se->device;
         for (int z = 0; z < 2; z++) {
             int32_t dev = z ? sd : dd;
             if (dev >= 0) {
@@ -654,6 +768,9 @@ static inline int64_t tdp_serve(tdp_worker_t *w, uint64_t avail)
     int64_t cfree = trq_free(w->cq);
     if (cfree < 0)
         goto corrupt;
+    cfree -= (int64_t)w->pnc * w->parked; /* (the parked batch's completions have their slots) */
+    if (cfree <= 0)
+        return 0;
     atomic_fetch_add_explicit(&w->n_batches, 1, memory_order_relaxed);
     w->t0 = trq_now_ns();
     w->nwant = w->nmemo = 0;
@@ -674,6 +791,7 @@ static inline int64_t tdp_serve(tdp_worker_t *w, uint64_t avail)
             break; /* no completion slot: the client has not reaped yet */
         tdp_comp_t *c = &w->comps[nc];
         *c = (tdp_comp_t){d->id, 0, 0, 0, 0};
+        w->cur = (uint32_t)nc;
         if (d->flags & TDP_FLAG_AFTER) {
             why = TDP_WHY_AFTER;
             break;
@@ -772,8 +890,10 @@ static inline int64_t tdp_serve(tdp_worker_t *w, uint64_t avail)
         }
         i += len;
         nc++;
-        if (since >= TDP_FLUSH_BYTES) { /* long work: answer what is done before going on */
-            if (tdp_commit(w, i - consumed, nc) < 0)
+        if (since >= TDP_FLUSH_BYTES + w->dsince || w->dsince >= TDP_DEV_FLUSH_BYTES) {
+            /* long work: answer what is done before going on (device bytes count apart: each
+             * early answer waits for the copy engine to drain) */
+            if (tdp_commit(w, i - consumed, nc, 1) < 0)
                 goto corrupt;
             cfree -= nc;
             consumed = i;
@@ -781,9 +901,11 @@ static inline int64_t tdp_serve(tdp_worker_t *w, uint64_t avail)
             since = 0;
         }
     }
-    if (why < 0)
+    if (why < 0) {
+        tdp_dev_wait(w); /* (the memory its queued work touches may go once the worker ends) */
         return -1; /* stopping: the session is going, the client fails what is outstanding */
-    if (tdp_commit(w, i - consumed, nc) < 0)
+    }
+    if (tdp_commit(w, i - consumed, nc, why == 0) < 0)
         goto corrupt;
     if (why) {
         atomic_fetch_add_explicit(&w->handovers[why], 1, memory_order_relaxed);
@@ -828,6 +950,16 @@ static void *tdp_run(void *arg)
             need = 1;
             continue;
         }
+        if (w->parked) {
+            /* A batch's device work is in flight: serve what is already there behind it, or,
+             * with nothing to serve at once, wait for it and answer it. */
+            int64_t av = trq_available(w->rq), fr = trq_free(w->cq) - (int64_t)w->pnc;
+            if (av < (int64_t)need || fr < (int64_t)(w->cneed ? w->cneed : 1) ||
+                w->rq->mine >= atomic_load_explicit(&w->limit, memory_order_acquire)) {
+                tdp_unpark(w);
+                continue;
+            }
+        }
         /* A completion slot first (serving needs one; a verified chain, one per piece), then
          * descriptors. */
         uint64_t spin = atomic_load_explicit(&w->spin_ns, memory_order_relaxed);
@@ -864,6 +996,7 @@ static void *tdp_run(void *arg)
         int64_t r = tdp_serve(w, (uint64_t)a);
         need = r > 0 ? (uint64_t)r : 1;
     }
+    tdp_dev_close(w);
     return NULL;
 }
 
@@ -873,7 +1006,10 @@ int tdp_worker_start(tdp_worker_t *w)
     w->batch_cap = w->rq->cap < TDP_MAX_CHAIN ? (uint32_t)w->rq->cap : TDP_MAX_CHAIN;
     w->batch = malloc((size_t)w->batch_cap * sizeof *w->batch);
     w->comps = malloc((size_t)w->batch_cap * sizeof *w->comps);
-    if (!w->batch || !w->comps)
+    w->pcomps = malloc((size_t)w->batch_cap * sizeof *w->pcomps);
+    for (int k = 0; k < 2; k++)
+        w->fl[k].devc = malloc((size_t)w->batch_cap * sizeof *w->fl[k].devc);
+    if (!w->batch || !w->comps || !w->pcomps || !w->fl[0].devc || !w->fl[1].devc)
         return ENOMEM;
     atomic_store(&w->done, w->rq->mine);
     atomic_store(&w->limit, UINT64_MAX);
@@ -898,7 +1034,15 @@ void tdp_worker_stop(tdp_worker_t *w)
     }
     free(w->batch);
     free(w->comps);
+    free(w->pcomps);
     w->batch = NULL;
     w->comps = NULL;
+    w->pcomps = NULL;
+    for (int k = 0; k < 2; k++) { /* (tdp_dev_close freed them when the thread ran) */
+        free(w->fl[k].held);
+        free(w->fl[k].devc);
+        w->fl[k].held = NULL;
+        w->fl[k].devc = NULL;
+    }
 }
 

@@ -39,6 +39,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 
+#include "cuda.h"
 #include "layout.h"
 #include "queue.h"
 
@@ -66,29 +67,59 @@ enum {
     TDP_WHY_DEVICES,    /* operands on two devices */
     TDP_WHY_CHAIN,      /* a chain that mixes ops/ids/streams or outgrows the ring */
     TDP_WHY_AFTER,      /* a descriptor that waits for socket frames (TDP_FLAG_AFTER) */
+    TDP_WHY_DEVICE,     /* device work the worker leaves to Python (a checksum of device memory, an
+                           overlapping device copy, a verified chain that touches a device) */
     TDP_WHY_COUNT
 };
 
 /* ---- the table ----------------------------------------------------------- */
 
+/* A segment's device work in flight and its page-locking (device.c). It outlives the segment's
+ * table entry: a removal takes the entry out under the write lock, then waits, without the
+ * lock, until no queued device work touches the memory (`inflight` 0) before it goes. */
+enum { TDP_PIN_NONE = 0, TDP_PIN_BUSY, TDP_PIN_OURS, TDP_PIN_OTHERS, TDP_PIN_REFUSED };
+typedef struct {
+    _Atomic uint64_t inflight;
+    _Atomic int pin;       /* TDP_PIN_*: a host segment is page-locked on its first device copy */
+    uint8_t *base;
+    uint64_t nbytes;
+} tdp_busy_t;
+
 typedef struct {
     uint32_t sid;
     int32_t device;        /* -1: host shared memory; else the device whose memory it is */
-    uint8_t *base;
+    uint8_t *base;         /* host memory, or (cuda) a CUDA device pointer never dereferenced here */
     uint64_t nbytes;
     uint64_t owner;
     uint64_t *guests;
     uint32_t nguests, guest_cap;
     void *keep;            /* the binding's handle on the memory (released after removal) */
+    int32_t ordinal;       /* cuda: the CUDA device (the driver's ordinal) */
+    uint8_t cuda;          /* the memory is CUDA device memory: only the driver touches it */
+    tdp_busy_t *busy;
 } tdp_seg_t;
 
 typedef struct {
     pthread_rwlock_t lock;
     tdp_seg_t *segs;       /* sorted by sid */
     uint32_t n, cap;
+    _Atomic uint64_t pinned_bytes, pin_cap; /* host bytes the workers page-locked; at most (0: any) */
 } tdp_table_t;
 
 /* ---- the worker -------------------------------------------------------------- */
+
+/* One batch's device work (device.c): an event per CUDA device it used, the segments it keeps
+ * busy, and the completions (indices into its batch's completions) of the requests that
+ * queued it. */
+typedef struct {
+    CUevent ev[TDP_CUDA_MAX_DEVICES];
+    uint32_t dused;             /* devices with work queued (bits) */
+    uint32_t recorded;          /* of those, devices whose event is recorded (bits) */
+    tdp_busy_t **held;
+    uint32_t nheld, held_cap;
+    uint32_t *devc, ndevc;
+    CUresult fault;             /* the first driver error of this batch */
+} tdp_flight_t;
 
 typedef struct {
     trq_t *rq;                 /* the request queue, as consumer (the binding's Queue object's) */
@@ -129,6 +160,27 @@ typedef struct {
     _Atomic uint64_t n_fused;   /* checksums answered from a copy's sum */
     _Atomic uint64_t n_shared;  /* copies a copy helper took part in (tdp_copy_shared) */
     uint64_t t0;                /* when the current batch was peeked */
+    /* Device work (device.c): one stream per CUDA device this worker used, and two flights:
+     * the batch being served, and the one before it, whose work is queued and whose
+     * completions are held ("parked") until its events pass, so that the copy engine has the
+     * next batch while the worker waits for the last. */
+    CUstream dstream[TDP_CUDA_MAX_DEVICES];
+    uint32_t dext;              /* streams given by the daemon (its lanes' streams: CuPy's), not ours to destroy */
+    tdp_flight_t fl[2];
+    int cf;                     /* the current flight (the batch being served) */
+    uint32_t cur;               /* the completion slot of the request being served */
+    /* A copy not queued yet: the next copy that continues it in both ranges, on the same
+     * device, joins it (contiguous pieces of a batch are one async copy). */
+    struct { uint64_t dst, src, n; int ordinal; } mg;
+    CUresult sticky;            /* a driver error that lost the context: every later device request fails */
+    uint64_t dsince;            /* device bytes queued since the last commit */
+    /* The parked batch: its completions, the request index `done` becomes once they are
+     * pushed, and its latency accounting. */
+    tdp_comp_t *pcomps;
+    uint64_t pnc, pdone, pt0;
+    uint64_t pkinds[TDP_KINDS];
+    int parked;
+    _Atomic uint64_t n_dcopy, n_dfill, n_dbytes, n_unpinned, n_dfaults, n_dwaits, n_dparks;
     pthread_t thread;
     int started;
 } tdp_worker_t;
@@ -163,7 +215,28 @@ typedef struct {
 /* The table (under its rwlock; the binding holds no GIL across the write lock). */
 int tdp_table_init(tdp_table_t *t);
 int tdp_table_add(tdp_table_t *t, uint32_t sid, uint8_t *base, uint64_t nbytes, uint64_t owner, int32_t device, void *keep);
-void *tdp_table_remove(tdp_table_t *t, uint32_t sid);
+/* A segment of CUDA device memory (`ptr` on CUDA device `ordinal`). */
+int tdp_table_add_cuda(tdp_table_t *t, uint32_t sid, uint64_t ptr, uint64_t nbytes, uint64_t owner, int32_t device,
+                       int32_t ordinal, void *keep);
+/* Take a segment out; its keep handle (NULL if absent), in *cuda whether it was device memory,
+ * and in *busy what tdp_busy_retire must settle once the write lock is released. */
+void *tdp_table_remove(tdp_table_t *t, uint32_t sid, tdp_busy_t **busy, int *cuda);
+/* Wait until no queued device work touches the removed segment, unpin it, free the record
+ * (without the table's lock, without the GIL). */
+void tdp_busy_retire(tdp_table_t *t, tdp_busy_t *b);
+/* The keeper thread (device.c): page-lock a newly registered host segment in the background
+ * (with the driver loaded); and retire a removed segment: at once when no device work touches
+ * it and it is not pinned (0: the caller releases `keep` now), else on the keeper's thread,
+ * which then calls release(keep) (1). */
+void tdp_keeper_pin(tdp_table_t *t, tdp_busy_t *b);
+int tdp_keeper_retire(tdp_table_t *t, tdp_busy_t *b, void (*release)(void *), void *keep);
+/* Wait until the keeper has done everything queued (a table's end). */
+void tdp_keeper_drain(void);
+/* A segment's busy record (under either lock), or NULL. */
+tdp_busy_t *tdp_table_busy(tdp_table_t *t, uint32_t sid);
+/* The entry [va, va + n) lies in, if `session` may use it (host or device memory); *off gets
+ * the offset. Under the read lock. */
+const tdp_seg_t *tdp_lookup(const tdp_table_t *t, uint64_t session, uint64_t va, uint64_t n, uint64_t *off);
 int tdp_table_guest(tdp_table_t *t, uint32_t sid, uint64_t session, int allow);
 uint8_t *tdp_translate(const tdp_table_t *t, uint64_t session, uint64_t va, uint64_t n, int32_t *device);
 /* checksum64's word sum (without the length term) of n bytes at p. */
@@ -173,6 +246,29 @@ void tdp_private_wake(_Atomic uint32_t *w);
 /* Start a worker's thread (0, or an errno); stop and join it (call without the GIL). */
 int tdp_worker_start(tdp_worker_t *w);
 void tdp_worker_stop(tdp_worker_t *w);
+/* Device work (device.c). Whether a COPY or FILL touches CUDA memory (then tdp_dev_op serves
+ * it); queue it on the worker's stream: 0, or a TDP_WHY_* to hand it over; wait for what is
+ * queued (before host work that follows it, and before completions are pushed); release the
+ * streams when the worker ends. */
+int tdp_dev_touches(tdp_worker_t *w, int op, uint64_t dva, uint64_t sva, uint64_t n);
+int tdp_dev_op(tdp_worker_t *w, int op, uint64_t dva, uint64_t sva, uint64_t n, uint8_t value);
+void tdp_dev_wait(tdp_worker_t *w);
+void tdp_dev_close(tdp_worker_t *w);
+/* The current flight's device work is queued: record its events (0), or -1 when it has none
+ * or a driver error (then the caller waits for it instead of parking it). */
+int tdp_dev_record(tdp_worker_t *w);
+/* Wait for the current flight's work and settle it (faults onto its completions). */
+void tdp_dev_settle(tdp_worker_t *w);
+/* Wait for the parked flight's work and settle it onto `comps` (the parked completions). */
+void tdp_dev_settle_parked(tdp_worker_t *w, tdp_comp_t *comps);
+/* Make the parked flight the current one's successor: swap flights (after parking). */
+void tdp_dev_swap(tdp_worker_t *w);
+/* Copies of device memory are queued in pieces of at most this many bytes, so that one tenant's
+ * big copy never holds a copy engine for long. */
+#define TDP_DEV_CHUNK (4ull << 20)
+/* Completions of device work are pushed early once this many device bytes were queued. */
+#define TDP_DEV_FLUSH_BYTES (16ull << 20)
+
 /* Let `want` copy helpers (at most TDP_HELPERS_MAX) share large copies; how many may now. */
 int tdp_copy_helpers(int want);
 

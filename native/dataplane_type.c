@@ -35,13 +35,52 @@ static void release_keep(void *keep)
     }
 }
 
+/* What a removed segment's entry held: a buffer export (host memory) or an object reference
+ * (device memory). Released with the GIL, after its device work. */
+typedef struct {
+    void *keep;
+    int cuda;
+} kept_t;
+
+static void release_now(void *keep, int cuda)
+{
+    if (cuda)
+        Py_XDECREF((PyObject *)keep);
+    else
+        release_keep(keep);
+}
+
+static int release_pending(void *arg)
+{
+    kept_t *k = arg;
+    release_now(k->keep, k->cuda);
+    PyMem_RawFree(k);
+    return 0;
+}
+
+/* On the keeper's thread: hand the release to the interpreter's main thread. */
+static void release_later(void *arg)
+{
+    while (Py_AddPendingCall(release_pending, arg) != 0) {
+        struct timespec ts = {0, 1000000};
+        nanosleep(&ts, NULL); /* (its queue of pending calls is full: the main thread drains it) */
+    }
+}
+
 static void Table_dealloc(TableObject *self)
 {
     if (self->ok) {
+        Py_BEGIN_ALLOW_THREADS
+        tdp_keeper_drain(); /* (its items point at this table) */
+        Py_END_ALLOW_THREADS
         /* Workers hold a reference: none is running. */
         for (uint32_t i = 0; i < self->t.n; i++) {
             free(self->t.segs[i].guests);
-            release_keep(self->t.segs[i].keep);
+            tdp_busy_retire(&self->t, self->t.segs[i].busy);
+            if (self->t.segs[i].cuda)
+                Py_XDECREF((PyObject *)self->t.segs[i].keep);
+            else
+                release_keep(self->t.segs[i].keep);
         }
         free(self->t.segs);
         pthread_rwlock_destroy(&self->t.lock);
@@ -92,9 +131,45 @@ static PyObject *Table_add(TableObject *self, PyObject *args, PyObject *kwds)
     }
     write_lock(self);
     int rc = tdp_table_add(&self->t, sid, view->buf, (uint64_t)view->len, owner, device, view);
+    if (rc == 0 && device < 0) /* shared memory: page-locked in the background for device copies */
+        tdp_keeper_pin(&self->t, tdp_table_busy(&self->t, sid));
     pthread_rwlock_unlock(&self->t.lock);
     if (rc < 0) {
         release_keep(view);
+        if (rc == -2)
+            PyErr_Format(PyExc_KeyError, "segment %u is already in the table", sid);
+        else
+            PyErr_NoMemory();
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* add_cuda(sid, ptr, nbytes, owner, device, ordinal, keep): CUDA device memory. `keep` is
+ * referenced until the segment is removed (the allocation's owner). */
+static PyObject *Table_add_cuda(TableObject *self, PyObject *args)
+{
+    unsigned int sid;
+    unsigned long long ptr, nbytes, owner;
+    int device, ordinal;
+    PyObject *keep;
+    if (!PyArg_ParseTuple(args, "IKKKiiO", &sid, &ptr, &nbytes, &owner, &device, &ordinal, &keep) || !table_ok(self))
+        return NULL;
+    if (sid == 0 || sid >= (1u << 24)) {
+        PyErr_SetString(PyExc_ValueError, "segment id out of range");
+        return NULL;
+    }
+    if (!tdp_cuda_loaded() || ordinal < 0 || ordinal >= tdp_cuda_devices() || device < 0 || !ptr ||
+        nbytes > TDP_OFFSET_MASK || ptr + nbytes < ptr) {
+        PyErr_Format(PyExc_ValueError, "add_cuda: no CUDA device %d loaded, or a bad range", ordinal);
+        return NULL;
+    }
+    Py_INCREF(keep);
+    write_lock(self);
+    int rc = tdp_table_add_cuda(&self->t, sid, ptr, nbytes, owner, device, ordinal, keep);
+    pthread_rwlock_unlock(&self->t.lock);
+    if (rc < 0) {
+        Py_DECREF(keep);
         if (rc == -2)
             PyErr_Format(PyExc_KeyError, "segment %u is already in the table", sid);
         else
@@ -112,11 +187,58 @@ static PyObject *Table_remove(TableObject *self, PyObject *arg)
     if (!table_ok(self))
         return NULL;
     write_lock(self);
-    void *keep = tdp_table_remove(&self->t, (uint32_t)sid);
-    pthread_rwlock_unlock(&self->t.lock);
-    release_keep(keep); /* after the unlock: no worker can be inside these bytes now */
-    return PyBool_FromLong(keep != NULL);
+    tdp_busy_t *busy;
+    int cuda = 0;
+    void *keep = tdp_table_remove(&self->t, (uint32_t)sid, &busy, &cuda);
+    pthread_rwlock_unlock(&self->t.lock); /* no worker is inside these bytes now */
+    if (!busy)
+        Py_RETURN_FALSE;
+    /* Device work queued on it, or its page-locking, is settled by the keeper, which holds the
+     * memory (the exported buffer or the device allocation) until then: the loop never waits. */
+    kept_t *k = PyMem_RawMalloc(sizeof *k);
+    if (k) {
+        k->keep = keep;
+        k->cuda = cuda;
+    }
+    if (!k || tdp_keeper_retire(&self->t, busy, release_later, k) == 0) {
+        if (!k) {
+            Py_BEGIN_ALLOW_THREADS
+            tdp_busy_retire(&self->t, busy);
+            Py_END_ALLOW_THREADS
+        }
+        PyMem_RawFree(k);
+        release_now(keep, cuda);
+    }
+    Py_RETURN_TRUE;
 }
+
+static PyObject *Table_get_pin_cap(TableObject *self, void *c)
+{
+    return PyLong_FromUnsignedLongLong(atomic_load(&self->t.pin_cap));
+}
+
+static int Table_set_pin_cap(TableObject *self, PyObject *v, void *c)
+{
+    unsigned long long cap = v ? PyLong_AsUnsignedLongLong(v) : (unsigned long long)-1;
+    if (!v || (cap == (unsigned long long)-1 && PyErr_Occurred())) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "pin_cap: bytes (0: no cap)");
+        return -1;
+    }
+    atomic_store(&self->t.pin_cap, cap);
+    return 0;
+}
+
+static PyObject *Table_get_pinned(TableObject *self, void *c)
+{
+    return PyLong_FromUnsignedLongLong(atomic_load(&self->t.pinned_bytes));
+}
+
+static PyGetSetDef Table_getset[] = {
+    {"pin_cap", (getter)Table_get_pin_cap, (setter)Table_set_pin_cap,
+     "host bytes the workers may page-lock for device copies (0: no cap)", NULL},
+    {"pinned_bytes", (getter)Table_get_pinned, NULL, "host bytes the workers page-locked", NULL},
+    {NULL}};
 
 static PyObject *Table_guest(TableObject *self, PyObject *args)
 {
@@ -155,6 +277,8 @@ static Py_ssize_t Table_len(TableObject *self)
 static PyMethodDef Table_methods[] = {
     {"add", (PyCFunction)(void (*)(void))Table_add, METH_VARARGS | METH_KEYWORDS,
      "add(sid, buffer, owner, device=-1): mirror a segment (holds the buffer exported until removed)"},
+    {"add_cuda", (PyCFunction)Table_add_cuda, METH_VARARGS,
+     "add_cuda(sid, ptr, nbytes, owner, device, ordinal, keep): mirror a segment of CUDA device memory"},
     {"remove", (PyCFunction)Table_remove, METH_O,
      "remove(sid) -> bool: drop a segment once no worker touches it (waits without the GIL)"},
     {"guest", (PyCFunction)Table_guest, METH_VARARGS,
@@ -174,6 +298,7 @@ PyTypeObject TableType = {
     .tp_init = (initproc)Table_init,
     .tp_dealloc = (destructor)Table_dealloc,
     .tp_methods = Table_methods,
+    .tp_getset = Table_getset,
     .tp_as_sequence = &Table_as_sequence,
 };
 
@@ -194,8 +319,8 @@ static uint64_t spin_ns_of(double spin)
 
 static int Worker_init(WorkerObject *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"table", "requests", "completions", "session", "bell_fd", "cbell_fd", "spin", "bounds", NULL};
-    PyObject *table, *rq, *cq, *bounds = NULL;
+    static char *kwlist[] = {"table", "requests", "completions", "session", "bell_fd", "cbell_fd", "spin", "bounds", "streams", NULL};
+    PyObject *table, *rq, *cq, *bounds = NULL, *streams = NULL;
     unsigned long long session;
     int bell = -1, cbell = -1;
     double spin = 20e-6;
@@ -203,9 +328,31 @@ static int Worker_init(WorkerObject *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_RuntimeError, "already initialised");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!K|iidO", kwlist, &TableType, &table, &QueueType, &rq,
-                                     &QueueType, &cq, &session, &bell, &cbell, &spin, &bounds))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!K|iidOO", kwlist, &TableType, &table, &QueueType, &rq,
+                                     &QueueType, &cq, &session, &bell, &cbell, &spin, &bounds, &streams))
         return -1;
+    /* streams: {CUDA ordinal: a CUstream of the caller's} the worker queues its device work on
+     * (the daemon's lane streams: one stream model with CuPy); it never destroys them. */
+    CUstream ext[TDP_CUDA_MAX_DEVICES] = {0};
+    if (streams && streams != Py_None) {
+        PyObject *key, *value;
+        Py_ssize_t pos = 0;
+        if (!PyDict_Check(streams)) {
+            PyErr_SetString(PyExc_TypeError, "streams: a dict {CUDA ordinal: stream handle}");
+            return -1;
+        }
+        while (PyDict_Next(streams, &pos, &key, &value)) {
+            long ordinal = PyLong_AsLong(key);
+            unsigned long long ptr = PyLong_AsUnsignedLongLong(value);
+            if (PyErr_Occurred())
+                return -1;
+            if (ordinal < 0 || ordinal >= tdp_cuda_devices() || !ptr) {
+                PyErr_Format(PyExc_ValueError, "streams: no CUDA device %ld loaded, or a null stream", ordinal);
+                return -1;
+            }
+            ext[ordinal] = (CUstream)(uintptr_t)ptr;
+        }
+    }
     uint64_t hb[TDP_HMAX];
     uint32_t nb = 0;
     if (bounds && bounds != Py_None) {
@@ -247,6 +394,12 @@ static int Worker_init(WorkerObject *self, PyObject *args, PyObject *kwds)
     atomic_store(&w->spin_ns, spin_ns_of(spin));
     memcpy(w->hbounds_ns, hb, nb * sizeof *hb);
     w->nbounds = nb;
+    for (int d = 0; d < TDP_CUDA_MAX_DEVICES; d++) {
+        if (ext[d]) {
+            w->dstream[d] = ext[d];
+            w->dext |= 1u << d;
+        }
+    }
     int rc = tdp_worker_start(w);
     if (rc != 0) {
         tdp_worker_stop(w);
@@ -339,7 +492,7 @@ static PyObject *Worker_counters(WorkerObject *self, PyObject *unused)
 {
     tdp_worker_t *w = &self->w;
 #define C(x) (unsigned long long)atomic_load_explicit(&w->x, memory_order_relaxed)
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "copy", C(n_copy), "fill", C(n_fill),
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "copy", C(n_copy), "fill", C(n_fill),
                          "checksum", C(n_checksum), "fused", C(n_fused), "shared", C(n_shared), "fence", C(n_fence),
                          "bytes", C(n_bytes),
                          "batches", C(n_batches), "wakes", C(n_wakes), "sleeps", C(n_sleeps),
@@ -349,6 +502,9 @@ static PyObject *Worker_counters(WorkerObject *self, PyObject *unused)
                          "handover_devices", C(handovers[TDP_WHY_DEVICES]),
                          "handover_chain", C(handovers[TDP_WHY_CHAIN]),
                          "handover_after", C(handovers[TDP_WHY_AFTER]),
+                         "handover_device", C(handovers[TDP_WHY_DEVICE]),
+                         "device_copy", C(n_dcopy), "device_fill", C(n_dfill), "device_bytes", C(n_dbytes),
+                         "device_unpinned", C(n_unpinned), "device_faults", C(n_dfaults), "device_waits", C(n_dwaits), "device_parked", C(n_dparks),
                          "done", C(done));
 #undef C
 }
@@ -388,7 +544,7 @@ static PyObject *Worker_get_mode(WorkerObject *self, void *c)
 
 static PyObject *Worker_get_why(WorkerObject *self, void *c)
 {
-    static const char *names[TDP_WHY_COUNT] = {"", "opcode", "fields", "address", "devices", "chain", "after"};
+    static const char *names[TDP_WHY_COUNT] = {"", "opcode", "fields", "address", "devices", "chain", "after", "device"};
     int why = atomic_load_explicit(&self->w.why, memory_order_relaxed);
     return PyUnicode_FromString(why >= 0 && why < TDP_WHY_COUNT ? names[why] : "?");
 }

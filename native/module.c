@@ -39,6 +39,76 @@ static PyObject *copy_helpers_native(PyObject *mod, PyObject *arg)
     return PyLong_FromLong(running);
 }
 
+/* cuda_load(path) -> devices: load the CUDA driver for the workers' device work (cuda.h). */
+static PyObject *cuda_load_native(PyObject *mod, PyObject *arg)
+{
+    const char *path = PyUnicode_AsUTF8(arg);
+    if (!path)
+        return NULL;
+    char err[512];
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = tdp_cuda_load(path, err, sizeof err);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        PyErr_SetString(PyExc_OSError, err);
+        return NULL;
+    }
+    return PyLong_FromLong(tdp_cuda_devices());
+}
+
+static PyObject *cuda_devices_native(PyObject *mod, PyObject *unused)
+{
+    return PyLong_FromLong(tdp_cuda_devices());
+}
+
+static PyObject *cuda_fail(const char *what, CUresult r)
+{
+    PyErr_Format(r == 2 ? PyExc_MemoryError : PyExc_OSError, "%s: %s (CUDA error %d)", what, tdp_cuda_describe(r), r);
+    return NULL;
+}
+
+/* cuda_alloc(nbytes, ordinal) -> device pointer; cuda_free(ptr). Device memory through the
+ * loaded driver (the simulated GPU's, over the fake driver in tests). */
+static PyObject *cuda_alloc_native(PyObject *mod, PyObject *args)
+{
+    unsigned long long n;
+    int ordinal;
+    if (!PyArg_ParseTuple(args, "Ki", &n, &ordinal))
+        return NULL;
+    if (!tdp_cuda_loaded())
+        return cuda_fail("cuda_alloc: no driver loaded", 3);
+    CUdeviceptr p = 0;
+    CUresult r = tdp_cuda_use(ordinal);
+    if (r == 0)
+        r = tdp_cu.MemAlloc(&p, n ? n : 1);
+    if (r != 0)
+        return cuda_fail("cuMemAlloc", r);
+    return PyLong_FromUnsignedLongLong(p);
+}
+
+static PyObject *cuda_free_native(PyObject *mod, PyObject *args)
+{
+    unsigned long long p;
+    int ordinal;
+    if (!PyArg_ParseTuple(args, "Ki", &p, &ordinal))
+        return NULL;
+    CUresult r = tdp_cuda_loaded() ? tdp_cuda_use(ordinal) : 3;
+    if (r == 0)
+        r = tdp_cu.MemFree(p);
+    if (r != 0)
+        return cuda_fail("cuMemFree", r);
+    Py_RETURN_NONE;
+}
+
+static PyObject *cuda_describe_native(PyObject *mod, PyObject *arg)
+{
+    long r = PyLong_AsLong(arg);
+    if (r == -1 && PyErr_Occurred())
+        return NULL;
+    return PyUnicode_FromString(tdp_cuda_describe((CUresult)r));
+}
+
 /* layout() -> {name: int}: the C side of the ring's layout (layout.h), for transfer/ring to
  * check against its own declarations at import. */
 static PyObject *layout_native(PyObject *mod, PyObject *unused)
@@ -87,6 +157,12 @@ static PyMethodDef module_methods[] = {
      "segment_stats(vas, sizes, bits) -> [(segment, first va, lowest offset, highest end, largest size)]"},
     {"copy_helpers", copy_helpers_native, METH_O,
      "copy_helpers(n) -> int: let n threads (at most 8) share large copies with the workers; how many may now"},
+    {"cuda_load", cuda_load_native, METH_O,
+     "cuda_load(path) -> devices: load the CUDA driver (libcuda.so.1) for the workers' device work; OSError says why not"},
+    {"cuda_devices", cuda_devices_native, METH_NOARGS, "cuda_devices() -> int: CUDA devices of the loaded driver (0: none loaded)"},
+    {"cuda_alloc", cuda_alloc_native, METH_VARARGS, "cuda_alloc(nbytes, ordinal) -> int: device memory (cuMemAlloc)"},
+    {"cuda_free", cuda_free_native, METH_VARARGS, "cuda_free(ptr, ordinal): cuMemFree"},
+    {"cuda_describe", cuda_describe_native, METH_O, "cuda_describe(code) -> str: the driver's words for a CUDA error"},
     {"checksum64", checksum64_native, METH_O,
      "checksum64(buffer) -> int: checksum64 of a C-contiguous buffer (transfer/_checksum.py)"},
     {NULL}};

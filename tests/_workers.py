@@ -57,3 +57,20 @@ def wait_for_file(path: str, timeout: float = 20.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(path)
         time.sleep(0.02)
+
+
+def device_streamer(endpoint: str, ready_path: str) -> None:
+    """Stream host-to-device ring copies, many in flight, until killed."""
+    with transfer.connect(endpoint, name="device-victim", deferred=False) as c:
+        seg = c.segment(8 << 20)
+        bufs = [c.alloc(8 << 20) for _ in range(2)]
+        seg.buffer[:] = 7
+        c.copy(bufs[0], seg, 8 << 20).result()
+        with open(ready_path, "w") as f:
+            f.write(str(os.getpid()))
+        i = 0
+        while True:
+            c.copy(bufs[i % 2], seg, 8 << 20)
+            if i % 16 == 15:
+                c.fence()
+            i += 1

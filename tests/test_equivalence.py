@@ -19,7 +19,11 @@ outputs, unknown operators). The same program runs through every path:
 * daemon: default settings (rings served by native workers), settings that
   force data work onto worker threads and split the program into many small
   scheduler passes (``--inline-bytes 0 --max-pass 2``), rings served by the
-  event loop's pass (``--no-ring-workers``), and a simulated GPU.
+  event loop's pass (``--no-ring-workers``), a simulated GPU, and a simulated
+  GPU whose buffers are the fake CUDA driver's memory (tests/fakecuda), so
+  that the ring workers queue device copies and fills through the driver
+  (native/device.c) while the Python pass serves the rest; the fake counts
+  every misuse, and the module fails if it saw one.
 
 Every path must give identical per-request outcomes (result value, or
 exception class and message, with VAs and segment ids named symbolically
@@ -62,6 +66,7 @@ from transfer.addressing import MAX_SEGMENT_ID, make_va, split_va
 from transfer.testing import DaemonProcess, start_daemon, stop_process
 
 from conftest import FAST
+import fakecuda
 
 # --- the universe ------------------------------------------------------------------------------
 SIZES = {"h0": 4096, "h1": 4096, "d0": 4096, "d1": 2048}
@@ -81,6 +86,8 @@ DAEMONS = {
     "loop": ["--no-ring-workers"],
     # A simulated GPU (device work queued until the stream is synchronized): device buffers live there.
     "streamsim": ["--backend", "streamsim"],
+    # The same, over the fake CUDA driver: ring copies and fills of device memory are the workers'.
+    "fakecuda": ["--backend", "streamsim"],
 }
 #: Submission styles: "seq" waits for each request; "pipe" submits all, collects at the end;
 #: "batch" is "pipe" inside `with c.batch():` (for trio, batches end at each fence).
@@ -540,6 +547,22 @@ class TrioHost:
 
 
 # --- fixtures ------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _environ(env: dict[str, str]) -> Iterator[None]:
+    """`env` in this process's environment for the block (a daemon started in it inherits it)."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+
 @pytest.fixture(scope="module")
 def daemons() -> Iterator[dict[str, DaemonProcess]]:
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
@@ -547,15 +570,21 @@ def daemons() -> Iterator[dict[str, DaemonProcess]]:
     shm.mkdir(mode=0o700)
     run = Path(tempfile.mkdtemp(prefix="transfer-equiv-"))
     started: dict[str, DaemonProcess] = {}
+    report = run / "fakecuda.report"
     try:
         for name, extra in DAEMONS.items():
             wd = run / name
             wd.mkdir(mode=0o700)
-            started[name] = start_daemon([*FAST, *extra], workdir=wd, shm_dir=shm)
+            env = {"TRANSFER_CUDA_DRIVER": str(fakecuda.build()), "FAKECUDA_REPORT": str(report)} if name == "fakecuda" else {}
+            with _environ(env):
+                started[name] = start_daemon([*FAST, *extra], workdir=wd, shm_dir=shm)
+        assert "CUDA device" in started["fakecuda"].ready.get("data_plane", "CUDA device"), started["fakecuda"].ready
         yield started
     finally:
         for d in started.values():
             d.stop()
+        seen = fakecuda.report(report)
+        assert not seen["violations"] and seen.get("executed", 0) > 0, seen
         shutil.rmtree(run, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
 

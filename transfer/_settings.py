@@ -250,6 +250,7 @@ def _defaults() -> tuple[Setting, ...]:
         ("max_ring_capacity", _int, "largest request ring (descriptors) a session may open", "--max-ring-capacity", {"minimum": 2, "maximum": 1 << 20}),
         ("ring_spin_s", _float, "seconds the daemon busy-polls rings after the last ring request, before it sleeps", "--ring-spin", {"minimum": 0, "maximum": 0.1, "metavar": "SECONDS"}),
         ("ring_workers", _bool, "serve each ring's copies, fills, checksums and fences on a native worker thread (docs/ring.md)", "--ring-workers", {"boolean": True}),
+        ("device_workers", _bool, "let the ring workers queue copies and fills that touch GPU memory through the CUDA driver (native/device.c); off: the Python pass serves them", "--device-workers", {"boolean": True}),
         ("worker_spin_s", _float, "seconds a ring's worker spins for the next descriptor before it sleeps on the futex", "--worker-spin", {"minimum": 0, "maximum": 0.01, "metavar": "SECONDS"}),
         ("copy_helpers", _int, "threads that share copies of 8 MiB or more with the ring workers, chunk by chunk, when idle; -1: the cores left when every ring's worker and client have one (at most 8); 0: none", "--copy-helpers", {"minimum": -1, "maximum": 8, "metavar": "N"}),
         ("worker_spin_spare_s", _float, "seconds a worker spins instead while every worker and its client can have a core (2 x workers <= cores); 0: --worker-spin", "--worker-spin-spare", {"minimum": 0, "maximum": 0.01, "metavar": "SECONDS"}),

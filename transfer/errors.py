@@ -243,6 +243,13 @@ class BackendError(TransferError):
     code = 600
 
 
+class DeviceFault(BackendError):
+    """The GPU failed while executing the request (a CUDA error; from 700 on, the device's
+    context is lost and every later request on it fails the same way)."""
+
+    code = 601
+
+
 class NixlUnavailable(BackendError, ImportError):
     """NIXL is not installed: install the ``rdma`` extra (see docs/rdma.md)."""
 

@@ -1,6 +1,6 @@
 """The `gpu` mode: host-to-device from a registered segment, against CuPy's own copies.
 
-Three parts, each in one run so the ratios compare like with like:
+Four parts, each in one run so the ratios compare like with like:
 
 1. **Host to device**, one producer, 64 KiB..256 MiB. Every method sends
    batches in groups of about 8 MiB (`plan`: one batch per group from
@@ -9,19 +9,25 @@ Three parts, each in one run so the ratios compare like with like:
    it, and copies it into a device slot:
 
    * `transfer`: the producer stamps its shared-memory segment and sends a
-     copy request (ring); the daemon (`--backend cupy`) DMAs from the
-     producer's pages, page-locked in place;
+     copy request (ring); the daemon's ring worker (`--backend cupy`) queues
+     the copy through the CUDA driver, a DMA from the producer's pages,
+     page-locked in place, and answers once its event has passed;
+   * `transfer-python`: the same through a second daemon with
+     `--no-device-workers`: the event loop's Python pass issues the copy;
    * `cupy-pinned`: `cudaMemcpyAsync` from page-locked memory the process
      allocated (`cupy.cuda.alloc_pinned_memory`): what a process that owns
      the GPU gets at best;
    * `cupy-pageable`: the same from an ordinary NumPy array.
 
-2. **Two producers and compute** (1 MiB..64 MiB): two processes, each
+2. **Device to host**, the same sizes and methods, the other way (no stamps:
+   the device slots do not change).
+
+3. **Two producers and compute** (1 MiB..64 MiB): two processes, each
    copying uint8 image batches (N, 4, 64, 64) to the device and normalizing
    them to float32 there with the same kernel (`transfer.kernels`'
    normalize, on CuPy).
 
-3. **Latency**: one 64-byte host-to-device copy at a time, its round trip
+4. **Latency**: one 64-byte host-to-device copy at a time, its round trip
    (p50, p99): `transfer`'s `copy(...).result()` into a device buffer, against
    `cudaMemcpyAsync` and a stream synchronize in this process. The fixed cost
    of one request on the GPU path.
@@ -47,9 +53,12 @@ from .common import STAMP_STRIDE_WORDS, BenchFailure, fmt_size
 from . import latency as _lat
 from .report import nvidia_smi
 
-METHODS = ("transfer", "cupy-pinned", "cupy-pageable")
+METHODS = ("transfer", "transfer-python", "cupy-pinned", "cupy-pageable")
+#: The compute part's methods (two producer processes each: the Python pass is left out).
+COMPUTE_METHODS = ("transfer", "cupy-pinned", "cupy-pageable")
 LABELS = {
     "transfer": "transfer: daemon DMA from the producer's segment",
+    "transfer-python": "transfer with --no-device-workers: the Python pass issues each copy",
     "cupy-pinned": "CuPy memcpyAsync from pinned memory (in process)",
     "cupy-pageable": "CuPy memcpyAsync from pageable memory (in process)",
 }
@@ -101,7 +110,7 @@ def _timed(step: Callable[[int], int], drain: Callable[[], None], seconds: float
     return sent, time.perf_counter() - t0
 
 
-def _cupy_loop(kind: str, size: int, depth: int, compute: bool, seconds: float, reps: int) -> list[float]:
+def _cupy_loop(kind: str, size: int, depth: int, compute: bool, seconds: float, reps: int, d2h: bool = False) -> list[float]:
     import cupy as cp
 
     from ..kernels import REGISTRY
@@ -127,6 +136,9 @@ def _cupy_loop(kind: str, size: int, depth: int, compute: bool, seconds: float, 
         if events[g] is not None:
             events[g].synchronize()
         for k in range(g * group, (g + 1) * group):
+            if d2h:
+                cp.cuda.runtime.memcpyAsync(host.ctypes.data + k * size, dev.data.ptr + k * size, size, 2, stream.ptr)
+                continue
             _stamp(host[k * size : (k + 1) * size], seq)
             cp.cuda.runtime.memcpyAsync(dev.data.ptr + k * size, host.ctypes.data + k * size, size, 1, stream.ptr)
             if kernel is not None and out is not None:  # both are there with compute
@@ -145,7 +157,8 @@ def _cupy_loop(kind: str, size: int, depth: int, compute: bool, seconds: float, 
     return rates
 
 
-def _transfer_loop(endpoint: str, size: int, depth: int, compute: bool, seconds: float, reps: int, verify_slots: int) -> list[float]:
+def _transfer_loop(endpoint: str, size: int, depth: int, compute: bool, seconds: float, reps: int, verify_slots: int,
+                   d2h: bool = False) -> list[float]:
     import transfer
 
     slots, group = plan(size, depth)
@@ -166,6 +179,9 @@ def _transfer_loop(endpoint: str, size: int, depth: int, compute: bool, seconds:
                 pending[g].result(60)  # answers come in order: the group's last answers for it
             with c.batch():
                 for k in range(g * group, (g + 1) * group):
+                    if d2h:
+                        p = c.copy(seg.va + k * size, dev.va + k * size, size)
+                        continue
                     _stamp(host[k * size : (k + 1) * size], seq)
                     p = c.copy(dev.va + k * size, seg.va + k * size, size)
                     if out is not None:
@@ -204,7 +220,7 @@ def _latency(method: str, endpoint: str, rounds: int) -> list[float]:
     memory, checked after the loop), the baselines a copy and a synchronize here."""
     import cupy as cp
 
-    if method == "transfer":
+    if method.startswith("transfer"):
         return _lat._transfer(endpoint, None, rounds, rounds // 10)
     pinned = cp.cuda.alloc_pinned_memory(4096) if method == "cupy-pinned" else None
     host = np.frombuffer(pinned, np.uint8, 4096) if pinned is not None else np.zeros(4096, np.uint8)
@@ -270,24 +286,27 @@ def run(sizes: list[int], *, depth: int = 8, reps: int = 3, rep_s: float = 0.4, 
     from ..testing import run_daemon
 
     rows: list[dict[str, Any]] = []
-    with run_daemon(["--backend", "cupy", "--size-threshold", "0"], **(daemon_args or {})) as d:
-        for size in sizes:
-            got: dict[str, list[float]] = {}
-            for method in METHODS:
-                if method == "transfer":
-                    got[method] = _transfer_loop(d.endpoint, size, depth, False, rep_s, reps, verify_slots)
-                else:
-                    got[method] = _cupy_loop(method, size, depth, False, rep_s, reps)
-                cp.get_default_memory_pool().free_all_blocks()
-            rows += _rows("h2d", got, size, 1, depth)
-            line("gpu h2d " + _summary(rows[-len(METHODS):]))
+    args = ["--backend", "cupy", "--size-threshold", "0"]
+    with run_daemon(args, **(daemon_args or {})) as d, run_daemon([*args, "--no-device-workers"], **(daemon_args or {})) as dp:
+        endpoints = {"transfer": d.endpoint, "transfer-python": dp.endpoint}
+        for part, d2h in (("h2d", False), ("d2h", True)):
+            for size in sizes:
+                got: dict[str, list[float]] = {}
+                for method in METHODS:
+                    if method in endpoints:
+                        got[method] = _transfer_loop(endpoints[method], size, depth, False, rep_s, reps, verify_slots, d2h)
+                    else:
+                        got[method] = _cupy_loop(method, size, depth, False, rep_s, reps, d2h)
+                    cp.get_default_memory_pool().free_all_blocks()
+                rows += _rows(part, got, size, 1, depth)
+                line(f"gpu {part} " + _summary(rows[-len(METHODS):]))
         for size in compute_sizes if compute_sizes is not None else [s for s in sizes if 1 << 20 <= s <= 64 << 20]:
             if size % IMAGE_BYTES:
                 continue
-            got = {m: _run_processes(2, m, d.endpoint, size, depth, True, rep_s, reps, verify_slots) for m in METHODS}
+            got = {m: _run_processes(2, m, d.endpoint, size, depth, True, rep_s, reps, verify_slots) for m in COMPUTE_METHODS}
             rows += _rows("h2d+normalize", got, size, 2, depth)
-            line("gpu h2d+normalize, 2 producers " + _summary(rows[-len(METHODS):]))
-        lat = {m: _lat._stats(_latency(m, d.endpoint, LATENCY_ROUNDS)) for m in METHODS}
+            line("gpu h2d+normalize, 2 producers " + _summary(rows[-len(COMPUTE_METHODS):]))
+        lat = {m: _lat._stats(_latency(m, endpoints.get(m, d.endpoint), LATENCY_ROUNDS)) for m in METHODS}
         rows += [{"part": "latency", "method": m, "size": _lat.NBYTES, "producers": 1, **st,
                   "vs_pinned": round(lat["cupy-pinned"]["p50_us"] / st["p50_us"], 3)} for m, st in lat.items()]
         line(f"gpu latency, {_lat.NBYTES} B one at a time: " + ", ".join(f"{m} p50 {st['p50_us']:.1f} us p99 {st['p99_us']:.1f}" for m, st in lat.items()))

@@ -12,10 +12,11 @@ import contextlib
 import threading
 from typing import Any, Callable, ContextManager, Hashable, NamedTuple, Sequence
 
+from .. import errors as E
 from ..addressing import SegmentKind
 from ..kernels import run_steps
 
-__all__ = ["Answer", "Backend", "Span", "Then"]
+__all__ = ["Answer", "Backend", "Span", "Then", "host_bytes"]
 
 
 class Span(NamedTuple):
@@ -25,6 +26,15 @@ class Span(NamedTuple):
     mem: Any
     offset: int
     nbytes: int
+
+
+def host_bytes(span: Span) -> Any:
+    """The bytes of a host segment's span. A segment its owner freed while another session's
+    request on it was in flight (a guest's) has no bytes left: that request fails SegmentFreed."""
+    view = span.mem.array[span.offset : span.offset + span.nbytes]
+    if view.nbytes != span.nbytes:
+        raise E.SegmentFreed("its segment was freed (by its owner) while this request was in flight")
+    return view
 
 
 class Answer:
@@ -123,6 +133,24 @@ class Backend(abc.ABC):
         """The host memory behind a device allocation, if that is all it is (a writable buffer
         a native ring worker may copy into), else None: real device memory goes through the pass."""
         return None
+
+    #: The CUDA driver (`libcuda.so.1`, or the library TRANSFER_CUDA_DRIVER names) serves this
+    #: backend's device memory, so the data plane's native workers may queue its copies
+    #: (`server._dataplane`): "always" (a real GPU), "if-named" (only a driver named in the
+    #: environment: the stream simulation over the test suite's fake driver), or "never".
+    cuda_driver = "never"
+    #: Host segments are page-locked by the native workers (on their first device copy), not here.
+    pins_natively = False
+
+    def cuda_pointer(self, mem: Any) -> tuple[int, int] | None:
+        """(device pointer, CUDA ordinal) of a device allocation the CUDA driver knows, else None."""
+        return None
+
+    def lane_streams(self, lane: Hashable) -> dict[int, int]:
+        """{CUDA ordinal: the CUstream of `lane` on that device}: a session's native worker queues
+        its device work there, so the worker and this backend share one stream model (a socket
+        request on the lane queues behind the ring's copies). Empty: the worker's own streams."""
+        return {}
 
     def register_host(self, shm: Any) -> None:
         """A new host segment: this backend may make it DMA-able (pinned); no-op where meaningless."""

@@ -21,7 +21,7 @@ driver cannot run anything, so `probe()` makes a real allocation first.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Hashable
 
 import numpy as np
 
@@ -105,6 +105,19 @@ class CupyBackend(StreamBackend):
 
     def free(self, mem: Any) -> None:
         pass  # returned to CuPy's pool when the last reference goes (the pool is stream-ordered)
+
+    cuda_driver = "always"
+
+    def cuda_pointer(self, mem: Any) -> tuple[int, int] | None:
+        return int(mem.data.ptr), int(mem.device.id)
+
+    def lane_streams(self, lane: Hashable) -> dict[int, int]:
+        out = {}
+        with self.lane(lane):
+            for dev in range(self._count):
+                with self.cp.cuda.Device(dev):
+                    out[dev] = int(self.stream(dev).ptr)  # the lane's stream (forget_lanes drops it, after the worker)
+        return out
 
     def _pin(self, shm: Any) -> None:
         """Page-lock the segment so copies from it are DMA (portable: every device may use it)."""

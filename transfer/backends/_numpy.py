@@ -22,7 +22,7 @@ from .._checksum import checksum64
 from ..addressing import SegmentKind
 from ..kernels import FAILED
 from ..memory._shm import new_memfd
-from ._base import Answer, Backend, Span, Then
+from ._base import Answer, Backend, Span, Then, host_bytes
 from ._devproc import DeviceProcess, SharedIndex
 
 __all__ = ["NumpyBackend"]
@@ -72,7 +72,10 @@ class NumpyBackend(Backend):
 
     @staticmethod
     def view(span: Span) -> np.ndarray:
-        base: np.ndarray = span.mem.array if span.kind == SegmentKind.HOST else span.mem
+        if span.kind == SegmentKind.HOST:
+            host: np.ndarray = host_bytes(span)
+            return host
+        base: np.ndarray = span.mem
         return base[span.offset : span.offset + span.nbytes]
 
     def copy(self, dst: Span, src: Span) -> None:

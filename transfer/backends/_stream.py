@@ -65,7 +65,7 @@ import numpy as np
 from .. import errors as E
 from .._checksum import checksum64
 from ..addressing import SegmentKind
-from ._base import Backend, Span
+from ._base import Backend, Span, host_bytes
 
 __all__ = ["StreamBackend", "Fence", "kernel_alignment", "Key"]
 
@@ -145,13 +145,15 @@ class StreamBackend(Backend):
 
     def all_pinned(self) -> bool:
         """Every host segment is page-locked: a device copy queues without blocking the caller
-        (an unpinned one is staged by the driver, or pinned first, on the calling thread)."""
-        return len(self._pinned) == len(self._pinnable)
+        (an unpinned one is staged by the driver, or pinned first, on the calling thread).
+        Where the native workers pin (each segment once registered, in the background), a
+        segment not pinned yet costs only its own copies a staging, not every tenant a hop."""
+        return self.pins_natively or len(self._pinned) == len(self._pinnable)
 
     def _maybe_pin(self, span: Span) -> None:
         """A device copy touches this host segment: pin it, if on a worker and under the cap."""
         key = id(span.mem)
-        if key in self._pinned or key not in self._pinnable or not getattr(self._tls, "worker", False):
+        if self.pins_natively or key in self._pinned or key not in self._pinnable or not getattr(self._tls, "worker", False):
             return
         shm = self._pinnable[key]
         with self._pending_lock:
@@ -227,7 +229,7 @@ class StreamBackend(Backend):
     # --- ordering ---------------------------------------------------------------------------------
     @staticmethod
     def _host_view(span: Span) -> np.ndarray:
-        view: np.ndarray = span.mem.array[span.offset : span.offset + span.nbytes]
+        view: np.ndarray = host_bytes(span)
         return view
 
     def _queued_host(self, device: int, span: Span, writes: bool) -> None:

@@ -43,17 +43,21 @@ violation (two streams race: nothing orders them).
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import os
 import random
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
 
+from .. import _native
+
 from ..addressing import SegmentKind
-from ._base import Span
+from ._base import Span, host_bytes
 from ._stream import Key, StreamBackend, kernel_alignment
 
 __all__ = ["StreamSimBackend", "StreamSimViolation", "SimMemory", "SimArray", "POISON"]
@@ -75,14 +79,32 @@ class StreamSimViolation(AssertionError):
     """Host code touched memory that queued device work still reads or writes, or CUDA was misused."""
 
 
+def _free_quietly(ptr: int, device: int) -> None:
+    """cuMemFree from a finalizer: after a sticky fault (injected) the driver refuses; nothing to do."""
+    try:
+        _native.cuda_free(ptr, device)
+    except OSError:
+        pass
+
+
 class SimMemory:
     """A device allocation: bytes in host RAM at a simulated, 256-byte-aligned device address."""
 
-    __slots__ = ("backend", "data", "device", "address", "__weakref__")
+    __slots__ = ("backend", "data", "device", "address", "cuda_ptr", "__weakref__")
 
-    def __init__(self, backend: "StreamSimBackend", nbytes: int, device: int, fill: int = 0) -> None:
+    def __init__(self, backend: "StreamSimBackend", nbytes: int, device: int, fill: int = 0, cuda: bool = False) -> None:
         self.backend = backend
-        self.data = np.full(nbytes, fill, np.uint8) if fill else np.zeros(nbytes, np.uint8)
+        #: Memory of the loaded CUDA driver (the fake's host memory), so the native workers'
+        #: device copies and this simulation touch the same bytes; else plain NumPy memory.
+        self.cuda_ptr = 0
+        if cuda:
+            self.cuda_ptr = _native.cuda_alloc(nbytes, device)
+            raw = (ctypes.c_uint8 * max(nbytes, 1)).from_address(self.cuda_ptr)
+            weakref.finalize(raw, _free_quietly, self.cuda_ptr, device)  # once no view of it is left
+            self.data: np.ndarray = np.frombuffer(memoryview(raw), np.uint8)[:nbytes]
+            self.data.fill(fill)
+        else:
+            self.data = np.full(nbytes, fill, np.uint8) if fill else np.zeros(nbytes, np.uint8)
         self.device = device
         self.address = next(_addresses) << 40  # far apart, and aligned far beyond 256
 
@@ -236,8 +258,10 @@ class StreamSimBackend(StreamBackend):
         return (_DEV, a, a + span.nbytes)
 
     def _bytes(self, span: Span) -> np.ndarray:
-        base: np.ndarray = span.mem.array if span.kind == SegmentKind.HOST else span.mem.data
-        return base[span.offset : span.offset + span.nbytes]
+        if span.kind == SegmentKind.HOST:
+            view: np.ndarray = host_bytes(span)
+            return view
+        return span.mem.data[span.offset : span.offset + span.nbytes]  # type: ignore[no-any-return]
 
     def _enqueue(self, device: int, work: _Work) -> None:
         key = self._key(device)
@@ -255,10 +279,15 @@ class StreamSimBackend(StreamBackend):
     # --- memory ---------------------------------------------------------------------------------
     def alloc(self, nbytes: int, device: int) -> SimMemory:
         self._alive(device)
-        return SimMemory(self, nbytes, device)
+        return SimMemory(self, nbytes, device, cuda=_native.cuda_devices() > device)
 
     def free(self, mem: Any) -> None:
         pass  # queued work keeps its memory alive (CuPy's pool is stream-ordered too)
+
+    cuda_driver = "if-named"
+
+    def cuda_pointer(self, mem: Any) -> tuple[int, int] | None:
+        return (mem.cuda_ptr, mem.device) if mem.cuda_ptr else None
 
     def _pin(self, shm: Any) -> None:
         self.pinned.add(id(shm))

@@ -90,6 +90,7 @@ def _serve_main(argv: list[str] | None = None) -> int:
                 ready: dict[str, Any] = {
                     "event": "ready", "endpoints": list(config.endpoints), "backend": server.backend.name,
                     "backend_reason": server.backend_reason, "instance": server.instance,
+                    "data_plane": server.dataplane.describe(),
                 }
                 if metrics_port:
                     ready["metrics"] = f"http://{config.metrics_addr}:{metrics_port}/metrics"

@@ -313,7 +313,7 @@ class RingLink:
                 p._finish(result if valued else None, None)
             elif not flags & COMPLETION_DETAIL:
                 pending.pop(rid, None)
-                p._finish(None, E.error_for_code(status, "failed on the ring (no detail)"))
+                p._finish(None, E.error_for_code(status, _ring_failure(status, result)))
                 unobserved.append(p)
             # (else the reply with the full error is on the socket: p stays pending until it finishes p)
             for _ in range(count - used):
@@ -362,3 +362,10 @@ class RingLink:
             if fd >= 0:
                 os.close(fd)
                 setattr(self, name, -1)
+
+
+def _ring_failure(status: int, result: Any) -> str:
+    """The words for a failure a native worker answered with no detail on the socket."""
+    if status == E.DeviceFault.code and isinstance(result, int):
+        return f"the GPU failed while executing it: CUDA error {result} (native/device.c; from 700 on the context is lost)"
+    return "failed on the ring (no detail)"

@@ -44,6 +44,14 @@ class Accounting:
             # Times a worker found its ring idle past its spin and slept: the submission that
             # woke it paid for the wake-up (tens of microseconds on a VM; docs/ring.md).
             "ring_worker_sleeps": 0,
+            # Ring copies and fills of GPU memory the workers queued through the CUDA driver;
+            # those the Python pass served (no driver, a handover, a socket request); of the
+            # workers', copies from host memory that was not page-locked (the pin cap); and
+            # requests that failed on a device error.
+            "device_native_requests": 0, "python_device_requests": 0, "device_unpinned_copies": 0,
+            "device_faults": 0,
+            # Batches of device work a worker answered after queueing the next one behind it.
+            "device_batches_pipelined": 0,
         }
 
     def native(self, session: Session, counts: dict[str, int], latency: dict[str, tuple[list[int], float]]) -> None:
@@ -57,10 +65,17 @@ class Accounting:
         c["shared_copies"] += counts["shared"]
         c["ring_worker_sleeps"] += counts["sleeps"]
         c["bytes_moved"] += counts["bytes"]
+        c["device_native_requests"] += counts["device_copy"] + counts["device_fill"]
+        c["device_unpinned_copies"] += counts["device_unpinned"]
+        c["device_faults"] += counts["device_faults"]
+        c["device_batches_pipelined"] += counts["device_parked"]
         session.stats.requests += n
         session.stats.bytes_moved += counts["bytes"]
-        if counts["bytes"]:
-            self.metrics.bytes_moved("cpu", counts["bytes"])  # a worker copies host memory on its own core
+        host = counts["bytes"] - counts["device_bytes"]
+        if host:
+            self.metrics.bytes_moved("cpu", host)  # a worker copies host memory on its own core
+        if counts["device_bytes"]:
+            self.metrics.bytes_moved("gpu", counts["device_bytes"])
         for kind, (hist, seconds) in latency.items():
             if any(hist):
                 self.metrics.requests_histogram(kind, hist, seconds)

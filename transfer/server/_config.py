@@ -87,6 +87,10 @@ class DaemonConfig:
     #: fences without the event loop (native/dataplane.h). On by default; off
     #: (`--no-ring-workers`), the event loop serves rings itself.
     ring_workers: bool = True
+    #: The ring workers queue copies and fills that touch GPU memory themselves, through the
+    #: CUDA driver (native/device.c). Off (`--no-device-workers`), or without a driver, the
+    #: Python pass serves every device request.
+    device_workers: bool = True
     #: Threads that share large copies (8 MiB or more) with the ring workers, chunk by chunk,
     #: when idle (native/dataplane.h, "copy helpers"); -1: the cores left when every ring's
     #: worker and client have one (at most 8; none on 2 cores with a session).

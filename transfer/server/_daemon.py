@@ -179,7 +179,8 @@ async def serve(
                 nursery.start_soon(guard.run)
                 nursery.start_soon(server.fds.serve)  # clients collect their memfds here (server._fds)
                 logging.getLogger(STARTUP_LOGGER).info(
-                    "%s", startup_line(config, shm, server.backend.name, server.backend_reason, budget.sessions, budget.connections, memory)
+                    "%s", startup_line(config, shm, server.backend.name, server.backend_reason, budget.sessions, budget.connections, memory,
+                                       server.dataplane.describe())
                 )
                 task_status.started(server)
                 if signals is None:

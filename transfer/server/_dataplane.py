@@ -8,6 +8,13 @@ this module keeps in step: every segment whose memory is plain host memory
 (shared memory, or a NumPy backend's "device" buffer) is mirrored with its
 owner and guests, and removed before its memory goes.
 
+Device memory is mirrored too, as CUDA device pointers, when the CUDA driver
+loads (`libcuda.so.1`, or the library `TRANSFER_CUDA_DRIVER` names: the test
+suite's fake driver): a worker then queues a ring copy or fill that touches a
+GPU on a stream of its own and answers it once its event has passed
+(native/device.c). Without the driver, device requests take the Python pass,
+as every device request did before, and `python_device_requests` counts them.
+
 What a worker does not serve it hands over: it stops at that descriptor and
 the ring's ownership passes to the Python pass (`Rings`), which serves it as
 it serves a ring without a worker, errors and all, and gives the ring back
@@ -23,12 +30,13 @@ import logging
 import os
 from typing import Any
 
-from .._native import Table, Worker, copy_helpers
+from .._native import Table, Worker, copy_helpers, cuda_load
 from ..ring import Ring
 from ..addressing import Segment, SegmentKind
 from ..backends import Backend
 from ._accounting import Accounting
 from ._config import DaemonConfig
+from ._ops import lane_of
 from ._session import Session
 
 __all__ = ["DataPlane", "NATIVE", "PYTHON", "BROKEN"]
@@ -36,7 +44,10 @@ __all__ = ["DataPlane", "NATIVE", "PYTHON", "BROKEN"]
 log = logging.getLogger("transfer.server")
 
 NATIVE, PYTHON, BROKEN = 0, 1, 2
-_COUNTED = ("copy", "fill", "checksum", "fused", "shared", "fence", "bytes", "handovers", "sleeps")
+_COUNTED = ("copy", "fill", "checksum", "fused", "shared", "fence", "bytes", "handovers", "sleeps",
+            "device_copy", "device_fill", "device_bytes", "device_unpinned", "device_faults", "device_parked")
+#: The CUDA driver the workers load (a test names its fake driver here).
+CUDA_DRIVER_ENV = "TRANSFER_CUDA_DRIVER"
 
 
 #: The cores this daemon may run on (its workers and, on this host, its clients).
@@ -46,10 +57,17 @@ _CPUS = len(os.sched_getaffinity(0))
 class DataPlane:
     """The native table and the sessions' workers (absent with --no-ring-workers)."""
 
-    def __init__(self, config: DaemonConfig, accounting: Accounting) -> None:
+    def __init__(self, config: DaemonConfig, accounting: Accounting, backends: list[Backend] = [], pin_cap: int = 0) -> None:
         self.config = config
         self.accounting = accounting
         self.table: Any = Table() if config.ring_workers else None
+        #: Why device copies are not the workers' (None: they are, or no backend has a GPU).
+        self.cuda_off: str | None = None
+        self.cuda_devices = 0
+        #: The backends whose device memory the workers reach through the driver.
+        self._gpus: list[Backend] = []
+        if self.table is not None:
+            self._load_cuda(backends, pin_cap)
         self._live: list[Any] = []  # the running workers, whose spin _respin sets
         #: Copy helpers that may share a large copy now (_respin; idle ones sleep).
         self.copy_helpers = 0
@@ -62,13 +80,43 @@ class DataPlane:
         return len(self._live)
 
     @property
+    def pinned_bytes(self) -> int:
+        """Host bytes the workers page-locked for device copies."""
+        return int(self.table.pinned_bytes) if self.table is not None else 0
+
+    @property
     def enabled(self) -> bool:
         return self.table is not None
 
     def describe(self) -> str:
-        if self.table is not None:
-            return "native workers"
-        return "off (--no-ring-workers)"
+        if self.table is None:
+            return "off (--no-ring-workers)"
+        if self.cuda_devices:
+            return f"native workers, device copies on {self.cuda_devices} CUDA device(s)"
+        if self.cuda_off:
+            return f"native workers, device copies through the Python pass ({self.cuda_off})"
+        return "native workers"
+
+    def _load_cuda(self, backends: list[Backend], pin_cap: int) -> None:
+        gpus = [b for b in backends if b.cuda_driver != "never"]
+        if not gpus:
+            return
+        named = os.environ.get(CUDA_DRIVER_ENV)
+        if not self.config.device_workers:
+            self.cuda_off = "--no-device-workers"
+            return
+        if not named and all(b.cuda_driver == "if-named" for b in gpus):
+            return  # (a simulated GPU: device memory is the simulation's, no driver)
+        try:
+            self.cuda_devices = cuda_load(named or "libcuda.so.1")
+        except OSError as exc:
+            self.cuda_off = str(exc)
+            log.warning("device copies go through the Python pass: %s", exc)
+            return
+        self.table.pin_cap = pin_cap
+        for b in gpus:
+            b.pins_natively = True
+        self._gpus = gpus
 
     # --- the table -----------------------------------------------------------------------------
     def mirror(self, seg: Segment[Any], backend: Backend | None = None) -> None:
@@ -80,7 +128,10 @@ class DataPlane:
         elif seg.kind == SegmentKind.DEVICE and backend is not None:
             buf = backend.host_buffer(seg.handle)
             if buf is None:
-                return  # real device memory: the Python pass serves it
+                where = backend.cuda_pointer(seg.handle) if self.cuda_devices else None
+                if where is not None:  # device memory the driver knows: the workers queue its copies
+                    self.table.add_cuda(seg.id, where[0], seg.nbytes, seg.owner, seg.device, where[1], seg.handle)
+                return  # (else the Python pass serves it)
         else:
             return
         self.table.add(seg.id, buf, seg.owner, seg.device)
@@ -99,9 +150,12 @@ class DataPlane:
         """A worker for the session's new ring, or None (the Python pass serves the ring)."""
         if self.table is None:
             return None
+        streams: dict[int, int] = {}
+        for backend in self._gpus if self.cuda_devices else ():
+            streams.update(backend.lane_streams(lane_of(session.id, 0)))  # (lane 0's streams: shared with the Python pass)
         worker = Worker(
             self.table, ring.inbox, ring.outbox, session.id, bell_fd, cbell_fd,
-            self.config.worker_spin_s, self.accounting.metrics.latency_bounds(),
+            self.config.worker_spin_s, self.accounting.metrics.latency_bounds(), streams,
         )
         self._live.append(worker)
         self._respin()

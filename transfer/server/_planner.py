@@ -57,6 +57,9 @@ class Planner:
         self.host_backend = next(d.backend for d in self.devices if d.kind == "cpu")
         #: The RDMA data plane (server._remote.RemotePlane), set by the server.
         self.remote: Any = None
+        #: The daemon's counters (`Accounting.counters`), set by the server: copies and fills of
+        #: GPU memory planned here are the Python pass's ("python_device_requests").
+        self.counters: dict[str, int] = {}
 
     # --- helpers -------------------------------------------------------------------------------
     def _translate(self, owner: Any, va: int, nbytes: int) -> tuple[Segment[Any], int]:
@@ -122,6 +125,8 @@ class Planner:
             dev = self._device_of((dseg, sseg), n)
             dst, src = self._span(dseg, doff, n), self._span(sseg, soff, n)
             backend = self._copy_backend(dseg, sseg, dev)
+            if dev.kind == "gpu" and self.counters:
+                self.counters["python_device_requests"] += 1
             op = Op(req.id, [(sseg.id, soff, soff + n)], [(dseg.id, doff, doff + n)], dev, n, lambda: backend.copy(dst, src),
                     host_only=dseg.kind == sseg.kind == SegmentKind.HOST)
             # Only same-backend copies merge (a merged copy runs on the op's device backend).
@@ -132,6 +137,8 @@ class Planner:
             seg, off = self._translate(owner, req.dst, req.nbytes)
             dev = self._device_of((seg,), req.nbytes)
             span, value, backend = self._span(seg, off, req.nbytes), req.value, dev.backend
+            if dev.kind == "gpu" and self.counters:
+                self.counters["python_device_requests"] += 1
             return Op(req.id, [], [(seg.id, off, off + req.nbytes)], dev, req.nbytes, lambda: backend.fill(span, value),
                       host_only=seg.kind == SegmentKind.HOST)
         if isinstance(req, P.Checksum):

@@ -163,7 +163,8 @@ def fmt_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-def startup_line(config: DaemonConfig, shm: ShmDir, backend: str, backend_reason: str, sessions: int, connections: int, memory: str) -> str:
+def startup_line(config: DaemonConfig, shm: ShmDir, backend: str, backend_reason: str, sessions: int, connections: int, memory: str,
+                 data_plane: str = "") -> str:
     """The one line an operator reads to know what is running and with which limits."""
     from .._version import __version__
     from ..protocol import VERSION
@@ -175,6 +176,7 @@ def startup_line(config: DaemonConfig, shm: ShmDir, backend: str, backend_reason
         f"transferd {__version__} (protocol {VERSION}, pid {os.getpid()}) serving {', '.join(config.endpoints)}; "
         f"shm dir {shm.path} ({shm.fs}, {fmt_bytes(shm.size)}, {fmt_bytes(shm.free)} free); "
         f"backend {backend} ({backend_reason}); "
+        f"{'data plane: ' + data_plane + '; ' if data_plane else ''}"
         f"limits: {sessions} sessions, {connections} connections, host memory {quota(config.max_host_bytes)} "
         f"({quota(config.max_host_bytes_per_session)} per session), device memory {quota(config.max_device_bytes)} "
         f"({quota(config.max_device_bytes_per_session)} per session), {config.max_segments_per_session or 'unlimited'} "

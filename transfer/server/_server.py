@@ -106,6 +106,7 @@ class Server:
         #: Prometheus metrics (served by transferd --metrics-port); updated on the trio thread only.
         self.metrics = Metrics(session_series=config.metrics_sessions)
         self.accounting = Accounting(self.metrics)
+        self.planner.counters = self.accounting.counters
         self._lock: DaemonLock | None = None
         #: Where clients collect the memfds behind their segments and rings (no paths: no SIGBUS).
         self.fds = FdChannel(config.shm_dir, lambda: self.instance)
@@ -114,7 +115,7 @@ class Server:
         #: The control sockets' connection guard's counts (`_connections`), once the daemon serves.
         self.connection_counters: dict[str, int] = {"connections_refused": 0, "connections_idle_closed": 0}
         #: Native ring workers and their mirror of the table (when the extension is built).
-        self.dataplane = DataPlane(config, self.accounting)
+        self.dataplane = DataPlane(config, self.accounting, self.backends, pin_cap)
         self.resources = Resources(config, self.table, self.devices, self.backends, self.remote, lambda: self.instance, self.fds, self.dataplane)
         self.rings = Rings(config, lambda: self.instance, self.accounting, self.fds, self.dataplane)
         self.control = Control(self.resources, self.rings, self.stats)
@@ -249,7 +250,7 @@ class Server:
             "segments": len(self.table),
             "queued_requests": sum(len(s.queue) for s in list(self.sessions.values())),
             "device_bytes": self.resources.device_bytes,
-            "pinned_bytes": sum(b.pinned_bytes for b in self.backends),
+            "pinned_bytes": sum(b.pinned_bytes for b in self.backends) + self.dataplane.pinned_bytes,
             "devices": [{"index": d.index, "kind": d.kind, "queued_bytes": d.queued_bytes, "batches": d.completed} for d in self.devices],
             "uptime_s": round(time.monotonic() - self.started, 3),
             **self.remote.counters,

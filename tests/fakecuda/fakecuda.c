@@ -1,0 +1,523 @@
+/*
+ * fakecuda.c: a fake CUDA driver for tests on machines without a GPU. It implements, on host
+ * memory, the driver calls the daemon's native device work makes (native/cuda.h), with CUDA's
+ * ordering, so that what the data plane gets wrong shows up on a CPU:
+ *
+ *  - Device memory is host memory handed out by cuMemAlloc (filled with 0xCD: not zeroed).
+ *  - Streams are FIFO queues run by one engine thread, in order within a stream and in a
+ *    seeded random order across streams (FAKECUDA_SEED); the engine polls for work for
+ *    FAKECUDA_SPIN_US (200) before it sleeps. Nothing queued has run when the call returns;
+ *    an event is not ready until the work recorded before it has run.
+ *  - The destination of a copy into host memory is poisoned (0xDB) when it is queued, so a
+ *    reader that does not wait sees garbage. A pageable (unregistered) host source is read when
+ *    the copy is queued, and a copy into pageable memory returns once it has run, as the driver
+ *    does.
+ *  - Misuse is counted as a violation (and written to FAKECUDA_REPORT at once): a range that
+ *    straddles an allocation or registration, a free or unregister of memory that queued work
+ *    still uses, work that finds its memory gone when it runs, an overlapping registration, a
+ *    call without a current context.
+ *  - FAKECUDA_FAULT_AT=N makes the N-th copy fault: from then on every call fails with
+ *    CUDA_ERROR_ILLEGAL_ADDRESS (sticky, as a lost context), and queued work is dropped.
+ *
+ * Built by the test suite (tests/fakecuda/__init__.py); the daemon loads it through
+ * TRANSFER_CUDA_DRIVER. Its counts: fakecuda_executed(), fakecuda_violations(), and the report.
+ */
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+enum { OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_INITIALIZED = 3, INVALID_DEVICE = 101,
+       INVALID_CONTEXT = 201, INVALID_HANDLE = 400, NOT_READY = 600, ILLEGAL_ADDRESS = 700,
+       ALREADY_REGISTERED = 712, NOT_REGISTERED = 713 };
+enum { DEV, PINNED, PAGEABLE };
+enum { K_COPY, K_SET, K_EVENT };
+
+typedef struct { _Atomic uint64_t recorded, passed; } event_t;
+typedef struct op {
+    int kind, dclass, sclass;
+    uint8_t *dst, *src, val;
+    uint64_t n, gen;
+    uint8_t *snap;
+    event_t *ev;
+    struct op *next;
+} op_t;
+typedef struct stream {
+    op_t *head, *tail;
+    int running, dead;
+    struct stream *next;
+} stream_t;
+typedef struct { uint8_t *base; uint64_t n; int dev; } range_t;
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t work_cv = PTHREAD_COND_INITIALIZER, done_cv = PTHREAD_COND_INITIALIZER;
+static stream_t *streams;
+static range_t *allocs, *regs;
+static int nallocs, nregs, callocs, cregs;
+static _Atomic uint64_t queued, executed, violations, copies;
+static _Atomic int sticky;
+static uint64_t fault_at, rng = 88172645463325252ull, spin_ns = 200000;
+static int ndevices = 1, started, report_fd = -1;
+static __thread int current = -1;
+
+uint64_t fakecuda_executed(void) { return atomic_load(&executed); }
+uint64_t fakecuda_violations(void) { return atomic_load(&violations); }
+
+static void violation(const char *fmt, ...)
+{
+    atomic_fetch_add(&violations, 1);
+    char buf[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int k = vsnprintf(buf, sizeof buf - 2, fmt, ap);
+    va_end(ap);
+    if (k < 0)
+        return;
+    if (k > (int)sizeof buf - 2)
+        k = sizeof buf - 2;
+    buf[k++] = '\n';
+    fprintf(stderr, "fakecuda violation: %.*s", k, buf);
+    if (report_fd >= 0 && write(report_fd, "violation: ", 11) > 0 && write(report_fd, buf, (size_t)k) > 0) {
+    }
+}
+
+__attribute__((destructor)) static void fake_report(void)
+{
+    if (report_fd >= 0) {
+        char buf[128];
+        int k = snprintf(buf, sizeof buf, "executed %llu\nviolations %llu\n", (unsigned long long)atomic_load(&executed),
+                         (unsigned long long)atomic_load(&violations));
+        if (write(report_fd, buf, (size_t)k) < 0) {
+        }
+    }
+}
+
+static uint64_t now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+}
+
+static uint64_t next_rand(void)
+{
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return rng;
+}
+
+/* Which memory [p, p + n) is (under mu): DEV, PINNED or PAGEABLE; -1 if it straddles a range. */
+static int classify(const uint8_t *p, uint64_t n, int *dev)
+{
+    for (int pass = 0; pass < 2; pass++) {
+        range_t *r = pass ? regs : allocs;
+        int m = pass ? nregs : nallocs;
+        for (int i = 0; i < m; i++) {
+            if (p >= r[i].base && p + n <= r[i].base + r[i].n && p + n >= p) {
+                if (dev)
+                    *dev = r[i].dev;
+                return pass ? PINNED : DEV;
+            }
+            if (p < r[i].base + r[i].n && r[i].base < p + n)
+                return -1;
+        }
+    }
+    return PAGEABLE;
+}
+
+static int uses(const op_t *o, const uint8_t *base, uint64_t n)
+{
+    if (o->kind == K_EVENT)
+        return 0;
+    int hit = o->dst < base + n && base < o->dst + o->n;
+    if (o->kind == K_COPY && !o->snap)
+        hit |= o->src < base + n && base < o->src + o->n;
+    return hit;
+}
+
+/* Run one op; `gone`: its memory was freed or unregistered since it was queued (looked at
+ * under mu when it was taken off its stream). */
+static void run_op(op_t *o, int gone)
+{
+    if (atomic_load(&sticky))
+        return; /* (the context is lost: queued work is dropped) */
+    if (o->kind == K_EVENT) {
+        atomic_store(&o->ev->passed, o->gen);
+        return;
+    }
+    if (gone) {
+        violation("queued work ran on memory freed or unregistered after it was queued (%p <- %p, %llu bytes)",
+                  (void *)o->dst, (void *)o->src, (unsigned long long)o->n);
+        return;
+    }
+    if (o->kind == K_COPY) {
+        uint64_t k = atomic_fetch_add(&copies, 1) + 1;
+        if (fault_at && k == fault_at) {
+            atomic_store(&sticky, 1);
+            return;
+        }
+        memmove(o->dst, o->snap ? o->snap : o->src, o->n);
+    } else
+        memset(o->dst, o->val, o->n);
+    atomic_fetch_add(&executed, 1);
+}
+
+static void *engine(void *arg)
+{
+    (void)arg;
+    for (;;) {
+        uint64_t t0 = now_ns();
+        while (!atomic_load_explicit(&queued, memory_order_acquire) && now_ns() - t0 < spin_ns) {
+        }
+        pthread_mutex_lock(&mu);
+        stream_t *pick[256];
+        int m = 0;
+        for (stream_t *s = streams; s && m < 256; s = s->next)
+            if (s->head)
+                pick[m++] = s;
+        if (!m) {
+            if (!atomic_load(&queued))
+                pthread_cond_wait(&work_cv, &mu);
+            pthread_mutex_unlock(&mu);
+            continue;
+        }
+        stream_t *s = pick[next_rand() % (uint64_t)m];
+        op_t *o = s->head;
+        s->head = o->next;
+        if (!s->head)
+            s->tail = NULL;
+        s->running = 1;
+        int gone = o->kind != K_EVENT &&
+                   (classify(o->dst, o->n, NULL) != o->dclass ||
+                    (o->kind == K_COPY && !o->snap && classify(o->src, o->n, NULL) != o->sclass));
+        pthread_mutex_unlock(&mu);
+        run_op(o, gone);
+        pthread_mutex_lock(&mu);
+        s->running = 0;
+        atomic_fetch_sub(&queued, 1);
+        pthread_cond_broadcast(&done_cv);
+        pthread_mutex_unlock(&mu);
+        free(o->snap);
+        free(o);
+    }
+    return NULL;
+}
+
+#define CTX() do { if (atomic_load(&sticky)) return ILLEGAL_ADDRESS; if (current < 0) { violation("a call without a current context"); return INVALID_CONTEXT; } } while (0)
+
+CUresult cuInit(unsigned flags)
+{
+    pthread_mutex_lock(&mu);
+    if (!started) {
+        const char *e;
+        if ((e = getenv("FAKECUDA_DEVICES")))
+            ndevices = atoi(e) > 0 ? atoi(e) : 1;
+        if ((e = getenv("FAKECUDA_SEED")))
+            rng = strtoull(e, NULL, 10) * 2654435761u + 1;
+        if ((e = getenv("FAKECUDA_FAULT_AT")))
+            fault_at = strtoull(e, NULL, 10);
+        if ((e = getenv("FAKECUDA_SPIN_US")))
+            spin_ns = strtoull(e, NULL, 10) * 1000;
+        if ((e = getenv("FAKECUDA_REPORT")))
+            report_fd = open(e, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+        pthread_t t;
+        if (pthread_create(&t, NULL, engine, NULL) != 0) {
+            pthread_mutex_unlock(&mu);
+            return OUT_OF_MEMORY;
+        }
+        pthread_setname_np(t, "fakecuda-engine"); /* (a benchmark leaves its CPU out of the daemon's) */
+        pthread_detach(t);
+        started = 1;
+    }
+    pthread_mutex_unlock(&mu);
+    return OK;
+}
+
+CUresult cuDriverGetVersion(int *v) { *v = 13000; return OK; }
+CUresult cuDeviceGetCount(int *n) { *n = ndevices; return started ? OK : NOT_INITIALIZED; }
+CUresult cuDeviceGet(int *d, int ordinal) { if (ordinal < 0 || ordinal >= ndevices) return INVALID_DEVICE; *d = ordinal; return OK; }
+CUresult cuDevicePrimaryCtxRetain(void **ctx, int dev)
+{
+    if (dev < 0 || dev >= ndevices)
+        return INVALID_DEVICE;
+    *ctx = (void *)(intptr_t)(dev + 1);
+    return OK;
+}
+CUresult cuCtxSetCurrent(void *ctx)
+{
+    current = ctx ? (int)(intptr_t)ctx - 1 : -1;
+    return OK;
+}
+
+CUresult cuGetErrorString(CUresult r, const char **s)
+{
+    switch (r) {
+    case OK: *s = "no error"; break;
+    case INVALID_VALUE: *s = "invalid argument"; break;
+    case OUT_OF_MEMORY: *s = "out of memory"; break;
+    case INVALID_CONTEXT: *s = "invalid device context"; break;
+    case NOT_READY: *s = "device not ready"; break;
+    case ILLEGAL_ADDRESS: *s = "an illegal memory access was encountered (fake driver: injected)"; break;
+    case ALREADY_REGISTERED: *s = "part or all of the requested memory range is already mapped"; break;
+    case NOT_REGISTERED: *s = "memory range not registered"; break;
+    default: *s = "unknown error"; return INVALID_VALUE;
+    }
+    return OK;
+}
+
+CUresult cuStreamCreate(void **out, unsigned flags)
+{
+    CTX();
+    stream_t *s = calloc(1, sizeof *s);
+    if (!s)
+        return OUT_OF_MEMORY;
+    pthread_mutex_lock(&mu);
+    s->next = streams;
+    streams = s;
+    pthread_mutex_unlock(&mu);
+    *out = s;
+    return OK;
+}
+
+static void wait_idle(stream_t *s) /* under mu */
+{
+    while (s->head || s->running)
+        pthread_cond_wait(&done_cv, &mu);
+}
+
+CUresult cuStreamSynchronize(void *h)
+{
+    CTX();
+    pthread_mutex_lock(&mu);
+    wait_idle(h);
+    pthread_mutex_unlock(&mu);
+    return atomic_load(&sticky) ? ILLEGAL_ADDRESS : OK;
+}
+
+CUresult cuStreamDestroy_v2(void *h)
+{
+    CTX();
+    stream_t *s = h;
+    pthread_mutex_lock(&mu);
+    wait_idle(s); /* (the driver finishes a destroyed stream's work first) */
+    for (stream_t **p = &streams; *p; p = &(*p)->next) {
+        if (*p == s) {
+            *p = s->next;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    free(s);
+    return OK;
+}
+
+static void push(stream_t *s, op_t *o) /* under mu */
+{
+    if (s->tail)
+        s->tail->next = o;
+    else
+        s->head = o;
+    s->tail = o;
+    atomic_fetch_add_explicit(&queued, 1, memory_order_release);
+    pthread_cond_signal(&work_cv);
+}
+
+CUresult cuEventCreate(void **out, unsigned flags)
+{
+    CTX();
+    event_t *e = calloc(1, sizeof *e);
+    if (!e)
+        return OUT_OF_MEMORY;
+    *out = e;
+    return OK;
+}
+CUresult cuEventDestroy_v2(void *e) { CTX(); free(e); return OK; }
+
+CUresult cuEventRecord(void *h, void *s)
+{
+    CTX();
+    event_t *e = h;
+    op_t *o = calloc(1, sizeof *o);
+    if (!o)
+        return OUT_OF_MEMORY;
+    o->kind = K_EVENT;
+    o->ev = e;
+    pthread_mutex_lock(&mu);
+    o->gen = atomic_fetch_add(&e->recorded, 1) + 1;
+    push(s, o);
+    pthread_mutex_unlock(&mu);
+    return OK;
+}
+
+CUresult cuEventQuery(void *h)
+{
+    event_t *e = h;
+    if (atomic_load(&sticky))
+        return ILLEGAL_ADDRESS;
+    return atomic_load(&e->passed) >= atomic_load(&e->recorded) ? OK : NOT_READY;
+}
+
+CUresult cuEventSynchronize(void *h)
+{
+    event_t *e = h;
+    pthread_mutex_lock(&mu);
+    while (!atomic_load(&sticky) && atomic_load(&e->passed) < atomic_load(&e->recorded))
+        pthread_cond_wait(&done_cv, &mu);
+    pthread_mutex_unlock(&mu);
+    return atomic_load(&sticky) ? ILLEGAL_ADDRESS : OK;
+}
+
+static CUresult enqueue(int kind, CUdeviceptr dst, CUdeviceptr src, size_t n, unsigned char val, void *h)
+{
+    CTX();
+    if (!n)
+        return OK;
+    op_t *o = calloc(1, sizeof *o);
+    if (!o)
+        return OUT_OF_MEMORY;
+    o->kind = kind;
+    o->dst = (uint8_t *)(uintptr_t)dst;
+    o->src = (uint8_t *)(uintptr_t)src;
+    o->n = n;
+    o->val = val;
+    pthread_mutex_lock(&mu);
+    o->dclass = classify(o->dst, n, NULL);
+    o->sclass = kind == K_COPY ? classify(o->src, n, NULL) : DEV;
+    if (o->dclass < 0 || o->sclass < 0 || (kind == K_SET && o->dclass != DEV) ||
+        (kind == K_COPY && o->dclass != DEV && o->sclass != DEV)) {
+        pthread_mutex_unlock(&mu);
+        violation("a %s of %llu bytes at %p <- %p outside device memory or straddling a range", kind == K_COPY ? "copy" : "fill",
+                  (unsigned long long)n, (void *)o->dst, (void *)o->src);
+        free(o);
+        return INVALID_VALUE;
+    }
+    if (kind == K_COPY && o->sclass == PAGEABLE) { /* read now, as the driver stages it */
+        o->snap = malloc(n);
+        if (!o->snap) {
+            pthread_mutex_unlock(&mu);
+            free(o);
+            return OUT_OF_MEMORY;
+        }
+        memcpy(o->snap, o->src, n);
+    }
+    if (o->dclass != DEV)
+        memset(o->dst, 0xDB, n); /* poisoned until the copy runs */
+    stream_t *s = h;
+    push(s, o);
+    if (o->dclass == PAGEABLE) /* into pageable memory: the call returns once it is done */
+        wait_idle(s);
+    pthread_mutex_unlock(&mu);
+    return OK;
+}
+
+CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, void *s) { return enqueue(K_COPY, dst, src, n, 0, s); }
+CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, void *s) { return enqueue(K_SET, dst, 0, n, v, s); }
+
+static int grow(range_t **a, int n, int *cap)
+{
+    if (n < *cap)
+        return 0;
+    int c = *cap ? 2 * *cap : 64;
+    void *p = realloc(*a, (size_t)c * sizeof **a);
+    if (!p)
+        return -1;
+    *a = p;
+    *cap = c;
+    return 0;
+}
+
+static int in_use(const uint8_t *base, uint64_t n) /* under mu: queued work touches the range */
+{
+    for (stream_t *s = streams; s; s = s->next)
+        for (op_t *o = s->head; o; o = o->next)
+            if (uses(o, base, n))
+                return 1;
+    return 0;
+}
+
+CUresult cuMemAlloc_v2(CUdeviceptr *out, size_t n)
+{
+    CTX();
+    uint8_t *p = aligned_alloc(256, (n + 255) / 256 * 256);
+    if (!p)
+        return OUT_OF_MEMORY;
+    memset(p, 0xCD, n);
+    pthread_mutex_lock(&mu);
+    if (grow(&allocs, nallocs, &callocs) < 0) {
+        pthread_mutex_unlock(&mu);
+        free(p);
+        return OUT_OF_MEMORY;
+    }
+    allocs[nallocs++] = (range_t){p, n, current};
+    pthread_mutex_unlock(&mu);
+    *out = (CUdeviceptr)(uintptr_t)p;
+    return OK;
+}
+
+static CUresult drop_range(range_t *a, int *n, void *p, const char *what)
+{
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < *n; i++) {
+        if (a[i].base == p) {
+            if (in_use(a[i].base, a[i].n))
+                violation("%s of memory that queued work still uses (%p, %llu bytes)", what, p, (unsigned long long)a[i].n);
+            a[i] = a[--*n];
+            pthread_mutex_unlock(&mu);
+            return OK;
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    return INVALID_VALUE;
+}
+
+CUresult cuMemFree_v2(CUdeviceptr p)
+{
+    CTX();
+    CUresult r = drop_range(allocs, &nallocs, (void *)(uintptr_t)p, "cuMemFree");
+    if (r == OK)
+        free((void *)(uintptr_t)p);
+    else
+        violation("cuMemFree of %p, which cuMemAlloc did not give", (void *)(uintptr_t)p);
+    return r;
+}
+
+CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned flags)
+{
+    CTX();
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < nregs; i++) {
+        if ((uint8_t *)p < regs[i].base + regs[i].n && regs[i].base < (uint8_t *)p + n) {
+            pthread_mutex_unlock(&mu);
+            violation("cuMemHostRegister of %p (%zu bytes) overlaps a registration", p, n);
+            return ALREADY_REGISTERED;
+        }
+    }
+    if (grow(&regs, nregs, &cregs) < 0) {
+        pthread_mutex_unlock(&mu);
+        return OUT_OF_MEMORY;
+    }
+    regs[nregs++] = (range_t){p, n, -1};
+    pthread_mutex_unlock(&mu);
+    return OK;
+}
+
+CUresult cuMemHostUnregister(void *p)
+{
+    CTX();
+    CUresult r = drop_range(regs, &nregs, p, "cuMemHostUnregister");
+    if (r != OK) {
+        violation("cuMemHostUnregister of %p, which is not registered", p);
+        return NOT_REGISTERED;
+    }
+    return OK;
+}

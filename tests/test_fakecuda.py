@@ -1,0 +1,119 @@
+"""The fake CUDA driver (tests/fakecuda) keeps the promises the device tests rely on: queued
+work has not run when the call returns, an event passes only after the work before it, copy
+destinations in host memory are poisoned until the copy runs, a pageable source is read when
+the copy is queued, misuse is counted, and an injected fault is sticky. Driven in this process
+through ctypes, with the engine held back by a queue of work that is long enough to watch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import fakecuda
+
+ILLEGAL_ADDRESS = 700
+
+
+def _script(body: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run `body` in a fresh process with the fake loaded as `cu` (its globals are per process)."""
+    prelude = textwrap.dedent(f"""
+        import ctypes, numpy as np
+        cu = ctypes.CDLL({str(fakecuda.build())!r})
+        P = ctypes.c_ulonglong
+        cu.cuMemcpyAsync.argtypes = [P, P, ctypes.c_size_t, ctypes.c_void_p]
+        cu.cuMemsetD8Async.argtypes = [P, ctypes.c_ubyte, ctypes.c_size_t, ctypes.c_void_p]
+        cu.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        cu.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+        cu.cuMemFree_v2.argtypes = [P]
+        cu.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        cu.cuEventQuery.argtypes = cu.cuEventSynchronize.argtypes = cu.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
+        cu.fakecuda_violations.restype = cu.fakecuda_executed.restype = ctypes.c_uint64
+        assert cu.cuInit(0) == 0
+        ctx = ctypes.c_void_p(); assert cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
+        assert cu.cuCtxSetCurrent(ctx) == 0
+        def stream():
+            s = ctypes.c_void_p(); assert cu.cuStreamCreate(ctypes.byref(s), 1) == 0; return s
+        def event():
+            e = ctypes.c_void_p(); assert cu.cuEventCreate(ctypes.byref(e), 2) == 0; return e
+        def alloc(n):
+            p = P(); assert cu.cuMemAlloc_v2(ctypes.byref(p), n) == 0; return p.value
+        def view(ptr, n):
+            return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(ptr))
+        BIG = 64 << 20
+    """)
+    return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(body)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
+
+
+def _ok(r: subprocess.CompletedProcess[str]) -> str:
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def test_queued_work_runs_later_in_order_and_events_wait_for_it() -> None:
+    out = _ok(_script("""
+        s, e = stream(), event()
+        d, h = alloc(BIG), np.zeros(BIG, np.uint8)
+        assert cu.cuMemHostRegister_v2(h.ctypes.data, BIG, 1) == 0
+        src = np.full(BIG, 3, np.uint8); assert cu.cuMemHostRegister_v2(src.ctypes.data, BIG, 1) == 0
+        for _ in range(8):  # long enough a queue to look at it before it runs
+            assert cu.cuMemcpyAsync(d, src.ctypes.data, BIG, s) == 0
+        assert cu.cuMemsetD8Async(d, 9, 16, s) == 0
+        assert cu.cuMemcpyAsync(h.ctypes.data, d, BIG, s) == 0
+        assert (h[:16] == 0xDB).all()           # poisoned until the copy runs
+        assert cu.cuEventRecord(e, s) == 0
+        assert cu.cuEventQuery(e) == 600        # not ready: the work before it has not run
+        assert cu.cuEventSynchronize(e) == 0 and cu.cuEventQuery(e) == 0
+        assert (h[:16] == 9).all() and (h[16:] == 3).all()   # in stream order
+        print("violations", cu.fakecuda_violations())
+    """))
+    assert "violations 0" in out
+
+
+def test_a_pageable_source_is_read_when_queued_and_a_pageable_destination_waits() -> None:
+    _ok(_script("""
+        s = stream()
+        d = alloc(4096)
+        src = np.full(4096, 5, np.uint8)        # not registered: pageable
+        assert cu.cuMemcpyAsync(d, src.ctypes.data, 4096, s) == 0
+        src[:] = 6                              # the caller may reuse it at once
+        back = np.zeros(4096, np.uint8)
+        assert cu.cuMemcpyAsync(back.ctypes.data, d, 4096, s) == 0
+        assert (back == 5).all()                # into pageable memory: done when the call returns
+    """))
+
+
+def test_misuse_is_counted() -> None:
+    out = _ok(_script("""
+        s = stream()
+        d = alloc(BIG)
+        h = np.zeros(2 * BIG, np.uint8)
+        assert cu.cuMemHostRegister_v2(h.ctypes.data, BIG, 1) == 0
+        assert cu.cuMemHostRegister_v2(h.ctypes.data + 4096, 4096, 1) == 712        # overlapping registration
+        assert cu.cuMemcpyAsync(d + BIG - 8, h.ctypes.data, 64, s) == 1              # past the allocation's end
+        assert cu.cuMemcpyAsync(h.ctypes.data + BIG - 8, d, 64, s) == 1              # straddles the registration
+        for _ in range(8):
+            assert cu.cuMemcpyAsync(d, h.ctypes.data, BIG, s) == 0
+        assert cu.cuMemHostUnregister(h.ctypes.data) == 0                           # while queued work reads it
+        assert cu.cuStreamSynchronize(s) == 0
+        print("violations", cu.fakecuda_violations())
+    """))
+    assert int(out.split()[-1]) >= 4, out
+
+
+def test_an_injected_fault_is_sticky() -> None:
+    out = _ok(_script("""
+        s, e = stream(), event()
+        d, h = alloc(4096), np.zeros(4096, np.uint8)
+        assert cu.cuMemHostRegister_v2(h.ctypes.data, 4096, 1) == 0
+        codes = []
+        for _ in range(4):
+            codes.append(cu.cuMemcpyAsync(d, h.ctypes.data, 4096, s))
+            cu.cuEventRecord(e, s)
+            codes.append(cu.cuEventSynchronize(e))
+        print(codes)
+    """, FAKECUDA_FAULT_AT="2"))
+    codes = eval(out.strip())
+    assert codes[:2] == [0, 0] and codes[3] == ILLEGAL_ADDRESS and set(codes[4:]) == {ILLEGAL_ADDRESS}, codes
