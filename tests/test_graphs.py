@@ -453,6 +453,35 @@ def test_a_graph_run_is_one_op(client: transfer.Client) -> None:
     np.testing.assert_allclose(ys.ndarray((8, 4), np.float32), mlp_ref(x, ws), rtol=1e-4, atol=1e-4)
 
 
+def test_a_repeated_run_plans_nothing_until_a_segment_goes(client: transfer.Client) -> None:
+    """A run with the VAs of an earlier one reuses its plan (counted): nothing is translated
+    or placed again. New VAs are planned once; once any segment is freed, the next run plans
+    again, so a freed output is refused, not written through a stale plan."""
+    g, ws = mlp(client, 8, [16, 12, 12, 4])
+    xs, ys, other = client.segment(8 * 16 * 4), client.segment(8 * 4 * 4), client.segment(8 * 4 * 4)
+    x = xs.ndarray((8, 16), np.float32)
+    x[...] = RNG.standard_normal((8, 16))
+
+    def reused() -> int:
+        return int(client.stats()["daemon"]["graph_plans_reused"])
+
+    client.run_graph(g, [xs], [ys]).result()
+    before = reused()
+    for _ in range(5):
+        client.run_graph(g, [xs], [ys]).result()
+    assert reused() == before + 5
+    client.run_graph(g, [xs], [other]).result()  # new VAs: planned
+    client.run_graph(g, [xs], [other]).result()
+    assert reused() == before + 6
+    np.testing.assert_allclose(other.ndarray((8, 4), np.float32), mlp_ref(x, ws), rtol=1e-4, atol=1e-4)
+    client.free(other)
+    with pytest.raises(E.SegmentFreed):
+        client.run_graph(g, [xs], [other]).result()
+    client.run_graph(g, [xs], [ys]).result()  # planned again after the free, then reused
+    client.run_graph(g, [xs], [ys]).result()
+    assert reused() == before + 7
+
+
 def test_runs_revalidate_weights_and_bound_vas(client: transfer.Client) -> None:
     """What a definition fixed is not trusted blindly: a bound output overlapping a bound
     input is refused, a weight freed after the definition fails the run (naming the node

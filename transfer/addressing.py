@@ -19,7 +19,7 @@ from __future__ import annotations
 import bisect
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Generic, Hashable, Iterator, TypeVar
+from typing import Any, Callable, Generic, Hashable, Iterator, TypeVar
 
 import numpy as np
 
@@ -113,6 +113,10 @@ class MappingTable(Generic[H]):
         #: Arena blocks reserved for a session: first id -> (count, owner); `_starts` sorted.
         self._blocks: dict[int, tuple[int, Hashable]] = {}
         self._starts: list[int] = []
+        #: Called whenever a segment goes or a session stops being allowed one: what was
+        #: planned from earlier translations (graph runs' placements, server/_graphrun.py) is
+        #: stale, and must not keep the memory alive either.
+        self.on_change: Callable[[], None] = lambda: None
 
     def __len__(self) -> int:
         return len(self._segments)
@@ -232,7 +236,13 @@ class MappingTable(Generic[H]):
             self._starts.pop(bisect.bisect_left(self._starts, first))
 
     def remove(self, segment_id: int) -> Segment[H]:
-        return self._segments.pop(segment_id)
+        seg = self._segments.pop(segment_id)
+        self.on_change()
+        return seg
+
+    def touch(self) -> None:
+        """Who may use a segment changed (a guest detached): plans made before are stale."""
+        self.on_change()
 
     def get(self, segment_id: int) -> Segment[H] | None:
         return self._segments.get(segment_id)

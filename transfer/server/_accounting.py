@@ -52,6 +52,9 @@ class Accounting:
             "device_faults": 0,
             # Batches of device work a worker answered after queueing the next one behind it.
             "device_batches_pipelined": 0,
+            # Graph runs that reused the plan of an earlier run with the same VAs (nothing
+            # translated or placed: server/_graphrun.py).
+            "graph_plans_reused": 0,
         }
 
     def native(self, session: Session, counts: dict[str, int], latency: dict[str, tuple[list[int], float]]) -> None:

@@ -5,6 +5,13 @@ The planner calls `plan_graph` for a RunGraph. The externals (the run's inputs a
 the weights) are translated once each; shapes, dtypes and parameters were checked when the
 graph was defined. A run's ops share one `_GraphRun`: each node's error and time, and the
 answer the last op gives (the first failure in node order, or the profile).
+
+A run is planned once per (graph, session, bound VAs): its nodes' placements are kept by the
+planner (`Planner.graph_runs`), and a later run with the same VAs reuses them, translating and
+placing nothing ("graph_plans_reused"), as long as no segment has gone and no session has
+lost a segment it was a guest of: any free or detach anywhere clears what was kept
+(`MappingTable.on_change`), so a freed operand is translated again, and refused, and no kept
+plan holds freed memory. Only placements that load does not decide are kept.
 """
 
 from __future__ import annotations
@@ -21,7 +28,10 @@ from ._graphplan import GraphPlan, NodePlan
 from ._ops import Op, Range
 from ._placement import VirtualDevice
 
-__all__ = ["plan_graph"]
+__all__ = ["plan_graph", "RUNS_KEPT"]
+
+#: Graph runs' placements the planner keeps (producers cycling through slots, graphs, sessions).
+RUNS_KEPT = 1024
 
 
 def plan_graph(planner: Any, owner: Any, req: P.RunGraph) -> list[Op]:
@@ -48,21 +58,24 @@ def plan_graph(planner: Any, owner: Any, req: P.RunGraph) -> list[Op]:
             f"RunGraph: the graph takes {len(graph.inputs)} input and {len(graph.outputs)} output VA(s), "
             f"got {len(req.inputs)} and {len(req.outputs)}"
         )
-    segs, spans, ranges = plan.table(gseg)
+    key = (gseg.id, owner, *req.inputs, *req.outputs)
+    kept = planner.graph_runs
+    placed = kept.get(key)
     pulls: list[Op] = []
-    bind_externals(planner, owner, plan, (*req.inputs, *req.outputs), segs, spans, ranges, pulls)
+    if placed is not None:
+        if planner.counters:
+            planner.counters["graph_plans_reused"] += 1
+    else:
+        placed, fixed = _place(planner, owner, plan, gseg, req, pulls)
+        if fixed and not pulls:  # (remote inputs are pulled afresh each run)
+            if len(kept) >= RUNS_KEPT:
+                kept.clear()
+            kept[key] = placed
     run = _GraphRun(plan, req.profile, pulls, planner if pulls else None)
     ops: list[Op] = []
     current: _Stretch | None = None
-    for i, node in enumerate(plan.nodes):
-        gather = node.gather
-        nranges = gather(ranges)
-        try:
-            dev, kernel, ins, outs = planner.place(
-                node.op, node.in_place, node.n_inputs, node.signature, node.refs, gather(segs),
-                gather(spans), nranges, node.nbytes, node.work, node.device, node.placement)
-        except E.TransferError as exc:
-            raise _at_node(exc, plan, i) from None
+    for i, dev, kernel, ins, outs, nranges in placed:
+        node = plan.nodes[i]
         if current is None or dev is not current.device:
             current = _Stretch(run, dev)
             ops.append(current.op)
@@ -75,6 +88,27 @@ def plan_graph(planner: Any, owner: Any, req: P.RunGraph) -> list[Op]:
     ops[-1].rid = req.id
     run.ops = ops
     return [*pulls, *ops]
+
+
+def _place(planner: Any, owner: Any, plan: GraphPlan, gseg: Any, req: P.RunGraph, pulls: list[Op]) -> tuple[list[Any], bool]:
+    """Each node's (index, device, kernel, input and output (ref, span)s, hazard ranges), and
+    whether every node's device is fixed (not chosen by load: then the placement may be kept)."""
+    segs, spans, ranges = plan.table(gseg)
+    bind_externals(planner, owner, plan, (*req.inputs, *req.outputs), segs, spans, ranges, pulls)
+    placed = []
+    fixed = True
+    for i, node in enumerate(plan.nodes):
+        gather = node.gather
+        nranges = gather(ranges)
+        try:
+            dev, kernel, ins, outs = planner.place(
+                node.op, node.in_place, node.n_inputs, node.signature, node.refs, gather(segs),
+                gather(spans), nranges, node.nbytes, node.work, node.device, node.placement)
+        except E.TransferError as exc:
+            raise _at_node(exc, plan, i) from None
+        placed.append((i, dev, kernel, ins, outs, nranges))
+        fixed = fixed and planner.fixed_placement(gather(segs), node.nbytes, node.device, node.placement, node.work, dev)
+    return placed, fixed
 
 
 

@@ -87,6 +87,7 @@ STATS_FAMILIES: dict[str, tuple[str, str, str]] = {
     "python_device_requests": ("python_device_requests_total", "counter", "Copies and fills of GPU memory the Python pass served (no CUDA driver, a handover, a socket request)"),
     "device_unpinned_copies": ("device_unpinned_copies_total", "counter", "Worker device copies from host memory that was not page-locked (staged by the driver)"),
     "device_faults": ("device_faults_total", "counter", "Ring requests that failed on a device (CUDA) error"),
+    "graph_plans_reused": ("graph_plans_reused_total", "counter", "Graph runs that reused an earlier run's plan (same VAs, no segment freed since)"),
     "device_batches_pipelined": ("device_batches_pipelined_total", "counter", "Batches of device work a worker answered once their events passed, with the next batch queued behind them"),
     "segments": ("segments", "gauge", "Live segments (host, device and remote)"),
     "queued_requests": ("queued_requests", "gauge", "Requests queued across sessions, not yet taken by a pass"),

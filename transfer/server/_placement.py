@@ -59,6 +59,11 @@ class Placement:
     def choose(self, devices: Sequence[VirtualDevice], nbytes: int, work: int = 0) -> VirtualDevice:
         raise NotImplementedError
 
+    def fixed(self, devices: Sequence[VirtualDevice], nbytes: int) -> bool:
+        """Whether `choose` gives the same device for these bytes whatever the load (a plan
+        that placed such work may be kept: server/_graphrun.py)."""
+        return False
+
 
 class SizePlacement(Placement):
     """Small inputs to a CPU device, large ones to a GPU (when there is one)."""
@@ -69,9 +74,14 @@ class SizePlacement(Placement):
         self.threshold = threshold
 
     def choose(self, devices: Sequence[VirtualDevice], nbytes: int, work: int = 0) -> VirtualDevice:
+        return min(self._pool(devices, nbytes), key=lambda d: d.queued_bytes)
+
+    def fixed(self, devices: Sequence[VirtualDevice], nbytes: int) -> bool:
+        return len(self._pool(devices, nbytes)) == 1
+
+    def _pool(self, devices: Sequence[VirtualDevice], nbytes: int) -> list[VirtualDevice]:
         want = "cpu" if nbytes < self.threshold else "gpu"
-        pool = [d for d in devices if d.kind == want] or list(devices)
-        return min(pool, key=lambda d: d.queued_bytes)
+        return [d for d in devices if d.kind == want] or list(devices)
 
 
 class LeastLoaded(Placement):

@@ -57,6 +57,10 @@ class Planner:
         self.host_backend = next(d.backend for d in self.devices if d.kind == "cpu")
         #: The RDMA data plane (server._remote.RemotePlane), set by the server.
         self.remote: Any = None
+        #: Graph runs' placements by (graph, session, bound VAs) (server/_graphrun.py), dropped
+        #: whenever the table changes under them.
+        self.graph_runs: dict[tuple[Any, ...], list[Any]] = {}
+        table.on_change = self.graph_runs.clear
         #: The daemon's counters (`Accounting.counters`), set by the server: copies and fills of
         #: GPU memory planned here are the Python pass's ("python_device_requests").
         self.counters: dict[str, int] = {}
@@ -91,6 +95,18 @@ class Planner:
         if chooser is None:
             raise E.InvalidField(f"unknown placement {policy!r}; choose one of {', '.join(self.policies)}")
         return chooser.choose(self.devices, nbytes, work)
+
+    def fixed_placement(self, segs: Sequence[Segment[Any]], nbytes: int, pinned: int, policy: str, work: int,
+                        dev: VirtualDevice) -> bool:
+        """Whether `_device_of` gives `dev` for these operands whatever the devices' load: their
+        memory decides, the work is pinned, there is one device, or the policy's choice is fixed;
+        and `place` kept that device (no fallback to another kind for a missing kernel)."""
+        homes = any(s.kind == SegmentKind.DEVICE for s in segs)
+        if not (homes or pinned != -1 or (not policy and len(self.devices) == 1)):
+            chooser = self.policies.get(policy) if policy else self.placement
+            if chooser is None or not chooser.fixed(self.devices, nbytes):
+                return False
+        return self._device_of(segs, nbytes, pinned, policy, work) is dev
 
     def remote_bound(self, req: Any) -> bool:
         """Whether a queued request is a copy naming a remote segment, by its first VAs

@@ -251,6 +251,7 @@ class Resources:
         if seg.owner != session.id:
             # A guest's Unregister/Free detaches it; the memory stays with its owner.
             seg.guests.discard(session.id)
+            self.table.touch()  # (its plans that named the segment are stale)
             session.attached.discard(seg.id)
             self.dataplane.guest(seg, session, False)
             return
@@ -295,6 +296,8 @@ class Resources:
             if seg is not None:
                 seg.guests.discard(session.id)
                 self.dataplane.guest(seg, session, False)
+        if session.attached:
+            self.table.touch()
         session.attached.clear()
         for sid in list(session.segments):
             seg = self.table.get(sid)
