@@ -183,3 +183,30 @@ def test_trio_client_sees_its_daemon_die_as_a_plain_error(daemon_factory: Any) -
 
     exc = _trio_raises(body, d.endpoint)
     assert isinstance(exc, (transfer.ConnectionLost, transfer.SessionClosed)) and not isinstance(exc, BaseExceptionGroup), repr(exc)
+
+
+@pytest.mark.parametrize("flavor", ["sync", "trio", "asyncio"])
+def test_a_clean_close_counts_no_error(daemon: Any, flavor: str) -> None:
+    """Closing a session normally is not a failure: the daemon's error counts (and so
+    `transfer_errors_total` and the per-client `transfer_session_errors_total`) do not move,
+    whichever client closes, with or without a ring."""
+    with transfer.connect(daemon.endpoint, ring=False) as watcher:
+        before = watcher.stats()["daemon"]["errors"]
+        for ring in (True, False):
+            if flavor == "sync":
+                with transfer.connect(daemon.endpoint, ring=ring) as c:
+                    c.segment(4096)
+            else:
+                async def session() -> None:
+                    opener = transfer.open_client if flavor == "trio" else transfer.open_asyncio_client
+                    async with opener(daemon.endpoint, ring=ring) as c:
+                        await c.segment(4096)
+
+                if flavor == "trio":
+                    trio.run(session)
+                else:
+                    import asyncio
+
+                    asyncio.run(session())
+        watcher.fence()
+        assert watcher.stats()["daemon"]["errors"] == before

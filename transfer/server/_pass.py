@@ -205,7 +205,9 @@ class Pass:
             while q:
                 req, route = q.popleft()
                 b.count(req, route)
-                if route != RING:  # ring requests: the ring closes with the session, failing them client-side
+                if type(req) is P.Wait:  # the marker of the frame that closed: nothing to run, no failure
+                    b.replies.append((req.id, route, P.Reply(req.id)))
+                elif route != RING:  # ring requests: the ring closes with the session, failing them client-side
                     b.refused.append((req.id, route, err))
         if b.data:
             b.ops, refused = plan_batch(self.planner, session.id, b.data)
