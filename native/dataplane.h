@@ -252,8 +252,8 @@ void tdp_worker_stop(tdp_worker_t *w);
  * streams when the worker ends. */
 int tdp_dev_touches(tdp_worker_t *w, int op, uint64_t dva, uint64_t sva, uint64_t n);
 int tdp_dev_op(tdp_worker_t *w, int op, uint64_t dva, uint64_t sva, uint64_t n, uint8_t value);
-void tdp_dev_wait(tdp_worker_t *w);
-void tdp_dev_close(tdp_worker_t *w);
+void tdp_dev_wait(tdp_worker_t *w);   /* (dataplane.c: it pushes the parked batch's completions) */
+void tdp_dev_close(tdp_worker_t *w);  /* (after tdp_dev_wait) */
 /* The current flight's device work is queued: record its events (0), or -1 when it has none
  * or a driver error (then the caller waits for it instead of parking it). */
 int tdp_dev_record(tdp_worker_t *w);

@@ -107,6 +107,14 @@ static void write_lock(TableObject *self)
     }
 }
 
+/* A table insert that failed (tdp_table_add's -1 or -2), as the exception it is. */
+static PyObject *add_failed(int rc, unsigned int sid)
+{
+    if (rc == -2)
+        return PyErr_Format(PyExc_KeyError, "segment %u is already in the table", sid);
+    return PyErr_NoMemory();
+}
+
 static PyObject *Table_add(TableObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"sid", "buffer", "owner", "device", NULL};
@@ -136,11 +144,7 @@ static PyObject *Table_add(TableObject *self, PyObject *args, PyObject *kwds)
     pthread_rwlock_unlock(&self->t.lock);
     if (rc < 0) {
         release_keep(view);
-        if (rc == -2)
-            PyErr_Format(PyExc_KeyError, "segment %u is already in the table", sid);
-        else
-            PyErr_NoMemory();
-        return NULL;
+        return add_failed(rc, sid);
     }
     Py_RETURN_NONE;
 }
@@ -170,11 +174,7 @@ static PyObject *Table_add_cuda(TableObject *self, PyObject *args)
     pthread_rwlock_unlock(&self->t.lock);
     if (rc < 0) {
         Py_DECREF(keep);
-        if (rc == -2)
-            PyErr_Format(PyExc_KeyError, "segment %u is already in the table", sid);
-        else
-            PyErr_NoMemory();
-        return NULL;
+        return add_failed(rc, sid);
     }
     Py_RETURN_NONE;
 }

@@ -296,7 +296,6 @@ void tdp_dev_swap(tdp_worker_t *w)
 
 void tdp_dev_close(tdp_worker_t *w)
 {
-    tdp_dev_wait(w);
     for (int d = 0; d < TDP_CUDA_MAX_DEVICES; d++) {
         if (w->fl[0].ev[d] && tdp_cuda_use(d) == 0) {
             for (int k = 0; k < 2; k++)

@@ -596,13 +596,15 @@ def paths(daemons: dict[str, DaemonProcess]) -> Iterator[list[Path_]]:
     host = TrioHost()
     try:
         for dname, d in daemons.items():
-            for ring in (False, True):
+            # (through the fake driver only the rings differ from the stream simulation: its
+            # socket requests take the Python pass either way)
+            for ring in (False, True) if dname != "fakecuda" else (True,):
                 for style in ("seq", "batch") if not ring else STYLES:
                     c = transfer.connect(d.endpoint, ring=ring)
                     closers.append(c.close)
                     env, segs = _setup_sync(c)
                     out.append(Path_(f"{dname}/sync/{'ring' if ring else 'socket'}/{style}", style, False, c, env, segs))
-            trio_rings = (False, True) if trio_has_ring() else (False,)
+            trio_rings = ((False, True) if dname != "fakecuda" else (True,)) if trio_has_ring() else (False,)
             for ring in trio_rings:
                 for style in STYLES:
                     kw = {"ring": True} if ring else {}

@@ -117,3 +117,22 @@ def test_an_injected_fault_is_sticky() -> None:
     """, FAKECUDA_FAULT_AT="2"))
     codes = eval(out.strip())
     assert codes[:2] == [0, 0] and codes[3] == ILLEGAL_ADDRESS and set(codes[4:]) == {ILLEGAL_ADDRESS}, codes
+
+
+def test_poison_never_reaches_work_queued_before_it() -> None:
+    """A copy out of registered host memory, then one into the same bytes, on one stream: the
+    first reads the bytes as they were (stream order), though the second poisons them when
+    queued; readers of the poisoned bytes afterwards see the poison until it has run."""
+    _ok(_script("""
+        s, e = stream(), event()
+        d, h = alloc(BIG), np.full(BIG, 4, np.uint8)
+        assert cu.cuMemHostRegister_v2(h.ctypes.data, BIG, 1) == 0
+        for _ in range(4):  # a queue ahead, so both are queued before either runs
+            assert cu.cuMemcpyAsync(d, h.ctypes.data, BIG, s) == 0
+        other = alloc(64)
+        assert cu.cuMemcpyAsync(other, h.ctypes.data, 64, s) == 0     # reads h[:64] = 4
+        assert cu.cuMemcpyAsync(h.ctypes.data, d + 64, 64, s) == 0    # then writes it (poisoned now)
+        assert (h[:64] == 0xDB).all()
+        assert cu.cuEventRecord(e, s) == 0 and cu.cuEventSynchronize(e) == 0
+        assert (view(other, 64) == 4).all() and (h[:64] == 4).all()
+    """))

@@ -68,6 +68,7 @@ static _Atomic int sticky;
 static uint64_t fault_at, rng = 88172645463325252ull, spin_ns = 200000;
 static int ndevices = 1, started, report_fd = -1;
 static __thread int current = -1;
+static op_t *running_op; /* the op the engine is running (under mu) */
 
 uint64_t fakecuda_executed(void) { return atomic_load(&executed); }
 uint64_t fakecuda_violations(void) { return atomic_load(&violations); }
@@ -197,6 +198,7 @@ static void *engine(void *arg)
         if (!s->head)
             s->tail = NULL;
         s->running = 1;
+        running_op = o;
         int gone = o->kind != K_EVENT &&
                    (classify(o->dst, o->n, NULL) != o->dclass ||
                     (o->kind == K_COPY && !o->snap && classify(o->src, o->n, NULL) != o->sclass));
@@ -204,6 +206,7 @@ static void *engine(void *arg)
         run_op(o, gone);
         pthread_mutex_lock(&mu);
         s->running = 0;
+        running_op = NULL;
         atomic_fetch_sub(&queued, 1);
         pthread_cond_broadcast(&done_cv);
         pthread_mutex_unlock(&mu);
@@ -410,8 +413,21 @@ static CUresult enqueue(int kind, CUdeviceptr dst, CUdeviceptr src, size_t n, un
         }
         memcpy(o->snap, o->src, n);
     }
-    if (o->dclass != DEV)
-        memset(o->dst, 0xDB, n); /* poisoned until the copy runs */
+    if (o->dclass != DEV) {
+        /* Poisoned until the copy runs. Work queued before it that reads these bytes runs first
+         * (in stream order) and must see them as they are now: it reads a copy taken here, and
+         * one running now finishes first. */
+        while (running_op && running_op->kind == K_COPY && running_op->src < o->dst + n && o->dst < running_op->src + running_op->n)
+            pthread_cond_wait(&done_cv, &mu);
+        for (stream_t *t = streams; t; t = t->next)
+            for (op_t *q = t->head; q; q = q->next)
+                if (q->kind == K_COPY && !q->snap && q->src < o->dst + n && o->dst < q->src + q->n) {
+                    q->snap = malloc(q->n);
+                    if (q->snap)
+                        memcpy(q->snap, q->src, q->n);
+                }
+        memset(o->dst, 0xDB, n);
+    }
     stream_t *s = h;
     push(s, o);
     if (o->dclass == PAGEABLE) /* into pageable memory: the call returns once it is done */

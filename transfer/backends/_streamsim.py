@@ -54,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _native
+from .._native import cuda_alloc, cuda_devices, cuda_free
 
 from ..addressing import SegmentKind
 from ._base import Span, host_bytes
@@ -82,7 +82,7 @@ class StreamSimViolation(AssertionError):
 def _free_quietly(ptr: int, device: int) -> None:
     """cuMemFree from a finalizer: after a sticky fault (injected) the driver refuses; nothing to do."""
     try:
-        _native.cuda_free(ptr, device)
+        cuda_free(ptr, device)
     except OSError:
         pass
 
@@ -98,7 +98,7 @@ class SimMemory:
         #: device copies and this simulation touch the same bytes; else plain NumPy memory.
         self.cuda_ptr = 0
         if cuda:
-            self.cuda_ptr = _native.cuda_alloc(nbytes, device)
+            self.cuda_ptr = cuda_alloc(nbytes, device)
             raw = (ctypes.c_uint8 * max(nbytes, 1)).from_address(self.cuda_ptr)
             weakref.finalize(raw, _free_quietly, self.cuda_ptr, device)  # once no view of it is left
             self.data: np.ndarray = np.frombuffer(memoryview(raw), np.uint8)[:nbytes]
@@ -279,7 +279,7 @@ class StreamSimBackend(StreamBackend):
     # --- memory ---------------------------------------------------------------------------------
     def alloc(self, nbytes: int, device: int) -> SimMemory:
         self._alive(device)
-        return SimMemory(self, nbytes, device, cuda=_native.cuda_devices() > device)
+        return SimMemory(self, nbytes, device, cuda=cuda_devices() > device)
 
     def free(self, mem: Any) -> None:
         pass  # queued work keeps its memory alive (CuPy's pool is stream-ordered too)
