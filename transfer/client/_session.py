@@ -513,9 +513,34 @@ def open_socket(endpoint: str, server_key: Any, client_keys: Any, connect_timeou
     return sock
 
 
+def _not_ours(endpoint: str, path: Path) -> E.DaemonUnavailable:
+    """The error for a socket this process may not reach: whose the directory (or the socket)
+    is that stops it, and what to do."""
+    me = os.geteuid()
+    blocker = path
+    for d in reversed(path.parents):  # the first directory on the way that we may not enter
+        if not os.access(d, os.X_OK):
+            blocker = d
+            break
+    try:
+        st = blocker.stat()
+        whose = f"belongs to uid {st.st_uid} (mode {stat.S_IMODE(st.st_mode):04o})"
+    except OSError:
+        whose = "is not ours"
+    return E.DaemonUnavailable(
+        f"cannot reach the daemon at {endpoint}: {blocker} {whose}, and this process (uid {me}) may not "
+        f"{'enter it' if blocker != path else 'connect to it'}: run as the daemon's user, or start a daemon of your own"
+    )
+
+
 def _probe_ipc(endpoint: str, path: Path) -> None:
-    """Raise DaemonUnavailable now when no daemon can be listening at `path`."""
-    if not path.exists():
+    """Raise DaemonUnavailable now when no daemon can be listening at `path`, or when one may
+    be but this process is not allowed to reach it."""
+    try:
+        exists = path.exists()
+    except PermissionError:
+        raise _not_ours(endpoint, path) from None
+    if not exists:
         raise E.DaemonUnavailable(f"no daemon at {endpoint}: {path} does not exist (is transferd running?)")
     try:
         is_socket = stat.S_ISSOCK(path.stat().st_mode)
@@ -533,7 +558,9 @@ def _probe_ipc(endpoint: str, path: Path) -> None:
         ) from None
     except FileNotFoundError:
         raise E.DaemonUnavailable(f"no daemon at {endpoint}: {path} does not exist (is transferd running?)") from None
+    except PermissionError:
+        raise _not_ours(endpoint, path) from None
     except OSError:
-        pass  # too long a path, a permission: let zmq try and report
+        pass  # too long a path: let zmq try and report
     finally:
         probe.close()
