@@ -294,7 +294,7 @@ def test_more_frame_level_errors(frame: bytes, err: type[Exception]) -> None:
     [
         ([20, 1, -1, 0, 0, 0], E.InvalidField, "Copy.dst: expected `int` >= 0, got -1"),
         ([20, 1, 0, 0, 0, 2**32], E.InvalidField, "Copy.stream: expected `int` <= 4294967295, got 4294967296"),
-        ([20, 1, 0, 0, 1.5, 0], E.InvalidField, "Copy.nbytes: expected `int`, got `float`, got 1.5"),
+        ([20, 1, 0, 0, 1.5, 0], E.InvalidField, "Copy.nbytes: expected `int`, got `float` (1.5)"),
         ([20, 1, 0, 0], E.InvalidField, "Copy takes 3 to 4 fields, got 2"),
         ([20, 1, 0, 0, 0, 0, 0], E.InvalidField, "Copy takes 3 to 4 fields, got 5"),
         ([3, 1, 0], E.InvalidField, "Ping takes 0 fields, got 1"),

@@ -16,9 +16,13 @@ import transfer
 
 
 # --- endpoints ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("endpoint", ["foo", "/run/transferd.sock", "ipc://", "tcp://127.0.0.1"])
-def test_an_endpoint_without_a_scheme_is_a_clear_error(endpoint: str) -> None:
-    with pytest.raises(ValueError, match="bad endpoint: .*(ipc://|tcp://)"):
+@pytest.mark.parametrize("endpoint, words", [
+    ("foo", "the scheme is required"), ("/run/transferd.sock", "the scheme is required"), ("ipc://", "needs a socket path"),
+    ("tcp://127.0.0.1", "is not tcp://HOST:PORT"), ("icp:///x", "unknown scheme 'icp'"),
+    ("ipc://tmp/x", "relative path 'tmp/x'.*ipc:///tmp/x"), ("", "the endpoint is empty"),
+])
+def test_an_endpoint_without_a_scheme_is_a_clear_error(endpoint: str, words: str) -> None:
+    with pytest.raises(ValueError, match=f"bad endpoint: .*{words}"):
         transfer.connect(endpoint)
 
     async def main() -> None:
@@ -27,6 +31,26 @@ def test_an_endpoint_without_a_scheme_is_a_clear_error(endpoint: str) -> None:
 
     with pytest.raises(ValueError, match="bad endpoint"):
         trio.run(main)
+
+
+@pytest.mark.parametrize("opener", ["sync", "trio", "asyncio"])
+def test_an_endpoint_that_is_not_a_string_is_a_clear_error(opener: str) -> None:
+    """connect(5555) is a TypeError that says what an endpoint is, not an AttributeError."""
+    with pytest.raises(TypeError, match=r"bad endpoint: 5555 \(int\) is not a string"):
+        if opener == "sync":
+            transfer.connect(5555)  # type: ignore[arg-type]
+        else:
+            async def main() -> None:
+                open_ = transfer.open_client if opener == "trio" else transfer.open_asyncio_client
+                async with open_(5555):  # type: ignore[arg-type]
+                    pass
+
+            if opener == "trio":
+                trio.run(main)
+            else:
+                import asyncio
+
+                asyncio.run(main())
 
 
 def test_a_stale_socket_is_refused_at_once(tmp_path: Path) -> None:
@@ -237,3 +261,11 @@ def test_another_users_daemon_is_a_clear_error_at_once(daemon: Any) -> None:
     name, seconds, message = out.stdout.split(" ", 2)
     assert name == "DaemonUnavailable" and float(seconds) < 1.0, out.stdout
     assert "belongs to uid 0" in message and "run as the daemon's user" in message, message
+
+
+def test_a_float_size_says_so_once(daemon: Any) -> None:
+    """segment(1.5): the reason names the type and the value once each."""
+    with transfer.connect(daemon.endpoint) as c:
+        with pytest.raises(transfer.InvalidField) as err:
+            c.segment(1.5)  # type: ignore[arg-type]
+    assert str(err.value).endswith("RegisterHost.nbytes: expected `int`, got `float` (1.5)"), str(err.value)

@@ -667,7 +667,8 @@ def _explain(raw: Raw, exc: Exception) -> BadRequest:
             path, msg = _reason(field_exc)
             got = _value(part) if not path else UNSET
             if got is None or type(got) in (bool, int, float):
-                msg = f"{msg}, got {got!r}"
+                # the value beside the reason: "expected `int`, got `float` (1.5)", "expected `int` >= 0, got -1"
+                msg = f"{msg} ({got!r})" if ", got `" in msg else f"{msg}, got {got!r}"
             return BadRequest(rid, E.InvalidField(f"{name}.{field}{path}: {msg}"))
     return BadRequest(rid, E.InvalidField(f"{name}: {_reason(exc)[1]}"))  # safety net: failures are per field
 

@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator, Coroutine
 import zmq
 
 from .. import errors as E
-from ..transport._zmq import default_endpoint, ipc_path
+from ..transport._zmq import ipc_path, resolve_endpoint
 from ..transport._zmq_asyncio import AsyncioPump
 from ._evloop import BELL, IDLE, YIELD, LoopSession
 from .._pending import AwaitablePending, Pending
@@ -188,7 +188,7 @@ async def open_asyncio_client(
 ) -> AsyncIterator[AsyncioClient]:
     """An asyncio session with the daemon (the arguments are `transfer.connect`'s);
     everything it holds is released on exit. A failing request raises its own exception."""
-    endpoint = endpoint or os.environ.get("TRANSFER_ENDPOINT") or default_endpoint()
+    endpoint = resolve_endpoint(endpoint)
     if endpoint.startswith("tcp://"):  # the CURVE handshake wait blocks: not on the event loop
         sock = await asyncio.to_thread(functools.partial(open_socket, endpoint, server_key, client_keys, connect_timeout))
     else:

@@ -20,7 +20,7 @@ import zmq
 from .. import _results as R
 from .. import errors as E
 from .. import protocol as P
-from ..transport._zmq import default_endpoint, ipc_path
+from ..transport._zmq import ipc_path, resolve_endpoint
 from .._pending import Pending
 from ..ring import RingLink
 from ._session import Op, Session, open_socket
@@ -52,7 +52,7 @@ class Client(Session):
         `ring`: the shared-memory request ring copies, fills, checksums and fences take
         instead of the socket (docs/ring.md). Default: on for a same-host (ipc) daemon, off
         for tcp; False opts out; an int is its capacity (default 1024)."""
-        super().__init__(endpoint or os.environ.get("TRANSFER_ENDPOINT") or default_endpoint(), Pending, self._wait_for)
+        super().__init__(resolve_endpoint(endpoint), Pending, self._wait_for)
         self._liveness_timeout = liveness_timeout
         self._core.max_inflight = max(1, max_inflight)
         self._closed = False

@@ -23,7 +23,7 @@ import trio
 import zmq
 
 from .. import errors as E
-from ..transport._zmq import SocketPump, default_endpoint, ipc_path
+from ..transport._zmq import SocketPump, ipc_path, resolve_endpoint
 from ._evloop import BELL, IDLE, YIELD, LoopSession
 from .._pending import AwaitablePending, Pending
 from ..ring import RingLink
@@ -140,7 +140,7 @@ async def open_client(
     """A trio session with the daemon (the arguments are `transfer.connect`'s); everything
     it holds is released on exit. A failing request raises its own exception out of the
     block, never an ExceptionGroup wrapping it."""
-    endpoint = endpoint or os.environ.get("TRANSFER_ENDPOINT") or default_endpoint()
+    endpoint = resolve_endpoint(endpoint)
     if endpoint.startswith("tcp://"):  # the CURVE handshake wait blocks: not on the event loop
         sock = await trio.to_thread.run_sync(open_socket, endpoint, server_key, client_keys, connect_timeout)
     else:

@@ -29,7 +29,7 @@ from urllib.parse import urlparse
 import trio
 import zmq
 
-__all__ = ["SocketPump", "monitor_socket", "stop_monitor", "ipc_path", "check_endpoint", "endpoint_error", "default_endpoint"]
+__all__ = ["SocketPump", "monitor_socket", "stop_monitor", "ipc_path", "check_endpoint", "endpoint_error", "default_endpoint", "resolve_endpoint"]
 
 #: Messages received per pass before yielding to other tasks (fairness).
 _RECV_BURST = 256
@@ -228,18 +228,43 @@ def ipc_path(endpoint: str) -> Path | None:
     return Path(endpoint[len("ipc://") :]) if endpoint.startswith("ipc://") else None
 
 
-def endpoint_error(endpoint: str) -> str | None:
+def endpoint_error(endpoint: object) -> str | None:
     """Why `endpoint` is not one transfer can use (None if it is): the one syntax check
     that the daemon's settings and the clients share, before zmq's bare "Invalid argument"."""
+    if not isinstance(endpoint, str):
+        return f"{endpoint!r} ({type(endpoint).__name__}) is not a string: an endpoint is ipc://PATH or tcp://HOST:PORT"
+    if not endpoint:
+        return "the endpoint is empty: give ipc://PATH or tcp://HOST:PORT, or None for the default"
     if endpoint.startswith("ipc://"):
-        return None if len(endpoint) > len("ipc://") else "ipc:// needs a socket path (ipc:///run/transfer/transferd.sock)"
+        path = endpoint[len("ipc://"):]
+        if not path:
+            return "ipc:// needs a socket path (ipc:///run/transfer/transferd.sock)"
+        if not path.startswith("/"):
+            return (f"{endpoint!r} names the relative path {path!r}, looked for below the current directory: "
+                    f"three slashes for an absolute one (ipc:///{path})")
+        return None
     if endpoint.startswith("tcp://"):
         rest = endpoint[len("tcp://"):]
         host, sep, port = rest.rpartition(":")
         if not (host and sep and port.isdigit()):
             return f"{endpoint!r} is not tcp://HOST:PORT"
         return None
+    scheme, sep, _ = endpoint.partition("://")
+    if sep:
+        return f"{endpoint!r}: unknown scheme {scheme!r} (ipc://PATH or tcp://HOST:PORT)"
     return f"{endpoint!r} is not ipc://PATH or tcp://HOST:PORT (the scheme is required)"
+
+
+def resolve_endpoint(endpoint: object) -> str:
+    """A client's endpoint: the one given (checked), else $TRANSFER_ENDPOINT, else the
+    per-user default. ValueError (TypeError for a non-string) says what is wrong."""
+    if endpoint is None:
+        return os.environ.get("TRANSFER_ENDPOINT") or default_endpoint()
+    why = endpoint_error(endpoint)
+    if why is not None:
+        raise (ValueError if isinstance(endpoint, str) else TypeError)(f"bad endpoint: {why}")
+    assert isinstance(endpoint, str)
+    return endpoint
 
 
 def default_endpoint() -> str:
