@@ -269,3 +269,29 @@ def test_a_float_size_says_so_once(daemon: Any) -> None:
         with pytest.raises(transfer.InvalidField) as err:
             c.segment(1.5)  # type: ignore[arg-type]
     assert str(err.value).endswith("RegisterHost.nbytes: expected `int`, got `float` (1.5)"), str(err.value)
+
+
+def test_transferd_help_shows_sizes_as_written_and_names_keygen() -> None:
+    """`transferd --help`: byte defaults as one writes them (16GiB), and the keygen verb."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "transfer.cli.transferd", "--help"], capture_output=True, text=True, timeout=60).stdout
+    assert "transferd keygen DIR" in out.split("\n\n")[0]
+    flat = " ".join(out.split())
+    assert "TRANSFER_MAX_DEVICE_BYTES; default 16GiB]" in flat and "17179869184" not in flat
+
+
+def test_quota_errors_name_their_flag_in_human_units(daemon_factory: Any) -> None:
+    """A session's host quota, the daemon's device budget, and a deferred alloc's quota each
+    say how much in binary units and which flag sets it."""
+    d = daemon_factory("--max-host-bytes-per-session", "1MiB", "--max-device-bytes", "2MiB")
+    with transfer.connect(d.endpoint, deferred=False) as c:
+        c.segment(768 << 10)
+        with pytest.raises(transfer.QuotaExceeded, match=r"--max-host-bytes-per-session\): 768 KiB in use \+ 512 KiB asked > 1 MiB"):
+            c.segment(512 << 10)
+        with pytest.raises(transfer.OutOfDeviceMemory, match=r"alloc of 3 MiB: the daemon's device budget \(--max-device-bytes\) has 2 MiB of 2 MiB left"):
+            c.alloc(3 << 20)
+    with transfer.connect(d.endpoint) as c:
+        with pytest.raises(transfer.QuotaExceeded, match=r"3 MiB created at .*may hold, 2 MiB \(0 B in use\).*--max-device-bytes"):
+            c.alloc(3 << 20)

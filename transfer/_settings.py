@@ -27,12 +27,13 @@ import json
 import logging
 import math
 import os
-import re
 import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
+
+from ._units import fmt_bytes, parse_size
 
 __all__ = [
     "Setting",
@@ -54,25 +55,6 @@ class ConfigError(ValueError):
 
 
 # --- value parsers: (raw value from any source) -> typed value, or ValueError(reason) ---------
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)b?\s*$", re.IGNORECASE)
-_SIZE_EXP = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
-
-
-def parse_size(raw: Any) -> int:
-    """Bytes: an int, or a string like ``4096``, ``64MiB``, ``16G`` (K/M/G/T are 1024-based)."""
-    if type(raw) is int:
-        return raw
-    if isinstance(raw, str):
-        m = _SIZE_RE.match(raw)
-        if m:
-            num, unit, _ = m.groups()
-            value = float(num) * (1024 ** _SIZE_EXP[unit.lower()])
-            if value == int(value):
-                return int(value)
-            raise ValueError("not a whole number of bytes")
-    raise ValueError("not a size (an integer number of bytes, or e.g. '64MiB', '16G')")
-
-
 def _int(raw: Any) -> int:
     if type(raw) is int:
         return raw
@@ -446,7 +428,13 @@ def _cross_check(r: Resolved) -> None:
 def add_flags(p: argparse.ArgumentParser) -> None:
     """One flag per setting. Defaults are left unset so `flags_from_args` sees only what was given."""
     for s in SETTINGS:
-        extra = f" [env {s.env}; default {_json_value(s.default) if s.key != 'endpoints' else s.default[0]}]"
+        if s.key == "endpoints":
+            shown = s.default[0]
+        elif s.parse is parse_size and s.default:
+            shown = fmt_bytes(s.default).replace(" ", "")  # 16GiB, as one writes it back
+        else:
+            shown = _json_value(s.default)
+        extra = f" [env {s.env}; default {shown}]"
         if s.boolean:
             p.add_argument(s.flag, dest=s.dest, action=argparse.BooleanOptionalAction, default=None, help=s.help + extra)
         elif s.key == "endpoints":

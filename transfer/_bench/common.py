@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 from collections.abc import Sequence
 from typing import Any, Callable, Protocol, TypeAlias
 
 import numpy as np
+
+from .._units import fmt_bytes, parse_size as _parse_size
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -124,17 +125,12 @@ class BenchFailure(RuntimeError):
     """The benchmark could not produce a trustworthy result (mismatch, crash, hang)."""
 
 
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kKmMgG]?)(i?[bB])?\s*$")
-
-
 def parse_size(text: str) -> int:
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise ValueError(f"not a size: {text!r} (examples: 4K, 64KiB, 1M, 256MiB)")
-    n = int(m.group(1))
-    unit = m.group(2).upper()
-    mult = {"": 1, "K": KiB, "M": MiB, "G": GiB}[unit]
-    n *= mult
+    """A benchmark size (read as `transfer._units.parse_size` reads one): a positive multiple of 8 bytes."""
+    try:
+        n = _parse_size(text)
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (examples: 4K, 64KiB, 1M, 256MiB)") from None
     if n <= 0 or n % 8:
         raise ValueError(f"size must be a positive multiple of 8 bytes: {text!r}")
     return n
@@ -151,11 +147,8 @@ def parse_sizes(text: str) -> list[int]:
     return [parse_size(t) for t in text.split(",") if t.strip()]
 
 
-def fmt_size(n: int) -> str:
-    for unit, mult in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= mult and n % mult == 0:
-            return f"{n // mult} {unit}"
-    return f"{n} B"
+#: How the tables and progress lines print a size ("64 KiB").
+fmt_size = fmt_bytes
 
 
 def default_batch_items(size: int) -> int:

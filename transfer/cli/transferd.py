@@ -34,6 +34,7 @@ log = logging.getLogger("transfer.daemon")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="transferd",
+        usage="%(prog)s [options]\n       %(prog)s keygen DIR   (CURVE keys for authenticated tcp: docs/operations.md)",
         description="Zero-copy transfer daemon. Precedence: flags > TRANSFER_* env > --config file > defaults.",
         epilog="Sizes accept suffixes (64MiB, 16G). Booleans take --flag / --no-flag. docs/operations.md has the details.",
     )

@@ -24,6 +24,7 @@ import numpy as np
 from .. import _results as R
 from .. import errors as E
 from .. import protocol as P
+from .._units import fmt_bytes
 from ..addressing import OFFSET_BITS
 from ..kernels import DTYPES, OPERATORS, GraphNode, GraphSpec, TensorRef, graph_wire, parse_graph, shape_tuple, tensor_extent
 from ._resources import Addressed
@@ -266,8 +267,9 @@ class DeferredState:
             raise E.InvalidField(f"alloc of {nbytes} bytes at {site}: size must be in 1..{1 << OFFSET_BITS}")
         if arena.quota and arena.used + nbytes > arena.quota:
             raise E.QuotaExceeded(
-                f"alloc of {_human(nbytes)} created at {site} exceeds the session's device quota of {_human(arena.quota)} "
-                f"({_human(arena.used)} in use)"
+                f"alloc of {fmt_bytes(nbytes)} created at {site} exceeds the device memory this session may hold, "
+                f"{fmt_bytes(arena.quota)} ({fmt_bytes(arena.used)} in use): the daemon's --max-device-bytes-per-session, "
+                f"or its whole --max-device-bytes where that is unlimited"
             )
         sid = arena.take()
         if sid is None:
@@ -335,8 +337,3 @@ class DeferredState:
         return out
 
 
-def _human(n: int) -> str:
-    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size and n % size == 0:
-            return f"{n // size} {unit}"
-    return f"{n} bytes"

@@ -15,6 +15,7 @@ from .. import _fields as F
 from .. import _results as R
 from .. import errors as E
 from .. import protocol as P
+from .._units import fmt_bytes
 from ..addressing import OFFSET_BITS, SegmentKind
 from ..kernels import OPERATORS, REGISTRY, TensorRef, parse_graph, signature, tensor_extent
 from ._graphplan import GraphPlan
@@ -24,11 +25,6 @@ from ._session import Session
 __all__ = ["define", "resolve", "define_graph"]
 
 
-def _human(n: int) -> str:
-    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size and n % size == 0:
-            return f"{n // size} {unit}"
-    return f"{n} bytes"
 
 
 def define(resources: Resources, session: Session, req: P.Define) -> Any:
@@ -79,7 +75,7 @@ def _alloc(resources: Resources, session: Session, va: int, nbytes: int, device:
     try:
         return resources.alloc_at(session, sid, nbytes, arena_dev)
     except E.TransferError as exc:
-        raise type(exc)(f"{what} of {_human(nbytes)}{where}: {exc.message}") from None
+        raise type(exc)(f"{what} of {fmt_bytes(nbytes)}{where}: {exc.message}") from None
 
 
 def define_graph(resources: Resources, session: Session, va: int, d: Any, site: str) -> None:

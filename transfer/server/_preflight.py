@@ -15,6 +15,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from .._units import fmt_bytes
 from ..memory._shm import memory_available
 from ._config import DaemonConfig
 
@@ -153,14 +154,6 @@ def check_memory(config: DaemonConfig) -> str:
     return f"shared memory available {fmt_bytes(avail)} ({source})"
 
 
-def fmt_bytes(n: int) -> str:
-    """1536 -> '1.5 KiB'; whole numbers stay whole ('64 MiB')."""
-    x = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(x) < 1024 or unit == "TiB":
-            return f"{int(x)} {unit}" if x.is_integer() else f"{x:.1f} {unit}"
-        x /= 1024
-    raise AssertionError("unreachable")
 
 
 def startup_line(config: DaemonConfig, shm: ShmDir, backend: str, backend_reason: str, sessions: int, connections: int, memory: str,

@@ -17,6 +17,7 @@ import trio
 from .. import _results as R
 from .. import errors as E
 from .. import protocol as P
+from .._units import fmt_bytes
 from ..addressing import MAX_SEGMENT_BYTES, MappingTable, Segment, SegmentKind
 from ..backends import Backend
 from ..memory import ShmFile
@@ -78,18 +79,22 @@ class Resources:
             what = "host"
             if cfg.max_host_bytes and self.host_bytes + nbytes > cfg.max_host_bytes:
                 raise E.OutOfSharedMemory(
-                    f"cannot reserve {nbytes} bytes of shared memory: the daemon's budget (--max-host-bytes) "
-                    f"has {cfg.max_host_bytes - self.host_bytes} of {cfg.max_host_bytes} bytes free"
+                    f"cannot reserve {fmt_bytes(nbytes)} of shared memory: the daemon's budget (--max-host-bytes) "
+                    f"has {fmt_bytes(cfg.max_host_bytes - self.host_bytes)} of {fmt_bytes(cfg.max_host_bytes)} free"
                 )
         else:
             limit, used = cfg.max_device_bytes_per_session, session.device_bytes
             what = "device"
             if self.device_bytes + nbytes > cfg.max_device_bytes:
                 raise E.OutOfDeviceMemory(
-                    f"alloc of {nbytes} bytes: the daemon's device budget has {cfg.max_device_bytes - self.device_bytes} of {cfg.max_device_bytes} bytes left"
+                    f"alloc of {fmt_bytes(nbytes)}: the daemon's device budget (--max-device-bytes) has "
+                    f"{fmt_bytes(cfg.max_device_bytes - self.device_bytes)} of {fmt_bytes(cfg.max_device_bytes)} left"
                 )
         if limit and used + nbytes > limit:
-            raise E.QuotaExceeded(f"{what} bytes quota: {used} used + {nbytes} asked > {limit}")
+            raise E.QuotaExceeded(
+                f"the session's {what} memory quota (--max-{what}-bytes-per-session): {fmt_bytes(used)} in use "
+                f"+ {fmt_bytes(nbytes)} asked > {fmt_bytes(limit)}"
+            )
 
     # --- admission: the home device and the arenas ------------------------------------------------
     def admit(self, session: Session) -> tuple[int, list[R.Arena]]:

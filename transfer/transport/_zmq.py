@@ -251,7 +251,7 @@ def endpoint_error(endpoint: object) -> str | None:
         return None
     scheme, sep, _ = endpoint.partition("://")
     if sep:
-        return f"{endpoint!r}: unknown scheme {scheme!r} (ipc://PATH or tcp://HOST:PORT)"
+        return f"{endpoint!r} is not ipc://PATH or tcp://HOST:PORT (unknown scheme {scheme!r})"
     return f"{endpoint!r} is not ipc://PATH or tcp://HOST:PORT (the scheme is required)"
 
 
