@@ -65,6 +65,7 @@ def test_deployment_standalone_daemon_trainer_and_producers(tmp_path) -> None:
         assert [p.returncode for p in procs] == [0, 0, 0], outs
         assert "all 30 batches verified" in outs[0] and "per producer [15, 15]" in outs[0], outs[0]
         assert "decoder-0: 15 batches" in outs[1] and "decoder-1: 15 batches" in outs[2]
+        assert not (d.workdir / "trainer.sock").exists(), "the trainer leaves its rendezvous socket behind"
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         moved = dict(re.findall(r'^transfer_session_moved_bytes_total\{client="([^"]+)"\} (\S+)$', text, flags=re.M))
         per_batch = 8 * 3 * 64 * 64 * 5  # normalize reads uint8 and writes float32

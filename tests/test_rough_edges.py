@@ -295,3 +295,24 @@ def test_quota_errors_name_their_flag_in_human_units(daemon_factory: Any) -> Non
     with transfer.connect(d.endpoint) as c:
         with pytest.raises(transfer.QuotaExceeded, match=r"3 MiB created at .*may hold, 2 MiB \(0 B in use\).*--max-device-bytes"):
             c.alloc(3 << 20)
+
+
+def test_the_daemon_removes_the_socket_directories_it_created(tmp_path: Path) -> None:
+    """A daemon asked to serve in directories that do not exist yet creates them (0700) and,
+    once stopped, leaves nothing behind: neither its socket nor those directories. One that
+    already existed stays."""
+    from transfer.testing import start_daemon
+
+    from conftest import FAST
+
+    base = tmp_path / "run"
+    base.mkdir(mode=0o700)
+    sock = base / "a" / "b" / "transferd.sock"
+    d = start_daemon([*FAST, "--endpoint", f"ipc://{sock}"], workdir=base)
+    try:
+        assert (sock.parent.stat().st_mode & 0o777) == 0o700
+        with transfer.connect(f"ipc://{sock}") as c:
+            c.fence()
+    finally:
+        assert d.stop() == 0
+    assert base.exists() and list(base.iterdir()) == [], list(base.iterdir())

@@ -18,9 +18,11 @@ through it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from collections import deque
+from pathlib import Path
 
 import numpy as np
 import zmq
@@ -42,12 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     slot_bytes = int(np.prod(shape)) * 4  # float32
     slots = args.slots or 2 * args.producers
 
-    with transfer.connect(name="trainer") as c, zmq.Context() as ctx:  # $TRANSFER_ENDPOINT names the daemon
+    with transfer.connect(name="trainer") as c, zmq.Context() as ctx, contextlib.ExitStack() as stack:  # $TRANSFER_ENDPOINT names the daemon
         inbox = c.segment(slots * slot_bytes)  # the batch slots, mapped here and in the daemon
         token = c.share(inbox)  # a capability: whoever holds it may name inbox's VAs
         sock = ctx.socket(zmq.ROUTER)
         sock.linger = 2000
         sock.bind(args.rendezvous)
+        if args.rendezvous.startswith("ipc://"):  # zmq leaves an ipc socket's file: remove it when done
+            stack.callback(Path(args.rendezvous[len("ipc://"):]).unlink, missing_ok=True)
         producers = []
         while len(producers) < args.producers:  # each producer says hello and gets the layout
             who, msg = sock.recv_multipart()

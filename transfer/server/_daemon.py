@@ -28,10 +28,11 @@ __all__ = ["serve", "run"]
 log = logging.getLogger("transfer.daemon")
 
 
-def _prepare_ipc(endpoint: str) -> Path | None:
+def _prepare_ipc(endpoint: str, created: list[Path]) -> Path | None:
     """Bind only in a private directory: ours, mode 0700 or stricter; clear a stale socket file.
 
-    A directory the daemon creates is made 0700. One that already exists is
+    A directory the daemon creates is made 0700, and added to `created` (the daemon removes
+    it again on exit, if it is empty then). One that already exists is
     used only if it belongs to this user and grants group and other nothing:
     in a directory others can write (a world-writable one like /tmp, sticky
     or not) another user could bind first or swap the socket for their own,
@@ -42,8 +43,10 @@ def _prepare_ipc(endpoint: str) -> Path | None:
         return None
     parent = path.parent
     if not parent.exists():
+        missing = [d for d in (parent, *parent.parents) if not d.exists()]
         parent.mkdir(mode=0o700, parents=True)
         os.chmod(parent, 0o700)  # mkdir's mode is filtered by the umask; never widened here
+        created.extend(missing)  # (innermost first: the order to remove them in)
     st = parent.stat()
     if st.st_uid != os.geteuid():
         raise PermissionError(f"refusing to bind {endpoint}: socket directory {parent} belongs to uid {st.st_uid}, not to this user ({os.geteuid()})")
@@ -126,6 +129,7 @@ async def serve(
     # (SocketPump) up to max_reply_backlog bytes, then its session ends.
     sock.setsockopt(zmq.SNDHWM, REPLY_HWM)
     ipc_paths: list[Path] = []
+    made_dirs: list[Path] = []  # directories it created for its sockets (removed on exit when empty)
     secure: zmq.Socket[bytes] | None = None  # tcp with CURVE: its own ROUTER (ipc peers need no keys)
     auth: ThreadAuthenticator | None = None
     # A connection with no live session, silent this long, is closed (its session, if it had
@@ -145,7 +149,7 @@ async def serve(
                     guard.watch(secure, SECURE_PREFIX, secure_seen)
                 secure.bind(ep)
                 continue
-            p = _prepare_ipc(ep)
+            p = _prepare_ipc(ep, made_dirs)
             sock.bind(ep)
             if p is not None:
                 os.chmod(p, 0o600)
@@ -206,6 +210,11 @@ async def serve(
         ctx.term()
         for p in ipc_paths:
             p.unlink(missing_ok=True)
+        for d in made_dirs:  # what it created for its sockets, if nothing else is there now
+            try:
+                d.rmdir()
+            except OSError:
+                break
         if stop is None:
             for sig in _STOP_SIGNALS:
                 signal.signal(sig, signal.SIG_IGN)  # stopped: nothing is left for a signal to stop
