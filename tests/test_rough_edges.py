@@ -316,3 +316,26 @@ def test_the_daemon_removes_the_socket_directories_it_created(tmp_path: Path) ->
     finally:
         assert d.stop() == 0
     assert base.exists() and list(base.iterdir()) == [], list(base.iterdir())
+
+
+def test_a_normal_close_is_logged_at_info(tmp_path: Path) -> None:
+    """At INFO the daemon logs a session's open and its client's close (docs/operations.md)."""
+    import json
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    ep = f"ipc://{run}/transferd.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "transfer.cli.transferd", "--endpoint", ep, "--backend", "numpy", "--ready",
+                             "--log-level", "INFO", "--log-json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and json.loads(proc.stdout.readline())["event"] == "ready"
+        with transfer.connect(ep, name="closer") as c:
+            sid = c.session_id
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    msgs = [json.loads(ln)["msg"] for ln in err.splitlines() if ln.startswith("{")]
+    assert f"session {sid} opened by 'closer' (pid {os.getpid()})" in msgs, msgs
+    assert f"session {sid} closed by its client" in msgs, msgs

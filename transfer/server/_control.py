@@ -113,6 +113,7 @@ class Control:
             return self.rings.open(session, req.capacity, req.completion_bell, self.nursery)
         if t is P.Close:
             session.to(Phase.CLOSING)
+            log.info("session %d closed by its client", session.id, extra={"session": session.id})
             return None
         if t is P.Hello:
             raise E.InvalidField("hello on an established session")
