@@ -339,3 +339,30 @@ def test_a_normal_close_is_logged_at_info(tmp_path: Path) -> None:
     msgs = [json.loads(ln)["msg"] for ln in err.splitlines() if ln.startswith("{")]
     assert f"session {sid} opened by 'closer' (pid {os.getpid()})" in msgs, msgs
     assert f"session {sid} closed by its client" in msgs, msgs
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--reps", "0"], "argument --reps: '0': must be at least 1"),
+    (["--rep-seconds", "-1"], "argument --rep-seconds: '-1': must be at least 0.01"),
+    (["--producers", "abc"], "--producers 'abc': expected N, a list like 1,2,4"),
+    (["--depth", "0"], "--depth '0': expected N"),
+    (["--batch", "x"], "argument --batch: 'x' is not a whole number"),
+])
+def test_transfer_bench_refuses_bad_arguments_before_running(argv: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Bad counts and durations are refused at once, with the flag and the value named: no run
+    that silently uses a default (`--reps 0` ran 5) or fails after running."""
+    from transfer.cli import bench
+
+    try:
+        rc = bench.main(argv)
+    except SystemExit as exc:
+        rc = int(exc.code or 0)
+    assert rc == 2 and words in capsys.readouterr().err
+
+
+def test_transfer_bench_has_a_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from transfer.cli import bench
+
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.startswith("transfer-bench ")

@@ -31,12 +31,29 @@ import argparse
 import os
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
+
+from .._version import __version__
 
 if TYPE_CHECKING:
     from rich.progress import Progress, TaskID
 
     from transfer._bench.common import Cell, Limits, Record
+
+
+def _at_least(lo: float, kind: type) -> Callable[[str], Any]:
+    """An argparse type: a number of `kind` that is at least `lo` (refused before anything runs)."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'a whole number' if kind is int else 'a number'}") from None
+        if not value >= lo:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be at least {lo}")
+        return value
+
+    parse.__name__ = kind.__name__  # (argparse names the type in its errors)
+    return parse
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -51,32 +68,41 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", help="request sizes (quick: 4K,64K,1M,64M; full: 4K..256M)")
     p.add_argument("--producers", help="N (sweep 1..N in full, exactly N in quick) or a list like 1,2,4")
     p.add_argument("--depth", help="groups in flight per producer, or a list (default 4)")
-    p.add_argument("--batch", type=int, help="requests per group (default: 64 for 4 KiB, 256 KiB/size, >= 1)")
+    p.add_argument("--batch", type=_at_least(1, int), help="requests per group (default: 64 for 4 KiB, 256 KiB/size, >= 1)")
     p.add_argument("--modes", help="local,compute,remote,gpu,latency (quick: local,latency; full: all, unavailable skipped)")
     p.add_argument("--methods", help="transfer,transfer-socket,shm-pipe,iceoryx2,torch-mp,zmq-copy,zmq-zerocopy,mp-queue,mp-pipe,"
                                      "nixl-raw (remote mode: transfer and nixl-raw only; nixl-raw: remote only; skipped with a note "
                                      "when not installed: iceoryx2 (pip install 'transfer[bench]'), torch-mp (PyTorch))")
-    p.add_argument("--verify-every", type=int, help="verify every Nth group (quick: 1 = all; full: 8)")
-    p.add_argument("--reps", type=int, help="measured repetitions per cell (quick: 5, full: 3)")
-    p.add_argument("--rep-seconds", type=float, help="duration of one repetition (quick: 0.3, full: 0.4)")
-    p.add_argument("--warmup-seconds", type=float, help="warm-up repetition, excluded (default 0.15)")
+    p.add_argument("--verify-every", type=_at_least(1, int), help="verify every Nth group (quick: 1 = all; full: 8)")
+    p.add_argument("--reps", type=_at_least(1, int), help="measured repetitions per cell (quick: 5, full: 3)")
+    p.add_argument("--rep-seconds", type=_at_least(0.01, float), help="duration of one repetition (quick: 0.3, full: 0.4)")
+    p.add_argument("--warmup-seconds", type=_at_least(0.0, float), help="warm-up repetition, excluded (default 0.15)")
     p.add_argument("--json", metavar="PATH", help="write machine description and results as JSON")
     p.add_argument("--plot", metavar="PATH.png", help="plot throughput vs size (needs matplotlib)")
     p.add_argument("--markdown", metavar="PATH", help="also write the table as Markdown")
     p.add_argument("--daemon-shm-dir", help=argparse.SUPPRESS)  # tests: where the daemon puts segments
     p.add_argument("--inject-corruption", type=int, default=-1, help=argparse.SUPPRESS)  # tests
     p.add_argument("--no-progress", action="store_true", help="plain progress lines even on a TTY")
+    p.add_argument("--version", action="version", version=f"transfer-bench {__version__}")
     return p
 
 
-def _int_list(text: str, *, sweep: bool) -> list[int]:
-    if "," in text or ".." in text:
+def _int_list(text: str, *, sweep: bool, flag: str) -> list[int]:
+    """N (1..N when `sweep`), a list like 1,2,4, or a range like 1..4: positive whole numbers."""
+    try:
         if ".." in text:
             lo, hi = (int(x) for x in text.split(".."))
-            return list(range(lo, hi + 1))
-        return [int(x) for x in text.split(",") if x.strip()]
-    n = int(text)
-    return list(range(1, n + 1)) if sweep else [n]
+            out = list(range(lo, hi + 1))
+        elif "," in text:
+            out = [int(x) for x in text.split(",") if x.strip()]
+        else:
+            n = int(text)
+            out = list(range(1, n + 1)) if sweep else [n]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise ValueError(f"{flag} {text!r}: expected N, a list like 1,2,4 or a range like 1..4 (whole numbers >= 1)")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,8 +123,8 @@ def _main(args: argparse.Namespace) -> int:
     try:
         sizes = common.parse_sizes(args.sizes or ("4K..256M" if full else "4K,64K,1M,64M"))
         cores = os.cpu_count() or 2
-        producers = _int_list(args.producers or (str(min(4, max(2, cores))) if full else "2"), sweep=full)
-        depths = _int_list(args.depth or "4", sweep=False)
+        producers = _int_list(args.producers or (str(min(4, max(2, cores))) if full else "2"), sweep=full, flag="--producers")
+        depths = _int_list(args.depth or "4", sweep=False, flag="--depth")
         modes = [m.strip() for m in (args.modes or ("local,compute,remote,gpu,latency" if full else "local,latency")).split(",")]
         default_methods = list(common.METHODS_ALL if full else common.METHODS_QUICK)
         if "remote" in modes and "nixl-raw" not in default_methods:
