@@ -106,6 +106,19 @@ def test_hold_keeps_earlier_batches_intact(embedded) -> None:
                 assert torch.equal(old, ref[i - len(kept) + 1 + k])
 
 
+def test_a_batch_kept_past_its_slot_is_an_error_not_silent_garbage(embedded) -> None:
+    """`list(loader)` keeps every batch while their slots are reused: that raises, naming the
+    fix, instead of returning batches overwritten by later ones; cloned batches are fine, and
+    so are the DataLoader's keywords that mean nothing here (pin_memory)."""
+    with TransferLoader(Images(), batch_size=4, num_workers=2, daemon=embedded, pin_memory=True) as loader:
+        with pytest.raises(RuntimeError, match=r"batch 0 is still referenced 2 batches later.*clone\(\)"):
+            list(loader)
+        ref = list(DataLoader(Images(), batch_size=4))
+        _same([b.clone() for b in loader], ref)
+    with pytest.raises(TypeError, match="collate_fn has nowhere to run"):
+        TransferLoader(Images(), batch_size=4, daemon=embedded, collate_fn=lambda xs: xs)
+
+
 def test_refusals(embedded) -> None:
     class Stream(IterableDataset):
         def __iter__(self):

@@ -186,6 +186,8 @@ class TransferLoader:
         backend: str = "auto",
         daemon_options: dict[str, Any] | None = None,
         hold: int = 1,
+        pin_memory: bool = False,
+        collate_fn: Any = None,
     ) -> None:
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
             raise TypeError("TransferLoader takes a map-style dataset (with __getitem__ and __len__); an IterableDataset decides its own batches")
@@ -193,6 +195,13 @@ class TransferLoader:
             raise TypeError("TransferLoader always batches: give batch_size (or batch_sampler); batch_size=None is the stock DataLoader's job")
         if hold < 1:
             raise ValueError("hold must be at least 1 (the batch you were just given)")
+        if collate_fn is not None:
+            raise TypeError("TransferLoader collates samples into its shared-memory slots itself (SampleSpec), so a "
+                            "collate_fn has nowhere to run: transform samples in the dataset's __getitem__ instead")
+        if not isinstance(pin_memory, bool):
+            raise TypeError(f"pin_memory: True or False, got {pin_memory!r}")
+        # pin_memory (the stock DataLoader's) is accepted and changes nothing: batches are already in
+        # shared memory that a GPU daemon page-locks for DMA, and device="cuda" copies them there.
         self.dataset = dataset
         self.device = torch.device(device)
         self.hold = hold
@@ -309,6 +318,8 @@ class _Iterator:
     def __init__(self, loader: TransferLoader, inner: Any) -> None:
         self._loader, self._inner = loader, inner
         self._next_seq = 0
+        #: Batches handed out and not yet known gone: (seq, weak references to their tensors).
+        self._given: deque[tuple[int, list[weakref.ref[torch.Tensor]]]] = deque()
 
     def __iter__(self) -> "_Iterator":
         return self
@@ -324,4 +335,21 @@ class _Iterator:
             raise RuntimeError(f"transfer.torch: batch {seq} arrived where {self._next_seq} was due")
         self._next_seq += 1
         L._slots.deliver(slot)
-        return L._batch(slot, va, count)
+        self._check_given(seq, L.hold)
+        batch = L._batch(slot, va, count)
+        self._given.append((seq, [weakref.ref(t) for t in (batch if isinstance(batch, list) else [batch])]))
+        return batch
+
+    def _check_given(self, seq: int, hold: int) -> None:
+        """A batch kept past its slot's reuse would silently read later batches' bytes
+        (`list(loader)`): one still referenced `hold + 1` batches later is an error."""
+        given = self._given
+        while given and given[0][0] < seq - hold:
+            old, refs = given[0]
+            if any(r() is not None for r in refs):
+                raise RuntimeError(
+                    f"transfer.torch: batch {old} is still referenced {seq - old} batches later, but its memory is "
+                    f"reused after {hold} (hold={hold}): clone() what you keep (or list(b.clone() for b in loader)), "
+                    "or raise hold"
+                )
+            given.popleft()
