@@ -104,6 +104,7 @@ def test_full_preset_tiny_all_methods(tmp_path: Path) -> None:
     proc, tag, _ = _run(args, tmp_path, env_extra={"TRANSFER_NIXL_MODULE": "no_such_nixl_module"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     _assert_nothing_left(tag)
+    assert "transfer.daemon.startup" not in proc.stderr  # the embedded daemon logs to its run folder, not through the progress
 
     doc = json.loads(out.read_text())
     m = doc["machine"]
@@ -422,3 +423,34 @@ def test_metrics_cost_bench_tiny(tmp_path: Path) -> None:
                           cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "request_done" in proc.stdout and "ns/call" in proc.stdout and "scrape, 8 sessions" in proc.stdout
+
+
+@pytest.mark.parametrize("width", [80, 120, 200])
+def test_the_results_table_keeps_every_digit_at_any_width(width: int) -> None:
+    """The table fits the terminal by splitting into column groups (each with the columns that
+    name the cell), never by eliding: at 80, 120 and 200 columns every figure is printed whole
+    and no line is wider than the terminal."""
+    from rich.console import Console
+
+    from transfer._bench import report
+
+    results = []
+    for size in (4096, 65536, 1 << 20, 64 << 20, 256 << 20):
+        for k, method in enumerate(("transfer", "transfer-socket", "shm-pipe", "iceoryx2", "torch-mp", "zmq-copy", "zmq-zerocopy")):
+            results.append({
+                "method": method, "mode": "local" if k % 2 else "compute", "size": size, "producers": 4, "depth": 16, "batch": 64,
+                "gbps": 123.456 + k, "min_gbps": 100.25 + k, "max_gbps": 140.75 + k, "rps": 1_234_567.0 + k,
+                "p50_us": 12_345.6 + k, "p99_us": 123_456.7 + k, "vs_shm-pipe": 10.25 + k, "vs_zmq-copy": 20.5 + k,
+                "vs_zmq-zerocopy": 30.75 + k, "vs_limit": 0.5 + k / 100,
+            })
+    limits = {64 << 20: {"memcpy": {"gbps": 7.5, "min_gbps": 7.25, "max_gbps": 7.75, "rps": 112.0}}}
+    con = Console(width=width, record=True, highlight=False)
+    for table in report.render_tables(results, limits, "transfer-bench full: a long title", width):
+        con.print(table)
+    text = con.export_text()
+    assert "…" not in text
+    assert max(len(line) for line in text.splitlines()) <= width
+    for k in range(7):
+        for figure in (f"{123.456 + k:.2f}", f"{100.25 + k:.1f}-{140.75 + k:.1f}", report._rps(1_234_567.0 + k), f"{12_346 + k:,}",
+                       f"{123_457 + k:,}", f"{10.25 + k:.2f}", f"{20.5 + k:.2f}", f"{30.75 + k:.2f}", f"{0.5 + k / 100:.2f}"):
+            assert figure in text, (figure, width)

@@ -34,6 +34,8 @@ class DaemonProcess:
     args: list[str] = field(default_factory=list)
     #: The daemon's `--ready` line (backend, why that backend, instance, ...).
     ready: dict[str, Any] = field(default_factory=dict)
+    #: Where its stderr (its log) goes; None: this process's stderr.
+    log: Path | None = None
 
     @property
     def pid(self) -> int:
@@ -61,7 +63,7 @@ class DaemonProcess:
     def restart(self, timeout: float = 15.0) -> "DaemonProcess":
         """A new daemon on the same endpoint and shm directory (after a crash, say)."""
         self.kill()
-        new = _spawn(self.endpoint, self.workdir, self.shm_dir, self.args, timeout)
+        new = _spawn(self.endpoint, self.workdir, self.shm_dir, self.args, timeout, self.log)
         self.proc, self.ready = new.proc, new.ready
         return self
 
@@ -81,9 +83,14 @@ def _die_with(parent: int) -> Callable[[], None]:
     return arm
 
 
-def _spawn(endpoint: str, workdir: Path, shm_dir: Path, args: Sequence[str], timeout: float) -> DaemonProcess:
+def _spawn(endpoint: str, workdir: Path, shm_dir: Path, args: Sequence[str], timeout: float, log: Path | None = None) -> DaemonProcess:
     cmd = [sys.executable, "-m", "transfer.cli.transferd", "--endpoint", endpoint, "--shm-dir", str(shm_dir), "--ready", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, stdin=subprocess.DEVNULL, preexec_fn=_die_with(os.getpid()))
+    err = open(log, "ab") if log is not None else None
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, preexec_fn=_die_with(os.getpid()))
+    finally:
+        if err is not None:
+            err.close()  # (the child has its own)
     assert proc.stdout is not None
     import selectors
 
@@ -100,8 +107,9 @@ def _spawn(endpoint: str, workdir: Path, shm_dir: Path, args: Sequence[str], tim
         assert ready.get("event") == "ready"
     except (ValueError, AssertionError):
         proc.wait(5)
-        raise RuntimeError(f"transferd failed to start (exit {proc.returncode}): {line!r}") from None
-    return DaemonProcess(endpoint, proc, workdir, shm_dir, list(args), ready)
+        said = f"; its log ends: {log.read_text(errors='replace')[-2000:]}" if log is not None and log.exists() else ""
+        raise RuntimeError(f"transferd failed to start (exit {proc.returncode}): {line!r}{said}") from None
+    return DaemonProcess(endpoint, proc, workdir, shm_dir, list(args), ready, log)
 
 
 def loopback_endpoint() -> str:
@@ -117,12 +125,14 @@ def start_daemon(
     workdir: Path | None = None,
     shm_dir: Path | None = None,
     timeout: float = 20.0,
+    log: Path | None = None,
 ) -> DaemonProcess:
-    """Start transferd on `ipc://<private tmp dir>/transferd.sock`; the caller stops it."""
+    """Start transferd on `ipc://<private tmp dir>/transferd.sock`; the caller stops it. `log`:
+    a file its stderr (its log, the startup line) goes to, instead of this process's stderr."""
     wd = Path(workdir or tempfile.mkdtemp(prefix="transferd-"))
     os.chmod(wd, 0o700)
     shm = Path(shm_dir) if shm_dir is not None else Path("/dev/shm")
-    return _spawn(f"ipc://{wd}/transferd.sock", wd, shm, list(args), timeout)
+    return _spawn(f"ipc://{wd}/transferd.sock", wd, shm, list(args), timeout, log)
 
 
 @contextlib.contextmanager

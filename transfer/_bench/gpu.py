@@ -44,7 +44,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -287,7 +289,10 @@ def run(sizes: list[int], *, depth: int = 8, reps: int = 3, rep_s: float = 0.4, 
 
     rows: list[dict[str, Any]] = []
     args = ["--backend", "cupy", "--size-threshold", "0"]
-    with run_daemon(args, **(daemon_args or {})) as d, run_daemon([*args, "--no-device-workers"], **(daemon_args or {})) as dp:
+    # (the daemons' logs go to files: not through the progress lines)
+    with tempfile.TemporaryDirectory(prefix="transfer-bench-gpu-") as logs, \
+            run_daemon(args, log=Path(logs) / "transferd.log", **(daemon_args or {})) as d, \
+            run_daemon([*args, "--no-device-workers"], log=Path(logs) / "transferd-python.log", **(daemon_args or {})) as dp:
         endpoints = {"transfer": d.endpoint, "transfer-python": dp.endpoint}
         for part, d2h in (("h2d", False), ("d2h", True)):
             for size in sizes:

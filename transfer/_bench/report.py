@@ -142,10 +142,8 @@ def _us(x: float | None) -> str:
     return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
 
 
-def render_table(results: list[Record], limits: Limits, title: str) -> Table:
-    from rich.table import Table
-
-    t = Table(title=title, title_justify="left", header_style="bold")
+def _table_rows(results: list[Record], limits: Limits) -> tuple[list[tuple[str, JustifyMethod]], list[list[str] | None]]:
+    """The columns, and the rows as text (None: a section break between sizes)."""
     nixl = _has_remote(results)
     cols: list[tuple[str, JustifyMethod]] = [("method", "left"), ("mode", "left"), ("size", "right"), ("P", "right"),
             ("D", "right"), ("GB/s", "right"), ("min-max", "right"), ("req/s", "right"),
@@ -154,32 +152,70 @@ def render_table(results: list[Record], limits: Limits, title: str) -> Table:
     if nixl:
         cols.append(("x nixl-raw", "right"))
     cols.append(("x limit", "right"))
-    for col, just in cols:
-        t.add_column(col, justify=just, no_wrap=True)
     extra = ("-",) if nixl else ()
+    rows: list[list[str] | None] = []
     sizes = sorted({r["size"] for r in results} | set(limits))
     for i, size in enumerate(sizes):
         if i:
-            t.add_section()
+            rows.append(None)
         for name, v in limits.get(size, {}).items():
-            t.add_row(f"[dim]{name}[/]", "-", fmt_size(size), "1", "-", f"[dim]{v['gbps']:.2f}[/]",
-                      f"[dim]{v['min_gbps']:.1f}-{v['max_gbps']:.1f}[/]", _rps(v["rps"]),
-                      "-", "-", "-", "-", "-", *extra, "-")
-        rows = sorted((r for r in results if r["size"] == size),
-                      key=lambda r: (r["mode"], r["producers"], r.get("depth") or 0,
-                                     _METHOD_ORDER.get(r["method"], 99)))
-        for r in rows:
+            rows.append([f"[dim]{name}[/]", "-", fmt_size(size), "1", "-", f"[dim]{v['gbps']:.2f}[/]",
+                         f"[dim]{v['min_gbps']:.1f}-{v['max_gbps']:.1f}[/]", _rps(v["rps"]),
+                         "-", "-", "-", "-", "-", *extra, "-"])
+        ordered = sorted((r for r in results if r["size"] == size),
+                         key=lambda r: (r["mode"], r["producers"], r.get("depth") or 0,
+                                        _METHOD_ORDER.get(r["method"], 99)))
+        for r in ordered:
             name = r["method"]
             if name == "transfer":
                 name = "[bold cyan]transfer[/]"
             b = f" x{r['batch']}" if r.get("batch", 1) > 1 else ""
-            t.add_row(name, r["mode"], fmt_size(size) + b, str(r["producers"]), str(r.get("depth", "")),
-                      f"{r['gbps']:.2f}", f"{r['min_gbps']:.1f}-{r['max_gbps']:.1f}", _rps(r["rps"]),
-                      _us(r["p50_us"]), _us(r["p99_us"]), _f(r.get("vs_shm-pipe"), ".2f"),
-                      _f(r.get("vs_zmq-copy"), ".2f"), _f(r.get("vs_zmq-zerocopy"), ".2f"),
-                      *((_f(r.get("vs_nixl-raw"), ".2f"),) if nixl else ()),
-                      _f(r.get("vs_limit"), ".2f"))
-    return t
+            rows.append([name, r["mode"], fmt_size(size) + b, str(r["producers"]), str(r.get("depth", "")),
+                         f"{r['gbps']:.2f}", f"{r['min_gbps']:.1f}-{r['max_gbps']:.1f}", _rps(r["rps"]),
+                         _us(r["p50_us"]), _us(r["p99_us"]), _f(r.get("vs_shm-pipe"), ".2f"),
+                         _f(r.get("vs_zmq-copy"), ".2f"), _f(r.get("vs_zmq-zerocopy"), ".2f"),
+                         *((_f(r.get("vs_nixl-raw"), ".2f"),) if nixl else ()),
+                         _f(r.get("vs_limit"), ".2f")])
+    return cols, rows
+
+
+def render_tables(results: list[Record], limits: Limits, title: str, width: int) -> list[Table]:
+    """The results as tables that fit `width` columns with every digit: one table where it
+    fits, else the same rows split by column group (throughput, latency, ratios), each with
+    the columns that say which cell a row is. Where even that is too wide, the narrowest
+    split is printed whole (the terminal wraps; nothing is elided)."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    cols, rows = _table_rows(results, limits)
+    key, thru, lat = [0, 1, 2, 3, 4], [5, 6, 7], [8, 9]
+    ratios = list(range(10, len(cols)))
+    layouts = [[list(range(len(cols)))], [key + thru + lat, key + ratios], [key + thru, key + lat, key + ratios],
+               [key + thru, key + lat, key + ratios[:2], key + ratios[2:]]]
+    measure = Console(width=10_000, highlight=False)
+    chosen: list[Table] = []
+    for layout in layouts:
+        chosen = []
+        for k, picks in enumerate(layout):
+            t = Table(title=title if k == 0 else None, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD,
+                      pad_edge=False, padding=(0, 1, 0, 0))
+            for i in picks:
+                t.add_column(cols[i][0], justify=cols[i][1], no_wrap=True)
+            for row in rows:
+                if row is None:
+                    t.add_section()
+                else:
+                    t.add_row(*(row[i] for i in picks))
+            chosen.append(t)
+        if all(measure.measure(t).maximum <= width for t in chosen):
+            break
+    return chosen
+
+
+def render_table(results: list[Record], limits: Limits, title: str) -> Table:
+    """The results as one table (whatever its width)."""
+    return render_tables(results, limits, title, 10_000)[0]
 
 
 _COLORS = {"transfer": "tab:red", "transfer-socket": "tab:pink", "torch-mp": "tab:olive", "iceoryx2": "tab:cyan", "zmq-copy": "tab:blue", "zmq-zerocopy": "tab:orange",
@@ -248,6 +284,7 @@ def write_plot(path: str, results: list[Record], limits: Limits, title: str) -> 
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter
     except ImportError as e:
         raise SystemExit(f"--plot needs matplotlib (pip install 'transfer[plot]'): {e}") from None
     modes = [m for m in ("local", "compute", "remote") if any(r["mode"] == m for r in results)] or ["local"]
@@ -274,8 +311,9 @@ def write_plot(path: str, results: list[Record], limits: Limits, title: str) -> 
             xs, ys = zip(*lim_pts)
             ax.plot(xs, ys, "k--", linewidth=1.5, label=f"{lim} (1 core)")
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: fmt_size(int(x)) if x >= 1 else ""))  # 4 KiB, not 2^12
         ax.set_yscale("log")
-        ax.set_xlabel("request size (bytes)")
+        ax.set_xlabel("request size")
         ax.set_ylabel("delivered GB/s")
         sub = f"P={pmax}, depth={dsel}" if rows else ""
         ax.set_title(f"mode={mode}  {sub}")

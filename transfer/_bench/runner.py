@@ -11,6 +11,7 @@ import shutil
 import statistics
 import tempfile
 import uuid
+from pathlib import Path
 from collections.abc import Iterable
 from typing import Any, Callable, cast
 
@@ -96,7 +97,8 @@ class Runner:
                 if self.tcp:
                     self.tcp_endpoint = loopback_endpoint()
                     args += ["--endpoint", self.tcp_endpoint, "--allow-insecure-tcp"]  # loopback only
-                d = self._stack.enter_context(run_daemon(args, **self.daemon_args))
+                # (its log to a file: its startup line would print through the live progress display)
+                d = self._stack.enter_context(run_daemon(args, log=Path(self.run_dir) / "transferd.log", **self.daemon_args))
                 self.endpoint = d.endpoint
                 self.daemon_pid = getattr(d, "pid", None)
         except BaseException:

@@ -64,7 +64,7 @@ def _build_parser() -> argparse.ArgumentParser:
         epilog="Sizes accept K/M/G suffixes (binary), lists (4K,1M) and ranges in powers of 4 (4K..256M).",
     )
     p.add_argument("preset", nargs="?", choices=("quick", "full"), default="quick",
-                   help="quick (default, < 60 s) or full sweep")
+                   help="quick (default: about a minute, longer with the optional baselines installed) or full sweep (tens of minutes)")
     p.add_argument("--sizes", help="request sizes (quick: 4K,64K,1M,64M; full: 4K..256M)")
     p.add_argument("--producers", help="N (sweep 1..N in full, exactly N in quick) or a list like 1,2,4")
     p.add_argument("--depth", help="groups in flight per producer, or a list (default 4)")
@@ -259,10 +259,14 @@ def _main(args: argparse.Namespace) -> int:
 
     import shutil
 
-    # Never squeeze the numbers: a narrow terminal wraps lines instead of eliding digits.
-    con = Console(width=max(shutil.get_terminal_size((160, 24)).columns, 150), highlight=False)
+    # Never squeeze the numbers: the table is split by column group to fit the terminal, and
+    # where even that is too wide the console is widened (the terminal wraps; no digit is elided).
+    width = shutil.get_terminal_size((160, 24)).columns
+    con = Console(width=width, highlight=False)
     if results:
-        con.print(report.render_table(results, limits, title))
+        for table in report.render_tables(results, limits, title, width):
+            need = Console(width=10_000).measure(table).maximum
+            (con if need <= width else Console(width=need, highlight=False)).print(table)
     if gpu_result is not None:
         from transfer._bench import gpu
 
@@ -304,10 +308,12 @@ class _Progress:
     def __enter__(self) -> _Progress:
         if not self.plain:
             from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
 
             self._p = p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                   TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+                                   TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                                   console=Console(stderr=True), transient=True)
             p.__enter__()
             self._lim: TaskID = p.add_task("physical limits", total=self.nlimits)
             self._all: TaskID = p.add_task("cells", total=self.ncells)
