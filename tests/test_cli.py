@@ -198,3 +198,31 @@ def test_the_systemd_unit_matches_the_daemon() -> None:
     endpoint = [ln for ln in (Path(__file__).parent.parent / "deploy" / "transferd.service").read_text().splitlines()
                 if ln.startswith("Environment=TRANSFER_ENDPOINT=")][0].split("=", 2)[2]
     assert endpoint.startswith(f"ipc:///run/{svc['RuntimeDirectory']}/")
+
+
+def test_the_systemd_unit_verifies_and_is_hardened(tmp_path: Path) -> None:
+    """deploy/transferd.service, installed as its header says (a venv whose transferd it runs):
+    `systemd-analyze verify` finds nothing, and `systemd-analyze security` rates it OK or
+    better (an exposure below 5). Here the venv is this test's own interpreter's."""
+    import re
+    import shutil
+    import subprocess
+    import sys
+
+    tool = shutil.which("systemd-analyze")
+    if tool is None:
+        pytest.skip("systemd-analyze is not installed")
+    transferd = Path(sys.executable).parent / "transferd"
+    if not transferd.exists():
+        pytest.skip(f"no transferd beside {sys.executable} (the package is not installed in this venv)")
+    text = (Path(__file__).parent.parent / "deploy" / "transferd.service").read_text()
+    assert "ExecStart=/opt/transfer/bin/transferd " in text  # the install the header describes
+    unit = tmp_path / "transferd.service"
+    unit.write_text(text.replace("/opt/transfer/bin/transferd", str(transferd)))
+    verify = subprocess.run([tool, "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    problems = [ln for ln in (verify.stdout + verify.stderr).splitlines() if "transferd.service" in ln]
+    assert verify.returncode == 0 and not problems, verify.stdout + verify.stderr
+    security = subprocess.run([tool, "security", "--offline=true", str(unit)], capture_output=True, text=True, timeout=60)
+    m = re.search(r"Overall exposure level for transferd\.service: (\d+\.\d+) (\w+)", security.stdout)
+    assert m is not None, security.stdout[-2000:] + security.stderr
+    assert float(m.group(1)) < 5.0 and m.group(2) in ("OK", "SAFE"), m.group(0)
