@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -226,3 +228,27 @@ def test_the_systemd_unit_verifies_and_is_hardened(tmp_path: Path) -> None:
     m = re.search(r"Overall exposure level for transferd\.service: (\d+\.\d+) (\w+)", security.stdout)
     assert m is not None, security.stdout[-2000:] + security.stderr
     assert float(m.group(1)) < 5.0 and m.group(2) in ("OK", "SAFE"), m.group(0)
+
+
+def test_the_container_recipe_runs_under_an_init_drains_in_time_and_checks_health(daemon: Any) -> None:
+    """deploy/Dockerfile: tini as PID 1, SIGTERM to stop, a drain grace inside `docker stop`'s
+    10 s, and a HEALTHCHECK whose command, run here, passes against a live daemon and fails
+    without one."""
+    import json
+    import subprocess
+    import sys
+
+    text = (Path(__file__).parent.parent / "deploy" / "Dockerfile").read_text()
+    final = text.rsplit("\nFROM ", 1)[1]
+    entry = json.loads(re.search(r"^ENTRYPOINT (\[.*\])$", final, re.M).group(1))  # type: ignore[union-attr]
+    assert entry[:3] == ["tini", "--", "transferd"] and "tini" in final.split("ENTRYPOINT")[0]
+    assert re.search(r"^STOPSIGNAL SIGTERM$", final, re.M)
+    grace = float(re.search(r"TRANSFER_SHUTDOWN_GRACE=(\d+(?:\.\d+)?)", final).group(1))  # type: ignore[union-attr]
+    assert grace < 10, "the drain must end inside docker stop's 10 s"
+    check = json.loads(re.search(r"^\s+CMD (\[.*\])$", final, re.M).group(1))  # type: ignore[union-attr]
+    assert check[0] == "python"
+    run = [sys.executable, *check[1:]]
+    ok = subprocess.run(run, env={**os.environ, "TRANSFER_ENDPOINT": daemon.endpoint}, capture_output=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    gone = subprocess.run(run, env={**os.environ, "TRANSFER_ENDPOINT": daemon.endpoint + ".none"}, capture_output=True, timeout=60)
+    assert gone.returncode != 0
