@@ -11,6 +11,7 @@ import http.client
 import re
 import resource
 import select
+import os
 import socket
 import subprocess
 import sys
@@ -637,3 +638,62 @@ def test_idle_metrics_connections_cannot_exhaust_the_daemons_descriptors(shm_dir
         for s in idle:
             s.close()
         assert d.stop() == 0
+
+
+def test_transferd_top_shows_each_tenant_live(daemon_factory: Any) -> None:
+    """`transferd top --once`: each named client's bytes/s and requests/s over the interval
+    (the busy one above the idle one), from the metrics endpoint; no endpoint, a clear error."""
+    import subprocess
+    import sys
+    import threading
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = daemon_factory("--metrics-port", str(port), "--metrics-sessions", "8")
+    url = f"http://127.0.0.1:{port}/metrics"
+    with transfer.connect(d.endpoint, name="busy-loader") as busy, transfer.connect(d.endpoint, name="idle-loader") as idle:
+        seg, buf = busy.segment(1 << 20), busy.alloc(1 << 20)
+        idle.segment(4096)
+        done = threading.Event()
+
+        def work() -> None:
+            while not done.is_set():
+                busy.copy(buf, seg).result()
+
+        t = threading.Thread(target=work)
+        t.start()
+        try:
+            out = subprocess.run([sys.executable, "-m", "transfer.cli.transferd", "top", "--url", url, "--once", "--interval", "1"],
+                                 capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "120"})
+        finally:
+            done.set()
+            t.join()
+    assert out.returncode == 0, out.stderr
+    rows = {ln.split("│")[1].strip(): ln for ln in out.stdout.splitlines() if ln.startswith("│")}
+    assert "busy-loader" in rows and "idle-loader" in rows, out.stdout
+    assert "0 B/s" not in rows["busy-loader"] and "0 B/s" in rows["idle-loader"], out.stdout
+    gone = subprocess.run([sys.executable, "-m", "transfer.cli.transferd", "top", "--url", "http://127.0.0.1:9/metrics", "--once"],
+                          capture_output=True, text=True, timeout=60)
+    assert gone.returncode == 1 and "cannot read http://127.0.0.1:9/metrics" in gone.stderr
+
+
+def test_the_grafana_dashboard_queries_what_the_daemon_serves(daemon_factory: Any) -> None:
+    """deploy/grafana-dashboard.json: every metric its queries name is one a real daemon's
+    scrape serves (a renamed metric would leave a panel empty), and every panel has a query."""
+    import json
+    import re
+
+    port = free_port()
+    d = daemon_factory("--metrics-port", str(port), "--metrics-sessions", "4")
+    with transfer.connect(d.endpoint, name="graphed") as c:
+        c.copy(c.alloc(4096), c.segment(4096), 4096).result()
+        text = scrape(f"http://127.0.0.1:{port}/metrics")
+    served = set(re.findall(r"^(transfer_[a-z0-9_]+)", text, flags=re.M))  # samples
+    for family, kind in re.findall(r"^# TYPE (transfer_[a-z0-9_]+) (\w+)$", text, flags=re.M):  # families with none yet
+        served |= {family, f"{family}_total"} if kind == "counter" else {family}
+    dash = json.loads((Path(__file__).parent.parent / "deploy" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    assert dash["panels"] and all(p["targets"] for p in dash["panels"])
+    named = {n for e in exprs for n in re.findall(r"\b(transfer_[a-z0-9_]+)", e)}
+    assert named and named <= served, sorted(named - served)

@@ -34,7 +34,8 @@ log = logging.getLogger("transfer.daemon")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="transferd",
-        usage="%(prog)s [options]\n       %(prog)s keygen DIR   (CURVE keys for authenticated tcp: docs/operations.md)",
+        usage="%(prog)s [options]\n       %(prog)s keygen DIR   (CURVE keys for authenticated tcp: docs/operations.md)\n"
+              "       %(prog)s top [--url URL]   (each tenant's bytes/s, requests/s, errors, live, from the metrics endpoint)",
         description="Zero-copy transfer daemon. Precedence: flags > TRANSFER_* env > --config file > defaults.",
         epilog="Sizes accept suffixes (64MiB, 16G). Booleans take --flag / --no-flag. docs/operations.md has the details.",
     )
@@ -116,12 +117,17 @@ def _first_leaf(exc: BaseException) -> BaseException:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`transferd keygen DIR`: CURVE keys (transfer/cli/_keys.py); everything else serves."""
+    """`transferd keygen DIR`: CURVE keys (transfer/cli/_keys.py); `transferd top`: a live view of
+    the tenants (transfer/cli/_top.py); everything else serves."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["keygen"]:
         from ._keys import main as keygen_main
 
         return keygen_main(argv[1:])
+    if argv[:1] == ["top"]:
+        from ._top import main as top_main
+
+        return top_main(argv[1:])
     return _serve_main(argv)
 
 
