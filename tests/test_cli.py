@@ -252,3 +252,30 @@ def test_the_container_recipe_runs_under_an_init_drains_in_time_and_checks_healt
     assert ok.returncode == 0, ok.stderr
     gone = subprocess.run(run, env={**os.environ, "TRANSFER_ENDPOINT": daemon.endpoint + ".none"}, capture_output=True, timeout=60)
     assert gone.returncode != 0
+
+
+def test_the_kubernetes_manifests_are_valid_and_agree_with_the_daemon() -> None:
+    """deploy/kubernetes: every object validates against the Kubernetes schemas (strict: an
+    unknown or misspelt field fails), and the DaemonSet and the producer agree with each other
+    and with the daemon: one socket directory on a hostPath, the endpoint in it, the fd socket
+    there too (--shm-dir), one uid, the host's PID namespace, probes, a GPU, a grace the drain fits."""
+    yaml = pytest.importorskip("yaml")
+    kv = pytest.importorskip("kubernetes_validate")
+    here = Path(__file__).parent.parent / "deploy" / "kubernetes"
+    docs = {d["kind"]: d for f in sorted(here.glob("*.yaml")) for d in yaml.safe_load_all(f.read_text())}
+    for doc in docs.values():
+        kv.validate(doc, "1.30", strict=True)
+    pod = docs["DaemonSet"]["spec"]["template"]["spec"]
+    producer = docs["Pod"]["spec"]
+    daemon = pod["containers"][0]
+    env = {e["name"]: e["value"] for e in daemon["env"]}
+    run = pod["volumes"][0]["hostPath"]["path"]
+    assert env["TRANSFER_ENDPOINT"] == f"ipc://{run}/transferd.sock" and env["TRANSFER_SHM_DIR"] == run
+    assert daemon["volumeMounts"][0]["mountPath"] == run and producer["volumes"][0]["hostPath"]["path"] == run
+    assert {e["name"]: e["value"] for e in producer["containers"][0]["env"]}["TRANSFER_ENDPOINT"] == env["TRANSFER_ENDPOINT"]
+    assert pod["securityContext"]["runAsUser"] == producer["securityContext"]["runAsUser"]
+    assert pod["hostPID"] and producer["hostPID"]
+    assert "transfer.connect" in " ".join(daemon["readinessProbe"]["exec"]["command"])
+    assert daemon["livenessProbe"]["httpGet"]["path"] == "/metrics" and "--metrics-port" in daemon["args"]
+    assert daemon["resources"]["limits"]["nvidia.com/gpu"] >= 1
+    assert pod["terminationGracePeriodSeconds"] > 7  # the image's TRANSFER_SHUTDOWN_GRACE
