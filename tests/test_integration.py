@@ -206,7 +206,7 @@ def test_exhausted_shared_memory_says_so(daemon_factory) -> None:
         with pytest.raises(transfer.OutOfSharedMemory) as info:
             c.segment(4 << 20)
         msg = str(info.value)
-        assert str(4 << 20) in msg and "free" in msg and "--max-host-bytes" in msg
+        assert "cannot reserve 4 MiB" in msg and "free" in msg and "--max-host-bytes" in msg
         c.segment(64 << 10)  # the session survives
         # Beyond what the machine has: refused up front (never the OOM killer, never SIGBUS).
         room = memory_available()
