@@ -1,8 +1,9 @@
 """The fake CUDA driver (tests/fakecuda) keeps the promises the device tests rely on: queued
 work has not run when the call returns, an event passes only after the work before it, copy
 destinations in host memory are poisoned until the copy runs, a pageable source is read when
-the copy is queued, misuse is counted, and an injected fault is sticky. Driven in this process
-through ctypes, with the engine held back by a queue of work that is long enough to watch."""
+the copy is queued, misuse is counted, and an injected fault is sticky. Driven through ctypes
+in a process of its own, with the engine held (`fakecuda_pause`) while a test looks at what is
+queued: nothing here depends on how fast the engine thread is scheduled."""
 
 from __future__ import annotations
 
@@ -58,13 +59,15 @@ def test_queued_work_runs_later_in_order_and_events_wait_for_it() -> None:
         d, h = alloc(BIG), np.zeros(BIG, np.uint8)
         assert cu.cuMemHostRegister_v2(h.ctypes.data, BIG, 1) == 0
         src = np.full(BIG, 3, np.uint8); assert cu.cuMemHostRegister_v2(src.ctypes.data, BIG, 1) == 0
-        for _ in range(8):  # long enough a queue to look at it before it runs
+        cu.fakecuda_pause(1)  # nothing runs until it is let go
+        for _ in range(2):
             assert cu.cuMemcpyAsync(d, src.ctypes.data, BIG, s) == 0
         assert cu.cuMemsetD8Async(d, 9, 16, s) == 0
         assert cu.cuMemcpyAsync(h.ctypes.data, d, BIG, s) == 0
         assert (h[:16] == 0xDB).all()           # poisoned until the copy runs
         assert cu.cuEventRecord(e, s) == 0
         assert cu.cuEventQuery(e) == 600        # not ready: the work before it has not run
+        cu.fakecuda_pause(0)
         assert cu.cuEventSynchronize(e) == 0 and cu.cuEventQuery(e) == 0
         assert (h[:16] == 9).all() and (h[16:] == 3).all()   # in stream order
         print("violations", cu.fakecuda_violations())
@@ -94,9 +97,10 @@ def test_misuse_is_counted() -> None:
         assert cu.cuMemHostRegister_v2(h.ctypes.data + 4096, 4096, 1) == 712        # overlapping registration
         assert cu.cuMemcpyAsync(d + BIG - 8, h.ctypes.data, 64, s) == 1              # past the allocation's end
         assert cu.cuMemcpyAsync(h.ctypes.data + BIG - 8, d, 64, s) == 1              # straddles the registration
-        for _ in range(8):
-            assert cu.cuMemcpyAsync(d, h.ctypes.data, BIG, s) == 0
+        cu.fakecuda_pause(1)
+        assert cu.cuMemcpyAsync(d, h.ctypes.data, BIG, s) == 0
         assert cu.cuMemHostUnregister(h.ctypes.data) == 0                           # while queued work reads it
+        cu.fakecuda_pause(0)
         assert cu.cuStreamSynchronize(s) == 0
         print("violations", cu.fakecuda_violations())
     """))
@@ -127,12 +131,14 @@ def test_poison_never_reaches_work_queued_before_it() -> None:
         s, e = stream(), event()
         d, h = alloc(BIG), np.full(BIG, 4, np.uint8)
         assert cu.cuMemHostRegister_v2(h.ctypes.data, BIG, 1) == 0
-        for _ in range(4):  # a queue ahead, so both are queued before either runs
-            assert cu.cuMemcpyAsync(d, h.ctypes.data, BIG, s) == 0
         other = alloc(64)
+        assert cu.cuMemcpyAsync(d, h.ctypes.data, BIG, s) == 0 and cu.cuStreamSynchronize(s) == 0  # d holds 4s
+        cu.fakecuda_pause(1)  # both are queued before either runs
         assert cu.cuMemcpyAsync(other, h.ctypes.data, 64, s) == 0     # reads h[:64] = 4
         assert cu.cuMemcpyAsync(h.ctypes.data, d + 64, 64, s) == 0    # then writes it (poisoned now)
         assert (h[:64] == 0xDB).all()
-        assert cu.cuEventRecord(e, s) == 0 and cu.cuEventSynchronize(e) == 0
+        assert cu.cuEventRecord(e, s) == 0
+        cu.fakecuda_pause(0)
+        assert cu.cuEventSynchronize(e) == 0
         assert (view(other, 64) == 4).all() and (h[:64] == 4).all()
     """))

@@ -70,8 +70,19 @@ static int ndevices = 1, started, report_fd = -1;
 static __thread int current = -1;
 static op_t *running_op; /* the op the engine is running (under mu) */
 
+static _Atomic int paused; /* fakecuda_pause(1): the engine takes no work until fakecuda_pause(0) */
+
 uint64_t fakecuda_executed(void) { return atomic_load(&executed); }
 uint64_t fakecuda_violations(void) { return atomic_load(&violations); }
+
+/* Tests: hold the engine (queued work stays queued, whatever the scheduler does), or let it go. */
+void fakecuda_pause(int on)
+{
+    pthread_mutex_lock(&mu);
+    atomic_store(&paused, on);
+    pthread_cond_broadcast(&work_cv);
+    pthread_mutex_unlock(&mu);
+}
 
 static void violation(const char *fmt, ...)
 {
@@ -183,11 +194,11 @@ static void *engine(void *arg)
         pthread_mutex_lock(&mu);
         stream_t *pick[256];
         int m = 0;
-        for (stream_t *s = streams; s && m < 256; s = s->next)
+        for (stream_t *s = streams; s && m < 256 && !atomic_load(&paused); s = s->next)
             if (s->head)
                 pick[m++] = s;
         if (!m) {
-            if (!atomic_load(&queued))
+            if (!atomic_load(&queued) || atomic_load(&paused))
                 pthread_cond_wait(&work_cv, &mu);
             pthread_mutex_unlock(&mu);
             continue;
