@@ -240,26 +240,26 @@ def test_a_clean_close_counts_no_error(daemon: Any, flavor: str) -> None:
 def test_another_users_daemon_is_a_clear_error_at_once(daemon: Any) -> None:
     """A client of another uid than the daemon's gets, at once, a DaemonUnavailable that
     names the directory in its way, its owner, and what to do: not a raw PermissionError,
-    nor a wait for an answer that cannot come."""
+    nor a wait for an answer that cannot come (its connect timeout is 10 minutes here: the
+    child finishes well inside the minute it is given only if it never waits for it)."""
     import subprocess
     import sys
 
     if os.geteuid() != 0:
         pytest.skip("needs root to run a client as another user")
     code = (
-        "import os, time, transfer\n"
+        "import os, transfer\n"
         "os.setgid(65534); os.setuid(65534)\n"
-        "t = time.monotonic()\n"
         "try:\n"
-        f"    transfer.connect({daemon.endpoint!r}, connect_timeout=5.0)\n"
+        f"    transfer.connect({daemon.endpoint!r}, connect_timeout=600.0)\n"
         "except transfer.TransferError as exc:\n"
-        "    print(type(exc).__name__, round(time.monotonic() - t, 2), exc)\n"
+        "    print(type(exc).__name__, exc)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}, cwd="/")
     assert out.returncode == 0, out.stderr
-    name, seconds, message = out.stdout.split(" ", 2)
-    assert name == "DaemonUnavailable" and float(seconds) < 1.0, out.stdout
+    name, message = out.stdout.split(" ", 1)
+    assert name == "DaemonUnavailable", out.stdout
     assert "belongs to uid 0" in message and "run as the daemon's user" in message, message
 
 
