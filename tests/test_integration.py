@@ -250,10 +250,9 @@ def test_connecting_to_nothing_is_a_clear_error(tmp_path: Path) -> None:
         transfer.connect(f"ipc://{tmp_path}/nothing.sock")
     stale = tmp_path / "stale.sock"
     stale.touch()
-    t0 = time.monotonic()
+    # Refused at once, not after the connect timeout: one longer than the test's own limit.
     with pytest.raises(transfer.DaemonUnavailable, match="is not a socket"):
-        transfer.connect(f"ipc://{stale}", connect_timeout=0.5)
-    assert time.monotonic() - t0 < 0.5  # refused at once, not after the connect timeout
+        transfer.connect(f"ipc://{stale}", connect_timeout=3600)
 
 
 def test_poll_collects_replies_without_blocking(daemon) -> None:
