@@ -265,7 +265,7 @@ def test_poll_and_stats(client: Any) -> None:
     assert s["session"]["id"] == client.session_id
     assert s["session"]["ring"] is client.ring
     assert s["daemon"]["sessions"] >= 1
-    assert client.server_pid > 0 and client.backend
+    assert client.server_pid > 0 and client.backend == "numpy" and client.backend_info["backend"] == "numpy"
 
 
 @pytest.mark.parametrize("cls", [transfer.TrioClient, transfer.AsyncioClient], ids=["trio", "asyncio"])

@@ -430,7 +430,7 @@ def test_mlp_graph_on_each_backend(backend_daemon: DaemonProcess) -> None:
             x[...] = RNG.standard_normal((8, 16))
             prof = c.run_graph(g, [xs], [ys], profile=True).result()
             np.testing.assert_allclose(ys.ndarray((8, 4), np.float32), mlp_ref(x, ws), rtol=1e-4, atol=1e-4)
-        assert {n.kind for n in prof.nodes} == {"cpu" if c.backend["backend"] == "numpy" else "gpu"}
+        assert {n.kind for n in prof.nodes} == {"cpu" if c.backend == "numpy" else "gpu"}
 
 
 def test_a_graph_run_is_one_op(client: transfer.Client) -> None:

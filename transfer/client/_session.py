@@ -111,8 +111,14 @@ class Session:
         return self._core.server_pid
 
     @property
-    def backend(self) -> dict[str, Any]:
-        return self._core.backend
+    def backend(self) -> str:
+        """The daemon's device backend: "cupy", "numpy" (or "streamsim", in tests)."""
+        return str(self._core.backend.get("backend", ""))
+
+    @property
+    def backend_info(self) -> dict[str, Any]:
+        """What the daemon said of its backend at hello: its name, devices, GPUs' names."""
+        return dict(self._core.backend)
 
     @property
     def home_device(self) -> int:
