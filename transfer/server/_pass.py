@@ -65,6 +65,9 @@ class Pass:
         self.send = send
         #: Set by the server: end a session (its NIXL peer died mid-transfer).
         self.on_peer_lost: Callable[[Session], None] = lambda s: None
+        #: Releases a session (the front's `release`): a client's Close is answered only once
+        #: everything its session held is released, so its close() returning means so.
+        self.on_closed: Callable[[Session], None] = lambda s: None
         #: The daemon is draining (set by the front): what cannot run fails ShuttingDown.
         self.shutting_down = False
         #: Threads waiting for pipelined passes' fences (apart from the devices' workers).
@@ -226,6 +229,8 @@ class Pass:
     def complete(self, b: Batch) -> None:
         """Steps 6-7: answer every request of the pass, then account for it once."""
         session = b.session
+        if P.Close in b.control and not session.running:
+            self.on_closed(session)  # (before the answer: idempotent, the session task's end releases nothing more)
         replies: list[P.Reply] = [r for _, route, r in b.replies]
         comps: list[tuple[int, int, int, int, int]] = []
         arrays: list[np.ndarray] = []
