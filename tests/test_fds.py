@@ -305,3 +305,22 @@ def test_a_flood_of_silent_handover_connections_starves_no_client(daemon) -> Non
             assert daemon.alive()
         finally:
             flood.communicate("")
+
+
+def test_a_client_watches_the_daemon_only_where_its_pid_names_it(daemon) -> None:
+    """The daemon's pid from hello is its number in the daemon's pid namespace: a client
+    watches it only when its fd socket's peer is that pid here (a producer in a namespace of
+    its own must not watch a stranger with the same number)."""
+    import os
+
+    import transfer
+    from transfer.transport._fds import daemon_pidfd
+
+    with transfer.connect(daemon.endpoint) as c:
+        path = c._core.fd_socket
+        fd = daemon_pidfd(path, c.server_pid)
+        os.close(fd)
+        with pytest.raises(OSError, match="the daemon is pid"):
+            daemon_pidfd(path, os.getpid())  # a pid that is not the daemon's
+        c.fence()  # the bare connections left nothing behind that the daemon minds
+        assert c.stats()["daemon"]["fds_refused"] == 0

@@ -26,6 +26,7 @@ from typing import Any, AsyncIterator, Coroutine
 import zmq
 
 from .. import errors as E
+from ..transport._fds import daemon_pidfd
 from ..transport._zmq import ipc_path, resolve_endpoint
 from ..transport._zmq_asyncio import AsyncioPump
 from ._evloop import BELL, IDLE, YIELD, LoopSession
@@ -158,7 +159,7 @@ class AsyncioClient(LoopSession):
     def _watch_daemon(self) -> None:
         """On this host, the daemon's exit fails every request at once (its pidfd turns readable)."""
         with contextlib.suppress(OSError):
-            self._pidfd = os.pidfd_open(self.server_pid)
+            self._pidfd = daemon_pidfd(self._core.fd_socket, self.server_pid)
             self._loop.add_reader(self._pidfd, self._pidfd_readable)
 
     def _pidfd_readable(self) -> None:

@@ -20,6 +20,7 @@ import zmq
 from .. import _results as R
 from .. import errors as E
 from .. import protocol as P
+from ..transport._fds import daemon_pidfd
 from ..transport._zmq import ipc_path, resolve_endpoint
 from .._pending import Pending
 from ..ring import RingLink
@@ -71,7 +72,7 @@ class Client(Session):
             raise
         if ipc_path(self.endpoint) is not None and watch_daemon_pid:
             with contextlib.suppress(OSError):
-                self._daemon_pidfd = os.pidfd_open(self.server_pid)
+                self._daemon_pidfd = daemon_pidfd(self._core.fd_socket, self.server_pid)
                 self._poller.register(self._daemon_pidfd, zmq.POLLIN)
         if ring is not False:
             try:

@@ -23,6 +23,7 @@ import trio
 import zmq
 
 from .. import errors as E
+from ..transport._fds import daemon_pidfd
 from ..transport._zmq import SocketPump, ipc_path, resolve_endpoint
 from ._evloop import BELL, IDLE, YIELD, LoopSession
 from .._pending import AwaitablePending, Pending
@@ -163,7 +164,7 @@ async def open_client(
                 bg.start_soon(client._liveness)
                 if ipc_path(endpoint) is not None and watch_daemon_pid:
                     with contextlib.suppress(OSError):
-                        bg.start_soon(client._watch_daemon, os.pidfd_open(client.server_pid))
+                        bg.start_soon(client._watch_daemon, daemon_pidfd(client._core.fd_socket, client.server_pid))
                 if ring is not False:
                     await client._start_ring(ring)
                 yield client

@@ -89,6 +89,9 @@ class FdChannel:
         self.max_waiting = max_waiting
         #: Offers outstanding daemon-wide (each holds a descriptor: the fd budget's share).
         self.max_offers = max_offers
+        #: Told a session's process as this daemon sees it (SO_PEERCRED) on its first handover,
+        #: when that is not the pid its hello gave (a client in a pid namespace of its own).
+        self.on_peer: Callable[[Session, int], None] = lambda session, pid: None
         #: key -> (peer pid, its deadline's scope), oldest first.
         self._waiting: dict[int, tuple[int, trio.CancelScope]] = {}
         self._next_conn = 0
@@ -151,6 +154,9 @@ class FdChannel:
             return -1, "the token belongs to another process's session"
         del self._offers[token]
         self._by_session[session.id].discard(token)
+        if peer_pid != session.host_pid:
+            session.host_pid = peer_pid
+            self.on_peer(session, peer_pid)
         return fd, ""
 
     # --- the socket ----------------------------------------------------------------------------

@@ -190,7 +190,7 @@ class Front:
             raise E.ShuttingDown("the daemon is shutting down")
         if len(self.sessions) >= self.max_sessions:
             raise E.QuotaExceeded(f"daemon at its session limit ({self.max_sessions} sessions): try again later")
-        session = Session(identity, req.client, req.pid, remote_peer=secure, last_seen=time.monotonic())
+        session = Session(identity, req.client, req.pid, remote_peer=secure, last_seen=time.monotonic(), host_pid=req.pid)
         info = self._hello_info(session)  # grants arenas: may refuse
         self.sessions[identity] = session
         self._spawn(self._run_session, session)
@@ -260,19 +260,33 @@ class Front:
         self.nursery.start_soon(self.end_session, session, why)  # (release, its last step, cannot fail)
 
     async def _watch_pid(self, session: Session) -> None:
-        """Same-host clients: a pidfd becomes readable the instant the process dies."""
+        """Same-host clients: a pidfd becomes readable the instant the process dies. The pid is
+        the session's `host_pid`: its hello's until its first fd handover shows the process as
+        this daemon sees it (a client in a pid namespace of its own), then that one (`rewatch`)."""
+        pid = session.host_pid
         try:
-            pidfd = os.pidfd_open(session.pid)
+            pidfd = os.pidfd_open(pid)
         except (OSError, AttributeError):
             return  # not visible (other pid namespace) or too old a kernel: heartbeats still apply
         try:
             with trio.CancelScope() as scope:
-                session.pid_watch = scope  # cancelled by release: a closed session needs no watcher
+                session.pid_watch = scope  # cancelled by release (a closed session needs no watcher), or by rewatch
                 await trio.lowlevel.wait_readable(pidfd)
                 self.accounting.reaped()
-                await self.end_session(session, f"client pid {session.pid} exited")
+                await self.end_session(session, f"client pid {pid} exited")
         finally:
             os.close(pidfd)
+
+    def rewatch(self, session: Session, pid: int) -> None:
+        """The session's process is `pid` here (its first fd handover said so): watch that one."""
+        if not session.running or session.remote_peer or not self.watch_pids:
+            return
+        if session.pid_watch is not None:
+            session.pid_watch.cancel()
+            session.pid_watch = None
+        log.info("session %d: its process is pid %d here (pid %d in its own namespace)", session.id, pid, session.pid,
+                 extra={"session": session.id})
+        self._spawn(self._watch_pid, session)
 
     def reap_silent(self) -> None:
         """Reclaim sessions that sent nothing (not even a ping) for session_timeout_s."""

@@ -125,6 +125,7 @@ class Server:
         self.rings.on_broken = self.front.end_soon
         self.pass_.on_peer_lost = lambda s: self.front.end_soon(s, "NIXL peer disconnected")
         self.pass_.on_closed = self.front.release
+        self.fds.on_peer = self.front.rewatch  # a client in a pid namespace of its own: watch its real pid
         #: Where replies go; set by the daemon loop.
         self.send: Callable[[bytes, bytes], None] = lambda identity, data: None
         # A scrape (on the HTTP thread) reads; folding the ring workers' counts stays on this thread.

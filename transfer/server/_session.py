@@ -109,6 +109,9 @@ class Session:
     cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     #: The pidfd watcher's scope (same-host clients), cancelled when the session ends.
     pid_watch: trio.CancelScope | None = None
+    #: The client's process as this daemon sees it: its hello's pid until its first fd handover
+    #: says otherwise (SO_PEERCRED: a client in a pid namespace of its own gave its own view).
+    host_pid: int = 0
     finished: trio.Event = field(default_factory=trio.Event)
     info: dict[str, Any] = field(default_factory=dict)
     #: The session's shared-memory request ring (transfer._ring.Ring), if it opened one.

@@ -23,7 +23,7 @@ from typing import Iterator
 
 from .. import errors as E
 
-__all__ = ["TOKEN_BYTES", "OK", "REFUSED", "MAX_REPLY", "fetch_fd", "peer_credentials", "unix_address"]
+__all__ = ["TOKEN_BYTES", "OK", "REFUSED", "MAX_REPLY", "daemon_pidfd", "fetch_fd", "peer_credentials", "unix_address"]
 
 TOKEN_BYTES = 16
 OK, REFUSED = b"\x00", b"\x01"
@@ -35,6 +35,27 @@ _SUN_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes, NUL included
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     """(pid, uid, gid) of a connected Unix socket's peer, as of its connect()."""
     return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+
+
+def daemon_pidfd(path: str | os.PathLike[str] | None, pid: int, timeout: float = 2.0) -> int:
+    """A pidfd of the daemon whose fd socket is `path` and whose hello said `pid`, if that pid
+    names it in this process's pid namespace (SO_PEERCRED of a bare connection to its socket
+    says who listens there, as we see it: 0 when it is in no namespace of ours). OSError
+    otherwise: a producer in a pid namespace of its own must not watch a stranger that has
+    the daemon's number."""
+    if path is None:
+        raise OSError("no fd socket to ask")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout))
+        with unix_address(path) as addr:
+            sock.connect(addr)
+        seen, _, _ = peer_credentials(sock)
+    finally:
+        sock.close()  # (no token: the daemon lets the connection go)
+    if seen != pid:
+        raise OSError(f"the daemon is pid {seen or 'invisible'} here, not {pid}")
+    return os.pidfd_open(pid)
 
 
 @contextlib.contextmanager
