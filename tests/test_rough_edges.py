@@ -366,3 +366,15 @@ def test_transfer_bench_has_a_version(capsys: pytest.CaptureFixture[str]) -> Non
     with pytest.raises(SystemExit) as exc:
         bench.main(["--version"])
     assert exc.value.code == 0 and capsys.readouterr().out.startswith("transfer-bench ")
+
+
+def test_a_byte_budget_below_a_page_is_refused() -> None:
+    """`--max-host-bytes 1.5K` is 1536 bytes: a budget that admits no segment, refused with
+    what a size is, not accepted silently."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "transfer.cli.transferd", "--max-host-bytes", "1.5K", "--print-config"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "max_host_bytes = 1536 from flag --max-host-bytes: a budget below one page (4 KiB) admits nothing" in out.stderr, out.stderr

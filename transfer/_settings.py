@@ -422,6 +422,10 @@ def _cross_check(r: Resolved) -> None:
         raise ConfigError(f"{where('session_timeout_s')}: must exceed {where('heartbeat_s')} (idle sessions would be reclaimed between pings)")
     if r["limits.max_bin"] > r["limits.max_frame_bytes"]:
         raise ConfigError(f"{where('limits.max_bin')}: must not exceed {where('limits.max_frame_bytes')}")
+    for key in ("max_host_bytes", "max_host_bytes_per_session", "max_device_bytes", "max_device_bytes_per_session", "max_pinned_bytes"):
+        if 0 < r[key] < 4096:  # (1.5K is 1536 bytes: less than the one page a segment takes)
+            raise ConfigError(f"{where(key)}: a budget below one page (4 KiB) admits nothing; 0 means no limit "
+                              "(sizes are bytes, or K/M/G/T binary multiples: 16G)")
 
 
 # --- argparse glue -------------------------------------------------------------------------
