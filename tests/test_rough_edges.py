@@ -378,3 +378,17 @@ def test_a_byte_budget_below_a_page_is_refused() -> None:
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "max_host_bytes = 1536 from flag --max-host-bytes: a budget below one page (4 KiB) admits nothing" in out.stderr, out.stderr
+
+
+def test_the_benchmark_runs_from_the_folder_that_holds_the_checkout(tmp_path: Path) -> None:
+    """From a folder holding a folder named `transfer` (the checkout, as `git clone` names it),
+    the processes transfer-bench spawns still import the package, not that folder as a
+    namespace package ("cannot import name 'checksum64' from 'transfer' (unknown location)")."""
+    import subprocess
+    import sys
+
+    (tmp_path / "transfer").symlink_to(Path(transfer.__file__).resolve().parent.parent)
+    bench = Path(sys.executable).parent / "transfer-bench"
+    out = subprocess.run([str(bench), "--sizes", "4K", "--modes", "local", "--methods", "transfer", "--reps", "1",
+                          "--rep-seconds", "0.05", "--no-progress"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
