@@ -33,6 +33,7 @@ if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 timeout 120 "$PY" setup.py -q build_ext --inplace > "$BASE-build.log" 2>&1 || { tail -20 "$BASE-build.log" | tee -a "$LOG"; exit 1; }
+rm -f "$BASE-build.log"  # (kept only when the build fails)
 "$PY" -c "import transfer, cupy; print('transfer', transfer.__version__, 'cupy', cupy.__version__)" 2>&1 | tee -a "$LOG"
 
 step "pytest -m gpu"
