@@ -168,6 +168,8 @@ def test_silent_and_garbage_peers_do_not_stall_the_daemon(daemon) -> None:
 
 def test_uncollected_memfds_are_bounded_and_released(daemon) -> None:
     fds = lambda: len(os.listdir(f"/proc/{daemon.pid}/fd"))  # noqa: E731
+    watcher = transfer.connect(daemon.endpoint, ring=False)  # (before the count: its own fds are in the base)
+    watcher.fence()
     base = fds()
     raw = Raw(daemon.endpoint)
     try:
@@ -181,10 +183,10 @@ def test_uncollected_memfds_are_bounded_and_released(daemon) -> None:
         assert fds() > base + FdChannel.MAX_PER_SESSION
     finally:
         raw.close()
-    deadline = time.monotonic() + 5
-    while fds() > base + 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert fds() <= base + 2  # the session's memfds (and their mappings' fds) are gone
+    with watcher:  # the raw session is reaped once silent (heartbeat timeout): wait for that, not a clock
+        while watcher.stats()["daemon"]["sessions"] > 1:
+            watcher.fence()
+        assert fds() <= base + 2  # the session's memfds (and their mappings' fds) are gone
 
 
 def test_a_long_shm_dir_still_works(daemon_factory, tmp_path: Path) -> None:
