@@ -597,13 +597,7 @@ static inline int64_t tdp_serve(tdp_worker_t *w, uint64_t avail)
 {
     uint64_t n = avail < w->batch_cap ? avail : w->batch_cap;
     trq_t *rq = w->rq;
-    /* Copy out before reading: the client may rewrite the slots under us (hostile). */
-    uint64_t start = rq->mine & rq->mask, first = rq->cap - start;
-    if (first > n)
-        first = n;
-    memcpy(w->batch, rq->slots + start * 64, first * 64);
-    if (n > first)
-        memcpy(w->batch + first, rq->slots, (n - first) * 64);
+    trq_copy(rq, w->batch, n, 0); /* copied out before read: the client may rewrite the slots under us (hostile) */
     int64_t cfree = trq_free(w->cq);
     if (cfree < 0)
         goto corrupt;

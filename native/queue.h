@@ -159,6 +159,25 @@ static inline int64_t trq_available(trq_t *q)
     return (int64_t)n;
 }
 
+/* Copy n slots between `buf` and the ring, from this side's cursor on (`mine`), the ring's wrap
+ * taken care of: out of the ring (`to_ring` 0: a consumer's peek), or into it (a producer). */
+static inline void trq_copy(trq_t *q, void *buf, uint64_t n, int to_ring)
+{
+    uint64_t start = q->mine & q->mask;
+    uint64_t first = q->cap - start;
+    if (first > n)
+        first = n;
+    size_t ss = q->slot_size;
+    uint8_t *b = buf;
+    if (to_ring) {
+        memcpy(q->slots + start * ss, b, first * ss);
+        memcpy(q->slots, b + first * ss, (n - first) * ss);
+    } else {
+        memcpy(b, q->slots + start * ss, first * ss);
+        memcpy(b + first * ss, q->slots, (n - first) * ss);
+    }
+}
+
 /* Copy up to max slots into out (max * slot_size bytes); one release store of head. */
 static inline int64_t trq_pop_into(trq_t *q, void *out, uint64_t max, int wake)
 {
@@ -173,14 +192,7 @@ static inline int64_t trq_pop_into(trq_t *q, void *out, uint64_t max, int wake)
         n = max;
     if (n == 0)
         return 0;
-    uint64_t start = q->mine & q->mask;
-    uint64_t first = q->cap - start;
-    if (first > n)
-        first = n;
-    size_t ss = q->slot_size;
-    memcpy(out, q->slots + start * ss, first * ss);
-    if (n > first)
-        memcpy((uint8_t *)out + first * ss, q->slots, (n - first) * ss);
+    trq_copy(q, out, n, 0);
     q->mine += n;
     atomic_store_explicit(q->head, q->mine, memory_order_release);      /* (2) release */
     if (wake)
@@ -215,14 +227,7 @@ static inline int64_t trq_push_from(trq_t *q, const void *src, uint64_t n, int w
         n = free_;
     if (n == 0)
         return 0;
-    uint64_t start = q->mine & q->mask;
-    uint64_t first = q->cap - start;
-    if (first > n)
-        first = n;
-    size_t ss = q->slot_size;
-    memcpy(q->slots + start * ss, src, first * ss);
-    if (n > first)
-        memcpy(q->slots, (const uint8_t *)src + first * ss, (n - first) * ss);
+    trq_copy(q, (void *)src, n, 1);
     q->mine += n;
     atomic_store_explicit(q->tail, q->mine, memory_order_release);      /* (1) release, P1 */
     if (wake)
