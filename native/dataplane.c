@@ -433,11 +433,9 @@ static inline int tdp_bytes(tdp_worker_t *w, int op, uint64_t dva, uint64_t sva,
     /* A copy whose ranges overlap (one segment: VAs are segment << 40 | offset) is never
      * summed as it goes, and one onto a higher address goes chunk by chunk from the end, so
      * that no chunk reads bytes an earlier chunk already overwrote (memmove's rule). */
-    if (tdp_dev_touches(w, op, dva, sva, n)) {
-        if (op == TDP_CHECKSUM || (want & TDP_WANT_SUM))
-            return TDP_WHY_DEVICE; /* (summing device memory: the Python pass's kernel) */
-        return tdp_dev_op(w, op, dva, sva, n, value);
-    }
+    int dev = tdp_dev_op(w, op, dva, sva, n, value, want & TDP_WANT_SUM);
+    if (dev != TDP_NOT_DEVICE)
+        return dev;
     if (w->parked || w->fl[w->cf].dused || w->fl[w->cf].ndevc)
         tdp_dev_wait(w); /* host work after queued device work: in ring order */
     int overlap = op == TDP_COPY && dva < sva + n && sva < dva + n;

@@ -246,12 +246,13 @@ void tdp_private_wake(_Atomic uint32_t *w);
 /* Start a worker's thread (0, or an errno); stop and join it (call without the GIL). */
 int tdp_worker_start(tdp_worker_t *w);
 void tdp_worker_stop(tdp_worker_t *w);
-/* Device work (device.c). Whether a COPY or FILL touches CUDA memory (then tdp_dev_op serves
- * it); queue it on the worker's stream: 0, or a TDP_WHY_* to hand it over; wait for what is
+/* Device work (device.c). A COPY, FILL or CHECKSUM (a piece of a verified copy: `sum`) that
+ * touches CUDA memory: queued on the worker's stream (0), or a TDP_WHY_* to hand it over;
+ * TDP_NOT_DEVICE when both sides are host memory (the caller's to do). Wait for what is
  * queued (before host work that follows it, and before completions are pushed); release the
  * streams when the worker ends. */
-int tdp_dev_touches(tdp_worker_t *w, int op, uint64_t dva, uint64_t sva, uint64_t n);
-int tdp_dev_op(tdp_worker_t *w, int op, uint64_t dva, uint64_t sva, uint64_t n, uint8_t value);
+#define TDP_NOT_DEVICE (-4)
+int tdp_dev_op(tdp_worker_t *w, int op, uint64_t dva, uint64_t sva, uint64_t n, uint8_t value, int sum);
 void tdp_dev_wait(tdp_worker_t *w);   /* (dataplane.c: it pushes the parked batch's completions) */
 void tdp_dev_close(tdp_worker_t *w);  /* (after tdp_dev_wait) */
 /* The current flight's device work is queued: record its events (0), or -1 when it has none

@@ -22,25 +22,6 @@ static void tdp_nap(uint64_t ns)
     nanosleep(&ts, NULL);
 }
 
-int tdp_dev_touches(tdp_worker_t *w, int op, uint64_t dva, uint64_t sva, uint64_t n)
-{
-    if (!tdp_cuda_loaded())
-        return 0;
-    uint64_t o;
-    int hit = 0;
-    pthread_rwlock_rdlock(&w->table->lock);
-    if (op != TDP_CHECKSUM) {
-        const tdp_seg_t *e = tdp_lookup(w->table, w->session, dva, n, &o);
-        hit |= e && e->cuda;
-    }
-    if (op != TDP_FILL) {
-        const tdp_seg_t *e = tdp_lookup(w->table, w->session, sva, n, &o);
-        hit |= e && e->cuda;
-    }
-    pthread_rwlock_unlock(&w->table->lock);
-    return hit;
-}
-
 /* Keep `b` busy until its flight is settled (the caller holds the table's read lock). */
 static int tdp_hold(tdp_flight_t *f, tdp_busy_t *b)
 {
@@ -108,28 +89,43 @@ static CUresult tdp_stream(tdp_worker_t *w, int ordinal)
     return r;
 }
 
-/* Queue the copy being merged, in pieces of TDP_DEV_CHUNK: 0, or a CUresult. */
-static CUresult tdp_dev_flush(tdp_worker_t *w)
+/* Queue a copy or fill on `ordinal`'s stream, in pieces of TDP_DEV_CHUNK: 0, or a CUresult. */
+static CUresult tdp_dev_issue(tdp_worker_t *w, int op, uint64_t dptr, uint64_t sptr, uint64_t n, uint8_t value, int ordinal)
 {
     CUresult r = 0;
-    uint64_t n = w->mg.n;
-    w->mg.n = 0;
     for (uint64_t off = 0; off < n && r == 0; off += TDP_DEV_CHUNK) {
         uint64_t len = n - off < TDP_DEV_CHUNK ? n - off : TDP_DEV_CHUNK;
-        r = tdp_cu.MemcpyAsync(w->mg.dst + off, w->mg.src + off, len, w->dstream[w->mg.ordinal]);
+        r = op == TDP_COPY ? tdp_cu.MemcpyAsync(dptr + off, sptr + off, len, w->dstream[ordinal])
+                           : tdp_cu.MemsetD8Async(dptr + off, value, len, w->dstream[ordinal]);
     }
     return r;
 }
 
-int tdp_dev_op(tdp_worker_t *w, int op, uint64_t dva, uint64_t sva, uint64_t n, uint8_t value)
+/* Queue the copy being merged: 0, or a CUresult. */
+static CUresult tdp_dev_flush(tdp_worker_t *w)
 {
+    uint64_t n = w->mg.n;
+    w->mg.n = 0;
+    return tdp_dev_issue(w, TDP_COPY, w->mg.dst, w->mg.src, n, 0, w->mg.ordinal);
+}
+
+int tdp_dev_op(tdp_worker_t *w, int op, uint64_t dva, uint64_t sva, uint64_t n, uint8_t value, int sum)
+{
+    if (!tdp_cuda_loaded())
+        return TDP_NOT_DEVICE;
     tdp_flight_t *f = &w->fl[w->cf];
     uint64_t doff = 0, soff = 0;
     pthread_rwlock_rdlock(&w->table->lock);
-    const tdp_seg_t *de = tdp_lookup(w->table, w->session, dva, n, &doff);
-    const tdp_seg_t *se = op == TDP_COPY ? tdp_lookup(w->table, w->session, sva, n, &soff) : NULL;
+    const tdp_seg_t *de = op != TDP_CHECKSUM ? tdp_lookup(w->table, w->session, dva, n, &doff) : NULL;
+    const tdp_seg_t *se = op != TDP_FILL ? tdp_lookup(w->table, w->session, sva, n, &soff) : NULL;
+    if (!(de && de->cuda) && !(se && se->cuda)) {
+        pthread_rwlock_unlock(&w->table->lock);
+        return TDP_NOT_DEVICE; /* host memory on both sides: the caller's */
+    }
     int why = 0;
-    if (!de || (op == TDP_COPY && !se))
+    if (op == TDP_CHECKSUM || sum)
+        why = TDP_WHY_DEVICE;  /* (summing device memory: the Python pass's kernel) */
+    else if (!de || (op == TDP_COPY && !se))
         why = TDP_WHY_ADDRESS;
     else if (se && de->device >= 0 && se->device >= 0 && de->device != se->device)
         why = TDP_WHY_DEVICES; /* (peer copies: the Python pass) */
@@ -173,10 +169,8 @@ int tdp_dev_op(tdp_worker_t *w, int op, uint64_t dva, uint64_t sva, uint64_t n, 
         r = r ? r : tdp_dev_flush(w);
         if (r == 0 && op == TDP_COPY)
             w->mg.dst = dptr, w->mg.src = sptr, w->mg.n = n, w->mg.ordinal = ordinal;
-        for (uint64_t off = 0; op == TDP_FILL && off < n && r == 0; off += TDP_DEV_CHUNK) {
-            uint64_t len = n - off < TDP_DEV_CHUNK ? n - off : TDP_DEV_CHUNK;
-            r = tdp_cu.MemsetD8Async(dptr + off, value, len, w->dstream[ordinal]);
-        }
+        else if (r == 0)
+            r = tdp_dev_issue(w, TDP_FILL, dptr, 0, n, value, ordinal);
     }
     if (r != 0 && !f->fault)
         f->fault = r;
