@@ -35,11 +35,18 @@ def scrape(url: str, timeout: float = 5.0) -> Samples:
     return out
 
 
-def _by(samples: Samples, name: str, label: str) -> dict[str, float]:
-    return {dict(labels)[label]: v for (n, labels), v in samples.items() if n == name and label in dict(labels)}
+def _by(samples: Samples, name: str, *labels: str) -> dict[tuple[str, ...], float]:
+    """`name`'s samples by the values of `labels` (those that have them all)."""
+    out = {}
+    for (n, pairs), v in samples.items():
+        if n == name:
+            have = dict(pairs)
+            if all(k in have for k in labels):
+                out[tuple(have[k] for k in labels)] = v
+    return out
 
 
-def _rate(now: dict[str, float], before: dict[str, float], dt: float) -> dict[str, float]:
+def _rate(now: dict[tuple[str, ...], float], before: dict[tuple[str, ...], float], dt: float) -> dict[tuple[str, ...], float]:
     return {k: max(0.0, v - before.get(k, 0.0)) / dt for k, v in now.items()}
 
 
@@ -65,16 +72,15 @@ def frame(before: Samples, now: Samples, dt: float, url: str) -> Any:
     for col in ("client", "bytes/s", "requests/s", "errors/s", "errors", "moved"):
         tenants.add_column(col, justify="left" if col == "client" else "right", no_wrap=True)
     for client in sorted(moved, key=lambda c: -rate_b.get(c, 0.0)):
-        tenants.add_row(client, fmt_bytes(int(rate_b.get(client, 0.0))) + "/s", f"{rate_r.get(client, 0.0):,.0f}",
+        tenants.add_row(client[0], fmt_bytes(int(rate_b.get(client, 0.0))) + "/s", f"{rate_r.get(client, 0.0):,.0f}",
                         f"{rate_e.get(client, 0.0):,.1f}", f"{errs.get(client, 0.0):,.0f}", fmt_bytes(int(moved[client])))
     devices = Table(header_style="bold")
     for col in ("device", "kind", "queued", "batches/s"):
         devices.add_column(col, justify="left" if col in ("device", "kind") else "right", no_wrap=True)
-    queued = {(dict(l)["device"], dict(l)["kind"]): v for (n, l), v in now.items() if n == "transfer_device_queued_bytes"}
-    batches = {(dict(l)["device"], dict(l)["kind"]): v for (n, l), v in now.items() if n == "transfer_device_batches_total"}
-    was = {(dict(l)["device"], dict(l)["kind"]): v for (n, l), v in before.items() if n == "transfer_device_batches_total"}
+    queued = _by(now, "transfer_device_queued_bytes", "device", "kind")
+    batches = _rate(_by(now, "transfer_device_batches_total", "device", "kind"), _by(before, "transfer_device_batches_total", "device", "kind"), dt)
     for key in sorted(queued, key=lambda k: int(k[0]) if k[0].isdigit() else 0):
-        devices.add_row(key[0], key[1], fmt_bytes(int(queued[key])), f"{max(0.0, batches.get(key, 0) - was.get(key, 0)) / dt:,.1f}")
+        devices.add_row(key[0], key[1], fmt_bytes(int(queued[key])), f"{batches.get(key, 0.0):,.1f}")
     return Group(tenants, devices)
 
 
