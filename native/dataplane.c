@@ -561,14 +561,15 @@ static inline int tdp_chain(tdp_worker_t *w, uint64_t i, uint64_t n, uint64_t *l
             why = TDP_WHY_CHAIN;
             break;
         }
-        uint64_t o;
-        const tdp_seg_t *de = tdp_lookup(w->table, w->session, d->dst, d->nbytes, &o);
-        const tdp_seg_t *se = tdp_lookup(w->table, w->session, d->src, d->nbytes, &o);
+        uint64_t doff, soff;
+        const tdp_seg_t *de = tdp_lookup(w->table, w->session, d->dst, d->nbytes, &doff);
+        const tdp_seg_t *se = tdp_lookup(w->table, w->session, d->src, d->nbytes, &soff);
         if (!de || !se) {
             why = TDP_WHY_ADDRESS;
             break;
         }
-        if (sum && (de->cuda || se->cuda)) {
+        /* (what tdp_dev_op leaves to Python: decided here, before any piece runs) */
+        if ((sum || (de == se && doff < soff + d->nbytes && soff < doff + d->nbytes)) && (de->cuda || se->cuda)) {
             why = TDP_WHY_DEVICE;
             break;
         }
@@ -614,7 +615,7 @@ static inline int64_t tdp_serve(tdp_worker_t *w, uint64_t avail)
     }
     uint64_t i = 0, nc = 0, since = 0, need = 0;
     uint64_t consumed = 0; /* descriptors committed so far */
-    int why = 0;
+    int why = 0, flush = 0;
     while (i < n) {
         const tdp_desc_t *d = &w->batch[i];
         uint64_t len = 1;
@@ -715,13 +716,23 @@ static inline int64_t tdp_serve(tdp_worker_t *w, uint64_t avail)
             w->kinds[d->op == TDP_COPY ? TDP_K_COPY : d->op == TDP_FILL ? TDP_K_FILL : TDP_K_CHECKSUM]++;
             atomic_fetch_add_explicit(&w->n_bytes, d->nbytes, memory_order_relaxed);
             since += d->nbytes;
+        } else if (d->op == TDP_RUN_GRAPH && w->run) {
+            if (w->parked || w->fl[w->cf].dused || w->fl[w->cf].ndevc)
+                tdp_dev_wait(w); /* a graph reads what the device work before it wrote */
+            w->ran = 1;
+            if (d->nbytes || d->arg1 || d->arg2 || !w->run(w->run_ctx, d, c)) { /* (Python refuses the former) */
+                why = TDP_WHY_OPCODE;
+                break;
+            }
+            atomic_fetch_add_explicit(&w->n_runs, 1, memory_order_relaxed);
+            flush = 1; /* (a run is long work: its producer may be waiting for it to reuse the slot) */
         } else {
             why = TDP_WHY_OPCODE;
             break;
         }
         i += len;
         nc++;
-        if (since >= TDP_FLUSH_BYTES + w->dsince || w->dsince >= TDP_DEV_FLUSH_BYTES) {
+        if (flush || since >= TDP_FLUSH_BYTES + w->dsince || w->dsince >= TDP_DEV_FLUSH_BYTES) {
             /* long work: answer what is done before going on (device bytes count apart: each
              * early answer waits for the copy engine to drain) */
             if (tdp_commit(w, i - consumed, nc, 1) < 0)
@@ -730,6 +741,7 @@ static inline int64_t tdp_serve(tdp_worker_t *w, uint64_t avail)
             consumed = i;
             nc = 0;
             since = 0;
+            flush = 0;
         }
     }
     if (why < 0) {
@@ -829,6 +841,8 @@ static void *tdp_run(void *arg)
     }
     tdp_dev_wait(w); /* (the parked batch and the current one: their memory may go once the worker ends) */
     tdp_dev_close(w);
+    if (w->ran && w->run_end)
+        w->run_end(w->run_ctx);
     return NULL;
 }
 

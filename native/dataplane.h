@@ -181,6 +181,15 @@ typedef struct {
     uint64_t pkinds[TDP_KINDS];
     int parked;
     _Atomic uint64_t n_dcopy, n_dfill, n_dbytes, n_unpinned, n_dfaults, n_dwaits, n_dparks;
+    /* Graph runs the worker serves itself: the binding's runner (dataplane_type.c) runs a
+     * RUN_GRAPH whose plan the daemon keeps, with the GIL, in this thread, and fills its
+     * completion (1); 0: not one it keeps, handed over as any opcode the worker does not
+     * serve. Called with no lock held, after the batch's device work so far is done. */
+    int (*run)(void *ctx, const tdp_desc_t *d, tdp_comp_t *c);
+    void (*run_end)(void *ctx); /* the thread's last act, if `run` was ever called */
+    void *run_ctx;
+    int ran;
+    _Atomic uint64_t n_runs;
     pthread_t thread;
     int started;
 } tdp_worker_t;

@@ -308,7 +308,65 @@ typedef struct {
     tdp_worker_t w;
     TableObject *table;
     QueueObject *requests, *completions;
+    PyObject *runner; /* runner(id, graph, src, dst, stream) -> status, or None: not kept (hand over) */
+    /* The worker thread's Python thread state, made at its first run and kept until it ends
+     * (a state made and destroyed per call, as a bare PyGILState_Ensure does, costs more than
+     * a small graph's whole run). */
+    PyThreadState *ts;
+    PyGILState_STATE gs;
 } WorkerObject;
+
+#if PY_VERSION_HEX >= 0x030D0000
+#define IS_FINALIZING() Py_IsFinalizing()
+#else
+#define IS_FINALIZING() _Py_IsFinalizing()
+#endif
+
+/* The worker's tdp_worker_t.run: a RUN_GRAPH served by the daemon's runner, on the worker's
+ * thread, with the GIL. A status other than 0 is an error whose message the runner sent on
+ * the control socket (COMPLETION_DETAIL); an exception in the runner is a bug: reported, and
+ * the descriptor handed over (the Python pass answers it). */
+static int worker_run(void *ctx, const tdp_desc_t *d, tdp_comp_t *c)
+{
+    WorkerObject *self = ctx;
+    int served = 0;
+    if (IS_FINALIZING())
+        return 0; /* (a thread must not take the GIL then: the interpreter is going) */
+    if (!self->ts) {
+        self->gs = PyGILState_Ensure();
+        self->ts = PyThreadState_Get();
+    } else {
+        PyEval_RestoreThread(self->ts);
+    }
+    PyObject *r = PyObject_CallFunction(self->runner, "KKKKI", (unsigned long long)d->id, (unsigned long long)d->arg0,
+                                        (unsigned long long)d->src, (unsigned long long)d->dst, (unsigned int)d->stream);
+    if (!r) {
+        PyErr_WriteUnraisable(self->runner);
+    } else if (r != Py_None) {
+        long status = PyLong_AsLong(r);
+        if (status == -1 && PyErr_Occurred()) {
+            PyErr_WriteUnraisable(self->runner);
+        } else {
+            c->status = (int32_t)status;
+            c->flags = status ? TDP_COMPLETION_DETAIL : 0;
+            served = 1;
+        }
+    }
+    Py_XDECREF(r);
+    PyEval_SaveThread();
+    return served;
+}
+
+/* The worker thread ends: its thread state goes (unless the interpreter is going first). */
+static void worker_run_end(void *ctx)
+{
+    WorkerObject *self = ctx;
+    if (!self->ts || IS_FINALIZING())
+        return;
+    PyEval_RestoreThread(self->ts);
+    self->ts = NULL;
+    PyGILState_Release(self->gs);
+}
 
 /* A worker's spin in nanoseconds: at most 10 ms (a worker polls between requests, it does
  * not own a core). */
@@ -319,8 +377,9 @@ static uint64_t spin_ns_of(double spin)
 
 static int Worker_init(WorkerObject *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"table", "requests", "completions", "session", "bell_fd", "cbell_fd", "spin", "bounds", "streams", NULL};
-    PyObject *table, *rq, *cq, *bounds = NULL, *streams = NULL;
+    static char *kwlist[] = {"table", "requests", "completions", "session", "bell_fd", "cbell_fd", "spin", "bounds", "streams",
+                             "runner", NULL};
+    PyObject *table, *rq, *cq, *bounds = NULL, *streams = NULL, *runner = NULL;
     unsigned long long session;
     int bell = -1, cbell = -1;
     double spin = 20e-6;
@@ -328,9 +387,15 @@ static int Worker_init(WorkerObject *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_RuntimeError, "already initialised");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!K|iidOO", kwlist, &TableType, &table, &QueueType, &rq,
-                                     &QueueType, &cq, &session, &bell, &cbell, &spin, &bounds, &streams))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!K|iidOOO", kwlist, &TableType, &table, &QueueType, &rq,
+                                     &QueueType, &cq, &session, &bell, &cbell, &spin, &bounds, &streams, &runner))
         return -1;
+    if (runner == Py_None)
+        runner = NULL;
+    if (runner && !PyCallable_Check(runner)) {
+        PyErr_SetString(PyExc_TypeError, "runner: a callable (id, graph, src, dst, stream) -> status or None");
+        return -1;
+    }
     /* streams: {CUDA ordinal: a CUstream of the caller's} the worker queues its device work on
      * (the daemon's lane streams: one stream model with CuPy); it never destroys them. */
     CUstream ext[TDP_CUDA_MAX_DEVICES] = {0};
@@ -394,6 +459,13 @@ static int Worker_init(WorkerObject *self, PyObject *args, PyObject *kwds)
     atomic_store(&w->spin_ns, spin_ns_of(spin));
     memcpy(w->hbounds_ns, hb, nb * sizeof *hb);
     w->nbounds = nb;
+    if (runner) {
+        Py_INCREF(runner);
+        self->runner = runner;
+        w->run = worker_run;
+        w->run_end = worker_run_end;
+        w->run_ctx = self;
+    }
     for (int d = 0; d < TDP_CUDA_MAX_DEVICES; d++) {
         if (ext[d]) {
             w->dstream[d] = ext[d];
@@ -427,11 +499,13 @@ static void worker_stop(WorkerObject *self)
     self->requests->lent = self->completions->lent = 0;
     Py_CLEAR(self->requests);
     Py_CLEAR(self->completions);
+    Py_CLEAR(self->runner); /* (the thread is joined: it calls it no more) */
 }
 
 static void Worker_dealloc(WorkerObject *self)
 {
     worker_stop(self);
+    Py_CLEAR(self->runner);
     Py_CLEAR(self->table);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -492,7 +566,7 @@ static PyObject *Worker_counters(WorkerObject *self, PyObject *unused)
 {
     tdp_worker_t *w = &self->w;
 #define C(x) (unsigned long long)atomic_load_explicit(&w->x, memory_order_relaxed)
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "copy", C(n_copy), "fill", C(n_fill),
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "copy", C(n_copy), "fill", C(n_fill),
                          "checksum", C(n_checksum), "fused", C(n_fused), "shared", C(n_shared), "fence", C(n_fence),
                          "bytes", C(n_bytes),
                          "batches", C(n_batches), "wakes", C(n_wakes), "sleeps", C(n_sleeps),
@@ -505,7 +579,7 @@ static PyObject *Worker_counters(WorkerObject *self, PyObject *unused)
                          "handover_device", C(handovers[TDP_WHY_DEVICE]),
                          "device_copy", C(n_dcopy), "device_fill", C(n_dfill), "device_bytes", C(n_dbytes),
                          "device_unpinned", C(n_unpinned), "device_faults", C(n_dfaults), "device_waits", C(n_dwaits), "device_parked", C(n_dparks),
-                         "done", C(done));
+                         "graph", C(n_runs), "done", C(done));
 #undef C
 }
 

@@ -143,6 +143,33 @@ def test_latency_mode(tmp_path: Path) -> None:
     assert "latency" in proc.stdout and "x shm-pipe" in proc.stdout
 
 
+def test_share_mode_tiny(tmp_path: Path) -> None:
+    """Tenants through one daemon against a process each (NumPy here): every tenant measured,
+    a fairness index, and the latency tenant alone and beside a bulk one; nothing left."""
+    out = tmp_path / "share.json"
+    proc, tag, _ = _run(["--modes", "share", "--producers", "2", "--reps", "1", "--rep-seconds", "0.2", "--json", str(out)],
+                        tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _assert_nothing_left(tag)
+    share = json.loads(out.read_text())["share"]
+    assert [r["method"] for r in share["rows"]] == ["transfer", "processes"]
+    for r in share["rows"]:
+        assert r["tenants"] == 2 and len(r["tenant_per_s"]) == 2 and min(r["tenant_per_s"]) > 0
+        assert 0.5 <= r["fairness"] <= 1.0
+    lat = share["latency"]
+    assert lat["alone"]["p99_us"] >= lat["alone"]["p50_us"] > 0 and lat["beside_bulk"]["rounds"] > 0 and lat["bulk_gbps"] > 0
+    assert "share mode" in proc.stdout
+
+
+def test_jain_fairness_index() -> None:
+    from transfer._bench.share import jain
+
+    assert jain([5.0, 5.0, 5.0, 5.0]) == pytest.approx(1.0)
+    assert jain([1.0, 0.0, 0.0, 0.0]) == pytest.approx(0.25)  # one tenant gets everything: 1/n
+    assert jain([3.0, 1.0]) == pytest.approx(16 / 20)
+    assert jain([0.0, 0.0]) == 0.0
+
+
 def test_iceoryx2_method_tiny(tmp_path: Path) -> None:
     """A real iceoryx2 run (throughput and latency), verified, that leaves nothing behind:
     no process, no /dev/shm file, no file under TMPDIR (iceoryx2's root is the run's dir)."""

@@ -187,10 +187,18 @@ def test_a_pipelined_producer_runs_on_the_ring_from_its_second_run(gdaemon: Daem
     trio.run(main)
 
 
-def test_a_graph_run_is_one_unit_of_device_work(client: transfer.Client) -> None:
+@pytest.fixture
+def socket_client(gdaemon: DaemonProcess) -> Iterator[transfer.Client]:
+    """A client without a ring: every run is the Python pass's (planned, placed, sent to a device)."""
+    with transfer.connect(gdaemon.endpoint, ring=False) as c:
+        yield c
+
+
+def test_a_graph_run_is_one_unit_of_device_work(socket_client: transfer.Client) -> None:
     """Its nodes' waves all run on one device: one message to the CPU device's process (one
     hop to a GPU's worker) runs them all (each node's work is over inline_bytes, so each wave
     once took a hop of its own)."""
+    client = socket_client
     g, ws = mlp(client, 64, [256, 512, 512, 16])
     xs, ys = client.segment(64 * 256 * 4), client.segment(64 * 16 * 4)
     x = xs.ndarray((64, 256), np.float32)
@@ -433,9 +441,10 @@ def test_mlp_graph_on_each_backend(backend_daemon: DaemonProcess) -> None:
         assert {n.kind for n in prof.nodes} == {"cpu" if c.backend == "numpy" else "gpu"}
 
 
-def test_a_graph_run_is_one_op(client: transfer.Client) -> None:
+def test_a_graph_run_is_one_op(socket_client: transfer.Client) -> None:
     """Planned from its definition's layout, a one-device graph run is one op (one wave), not
     one per node plus one that answers; the outputs are still the math's."""
+    client = socket_client
     g, ws = mlp(client, 8, [16, 12, 12, 4])
     xs, ys = client.segment(8 * 16 * 4), client.segment(8 * 4 * 4)
     x = xs.ndarray((8, 16), np.float32)
@@ -453,10 +462,11 @@ def test_a_graph_run_is_one_op(client: transfer.Client) -> None:
     np.testing.assert_allclose(ys.ndarray((8, 4), np.float32), mlp_ref(x, ws), rtol=1e-4, atol=1e-4)
 
 
-def test_a_repeated_run_plans_nothing_until_a_segment_goes(client: transfer.Client) -> None:
+def test_a_repeated_run_plans_nothing_until_a_segment_goes(socket_client: transfer.Client) -> None:
     """A run with the VAs of an earlier one reuses its plan (counted): nothing is translated
     or placed again. New VAs are planned once; once any segment is freed, the next run plans
     again, so a freed output is refused, not written through a stale plan."""
+    client = socket_client
     g, ws = mlp(client, 8, [16, 12, 12, 4])
     xs, ys, other = client.segment(8 * 16 * 4), client.segment(8 * 4 * 4), client.segment(8 * 4 * 4)
     x = xs.ndarray((8, 16), np.float32)

@@ -41,7 +41,7 @@ def transfer_available() -> tuple[bool, str]:
 
 def mode_available(mode: str) -> tuple[bool, str]:
     """Hooks for modes that need hardware or peers this run may not have."""
-    if mode in ("local", "compute", "latency"):
+    if mode in ("local", "compute", "latency", "share"):
         return True, ""
     if mode == "gpu":
         from .gpu import available

@@ -215,6 +215,12 @@ class Backend(abc.ABC):
         backend whose kernels run elsewhere (the CPU devices' processes) only queues them."""
         return Answer.ready(run_steps(steps, failed, lambda kernel, ins, outs, params: self.compute(kernel, ins, outs, params, device)))
 
+    def inline_steps(self, steps: Sequence[Any], device: int) -> Callable[[], list[tuple[int, Any, float]]] | None:
+        """A graph run's stretch as a call that runs it in the calling thread (a ring's worker:
+        `server._inline`), its operands bound once; None where this backend cannot (its kernels
+        need a device context of the thread, or a stream of the daemon's)."""
+        return None
+
     def read_answers_with(self, adopt: Callable[[Any], bool]) -> None:
         """(A backend whose kernels run elsewhere.) From now on, `adopt(channel)` is offered
         each new device process's answers (`_devproc.Channel`) to read: a daemon's event loop

@@ -20,7 +20,7 @@ import numpy as np
 
 from .._checksum import checksum64
 from ..addressing import SegmentKind
-from ..kernels import FAILED
+from ..kernels import DTYPES, FAILED, run_steps
 from ..memory._shm import new_memfd
 from ._base import Answer, Backend, Span, Then, host_bytes
 from ._devproc import DeviceProcess, SharedIndex
@@ -99,6 +99,17 @@ class NumpyBackend(Backend):
     def begin_steps(self, steps: Sequence[Any], failed: set[int], device: int, block: bool = True) -> Answer:
         return self.procs[device % len(self.procs)].begin(steps, failed, block)
 
+    def inline_steps(self, steps: Sequence[Any], device: int) -> Callable[[], list[tuple[int, Any, float]]]:
+        """The stretch run where it is called, on views made once of its operands' memory
+        (each view keeps its mapping: memory freed meanwhile stays mapped until the views go,
+        so a run never touches unmapped pages). The same kernels the device's process runs."""
+        def bound(pairs: Any) -> list[np.ndarray]:
+            return [np.ndarray(t.shape, DTYPES[t.dtype], s.mem.array if s.kind is SegmentKind.HOST else s.mem, s.offset, t.strides)
+                    for t, s in pairs]
+
+        ready = [(i, kernel, bound(ins), bound(outs), params, deps, name) for i, kernel, ins, outs, params, deps, name in steps]
+        return lambda: run_steps(ready, set(), _run_kernel)  # (a fresh set of failures per run)
+
     def read_answers_with(self, adopt: Callable[[Any], bool]) -> None:
         for proc in self.procs:
             proc.adopt = adopt
@@ -107,6 +118,10 @@ class NumpyBackend(Backend):
         for proc in self.procs:
             proc.close()
         self.shared.close()
+
+
+def _run_kernel(kernel: Any, ins: list[np.ndarray], outs: list[np.ndarray], params: Any) -> Any:
+    return kernel.run(ins, outs, params, np)
 
 
 def _result(outcomes: list[tuple[int, Any, float]]) -> Any:

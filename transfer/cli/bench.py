@@ -5,10 +5,13 @@
                                    transfer vs hand-rolled shm, iceoryx2, torch.multiprocessing,
                                    pyzmq copy/zero-copy and the physical limits
     transfer-bench full            the sweep: 4 KiB..256 MiB, producers 1..N, depth,
-                                   modes local/compute/remote/gpu (remote: NIXL; gpu:
-                                   CuPy; skipped when unavailable), every baseline
+                                   modes local/compute/remote/gpu/latency/share (remote:
+                                   NIXL; gpu: CuPy; skipped when unavailable), every baseline
     transfer-bench --modes gpu     host-to-device from a registered segment vs CuPy
                                    pinned and pageable copies, then 2 producers + compute
+    transfer-bench --modes share   tenants sharing one device through one daemon (a
+                                   copy, a normalize and an MLP per batch) against a
+                                   process each; a latency tenant beside a bulk one
     transfer-bench --json r.json --plot r.png
 
 Every method does the same work: producers (separate processes) write fresh
@@ -66,10 +69,11 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("preset", nargs="?", choices=("quick", "full"), default="quick",
                    help="quick (default: about a minute, longer with the optional baselines installed) or full sweep (tens of minutes)")
     p.add_argument("--sizes", help="request sizes (quick: 4K,64K,1M,64M; full: 4K..256M)")
-    p.add_argument("--producers", help="N (sweep 1..N in full, exactly N in quick) or a list like 1,2,4")
+    p.add_argument("--producers", help="N (sweep 1..N in full, exactly N in quick) or a list like 1,2,4; "
+                   "the share mode's tenants: the largest (default 4)")
     p.add_argument("--depth", help="groups in flight per producer, or a list (default 4)")
     p.add_argument("--batch", type=_at_least(1, int), help="requests per group (default: 64 for 4 KiB, 256 KiB/size, >= 1)")
-    p.add_argument("--modes", help="local,compute,remote,gpu,latency (quick: local,latency; full: all, unavailable skipped)")
+    p.add_argument("--modes", help="local,compute,remote,gpu,latency,share (quick: local,latency; full: all, unavailable skipped)")
     p.add_argument("--methods", help="transfer,transfer-socket,shm-pipe,iceoryx2,torch-mp,zmq-copy,zmq-zerocopy,mp-queue,mp-pipe,"
                                      "nixl-raw (remote mode: transfer and nixl-raw only; nixl-raw: remote only; skipped with a note "
                                      "when not installed: iceoryx2 (pip install 'transfer[bench]'), torch-mp (PyTorch))")
@@ -125,7 +129,7 @@ def _main(args: argparse.Namespace) -> int:
         cores = os.cpu_count() or 2
         producers = _int_list(args.producers or (str(min(4, max(2, cores))) if full else "2"), sweep=full, flag="--producers")
         depths = _int_list(args.depth or "4", sweep=False, flag="--depth")
-        modes = [m.strip() for m in (args.modes or ("local,compute,remote,gpu,latency" if full else "local,latency")).split(",")]
+        modes = [m.strip() for m in (args.modes or ("local,compute,remote,gpu,latency,share" if full else "local,latency")).split(",")]
         default_methods = list(common.METHODS_ALL if full else common.METHODS_QUICK)
         if "remote" in modes and "nixl-raw" not in default_methods:
             default_methods.append("nixl-raw")  # the remote mode's baseline
@@ -180,7 +184,8 @@ def _main(args: argparse.Namespace) -> int:
     cks, cks_name = common.get_checksum()
 
     gpu_sizes = [s for s in sizes if s >= 64 << 10] if args.sizes else common.parse_sizes("64K..256M")
-    cell_modes = [m for m in run_modes if m not in ("gpu", "latency")]  # their own methods: _bench.gpu, _bench.latency
+    own_modes = {"gpu", "latency", "share"}  # their own methods: _bench.gpu, _bench.latency, _bench.share
+    cell_modes = [m for m in run_modes if m not in own_modes]
     cells = [Cell(method=m, mode=mode, size=s, producers=p, depth=d,
                   batch=args.batch or common.default_batch_items(s), verify_every=verify_every,
                   corrupt_group=args.inject_corruption)
@@ -194,7 +199,7 @@ def _main(args: argparse.Namespace) -> int:
     if "nixl-raw" in methods and "remote" not in run_modes and args.methods:
         notes.append("method nixl-raw: runs in remote mode only, which is not in this run")
 
-    if not cells and not {"gpu", "latency"} & set(run_modes):
+    if not cells and not own_modes & set(run_modes):
         # Every mode asked for is unavailable here (or has no method): exiting 0 with an
         # empty table would read as success.
         why = "; ".join(notes) or "no mode has a method to run"
@@ -226,7 +231,7 @@ def _main(args: argparse.Namespace) -> int:
                     results.append(r)
                     progress.line(f"{cell.describe()}: {r['gbps']:7.3f} GB/s  {r['rps']:11,.0f} req/s  "
                                   f"p50 {r['p50_us']:9,.0f} µs  p99 {r['p99_us']:9,.0f} µs", advance_cell=True)
-            gpu_result = lat_result = None
+            gpu_result = lat_result = share_result = None
             if "latency" in run_modes:
                 from transfer._bench import latency
 
@@ -246,6 +251,12 @@ def _main(args: argparse.Namespace) -> int:
                 # untimed, so that no check drains the pipeline the baselines keep full.
                 gpu_result = gpu.run(gpu_sizes, depth=depths[0] if args.depth else 8, reps=reps, rep_s=rep_s,
                                      verify_slots=args.verify_every or 16, line=progress.line, daemon_args=daemon_args)
+            if "share" in run_modes:
+                from transfer._bench import share
+
+                # share mode: --producers is the number of tenants (default 4).
+                share_result = share.run(max(producers) if args.producers else 4, reps=reps, rep_s=max(rep_s, 0.5),
+                                         line=progress.line, daemon_args=daemon_args)
         except BenchFailure as e:
             progress.stop()
             print(f"\ntransfer-bench: FAILED: {e}", file=sys.stderr)
@@ -275,6 +286,10 @@ def _main(args: argparse.Namespace) -> int:
         from transfer._bench import latency
 
         con.print(latency.render(lat_result))
+    if share_result is not None:
+        from transfer._bench import share
+
+        con.print(share.render(share_result))
     for n in notes:
         con.print(f"note: {n}", markup=False)  # a note may name an extra, e.g. transfer[bench]
     config = {"preset": args.preset, "sizes": sizes, "producers": producers, "depths": depths,
@@ -282,7 +297,8 @@ def _main(args: argparse.Namespace) -> int:
               "rep_seconds": rep_s, "warmup_seconds": warm_s, "checksum": cks_name,
               "wall_seconds": round(time.perf_counter() - t_wall, 2)}
     if args.json:
-        report.write_json(args.json, machine, config, results, limits, notes, gpu=gpu_result, latency=lat_result)
+        report.write_json(args.json, machine, config, results, limits, notes, gpu=gpu_result, latency=lat_result,
+                          share=share_result)
         con.print(f"wrote {args.json}")
     if args.plot:
         report.write_plot(args.plot, results, limits, title)

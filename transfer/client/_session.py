@@ -32,6 +32,7 @@ from .. import protocol as P
 from ..memory import ShmFile
 from ..transport import _curve
 from ..transport._zmq import endpoint_error, ipc_path
+from ._computes import ComputeGraphs
 from ._core import ClientCore
 from ._deferred import DeferredBuffer, Graph, Plan, Tensor, creation_site
 from .._pending import Pending
@@ -78,6 +79,7 @@ class Session:
         #: take than a Python-level null context manager, and submission takes it every call.
         self._lock = threading.RLock()
         self._core.sub.guard(self._lock)  # (the native submit takes it too)
+        self._computes = ComputeGraphs()
 
     @property
     def frames_sent(self) -> int:
@@ -389,7 +391,10 @@ class Session:
         """Run an operator on tensors named by VA (see transfer.OPERATORS).
 
         `op` is an operator name with TensorRefs, or a `Plan` with `Tensor` descriptors,
-        in which case only their ids travel once the daemon has their definitions.
+        in which case only their ids travel once the daemon has their definitions. A
+        compute repeated with the same operator, parameters, dtypes and shapes runs as a
+        one-node graph from its second call (`client._computes`): one ring descriptor, run
+        by the session's ring worker where the daemon can.
         """
         if isinstance(op, Plan):
             if params:
@@ -404,7 +409,12 @@ class Session:
             return self._submit(P.ComputeRef, [ref(op)], [ref(t) for t in inputs], [ref(t) for t in outputs], stream, objects=objs)
         ins = [t.ref if isinstance(t, Tensor) else t for t in inputs]
         outs = [t.ref if isinstance(t, Tensor) else t for t in outputs]
-        return self._submit(P.Compute, op, ins, outs, dict(params or {}), device, placement, stream)
+        params = dict(params or {})
+        with self._lock:  # (a repeated compute runs as a one-node graph: `_computes`)
+            graph = self._computes.graph(self._core.deferred, op, ins, outs, params, device, placement)
+        if graph is not None:
+            return self.run_graph(graph, [t.va for t in ins], [t.va for t in outs], stream=stream)
+        return self._submit(P.Compute, op, ins, outs, params, device, placement, stream)
 
     def graph(self, *, device: int = -1, placement: str = "") -> Graph:
         """A computation graph to build, then run with `run_graph` (defined at its first run).

@@ -55,12 +55,15 @@ class Accounting:
             # Graph runs that reused the plan of an earlier run with the same VAs (nothing
             # translated or placed: server/_graphrun.py).
             "graph_plans_reused": 0,
+            # Graph runs a ring worker ran itself, on its thread (server/_inline.py).
+            "native_graph_runs": 0,
         }
 
     def native(self, session: Session, counts: dict[str, int], latency: dict[str, tuple[list[int], float]]) -> None:
         """What a session's native ring worker did since the last fold (`_dataplane`)."""
-        n = counts["copy"] + counts["fill"] + counts["checksum"] + counts["fence"]
+        n = counts["copy"] + counts["fill"] + counts["checksum"] + counts["fence"] + counts["graph"]
         c = self.counters
+        c["native_graph_runs"] += counts["graph"]
         c["requests"] += n
         c["native_requests"] += n
         c["ring_handovers"] += counts["handovers"]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 from .._native import Table, Worker, copy_helpers, cuda_load
 from ..ring import Ring
@@ -44,7 +44,7 @@ __all__ = ["DataPlane", "NATIVE", "PYTHON", "BROKEN"]
 log = logging.getLogger("transfer.server")
 
 NATIVE, PYTHON, BROKEN = 0, 1, 2
-_COUNTED = ("copy", "fill", "checksum", "fused", "shared", "fence", "bytes", "handovers", "sleeps",
+_COUNTED = ("copy", "fill", "checksum", "fused", "shared", "fence", "graph", "bytes", "handovers", "sleeps",
             "device_copy", "device_fill", "device_bytes", "device_unpinned", "device_faults", "device_parked")
 #: The CUDA driver the workers load (a test names its fake driver here).
 CUDA_DRIVER_ENV = "TRANSFER_CUDA_DRIVER"
@@ -69,6 +69,8 @@ class DataPlane:
         if self.table is not None:
             self._load_cuda(backends, pin_cap)
         self._live: list[Any] = []  # the running workers, whose spin _respin sets
+        #: A session's graph runner: the RUN_GRAPHs its worker runs itself (`_inline`; the server's).
+        self.graph_runner: Callable[[Session], Any] = lambda session: None
         #: Copy helpers that may share a large copy now (_respin; idle ones sleep).
         self.copy_helpers = 0
         if self.table is not None:
@@ -155,7 +157,7 @@ class DataPlane:
             streams.update(backend.lane_streams(lane_of(session.id, 0)))  # (lane 0's streams: shared with the Python pass)
         worker = Worker(
             self.table, ring.inbox, ring.outbox, session.id, bell_fd, cbell_fd,
-            self.config.worker_spin_s, self.accounting.metrics.latency_bounds(), streams,
+            self.config.worker_spin_s, self.accounting.metrics.latency_bounds(), streams, self.graph_runner(session),
         )
         self._live.append(worker)
         self._respin()

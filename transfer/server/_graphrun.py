@@ -11,7 +11,9 @@ planner (`Planner.graph_runs`), and a later run with the same VAs reuses them, t
 placing nothing ("graph_plans_reused"), as long as no segment has gone and no session has
 lost a segment it was a guest of: any free or detach anywhere clears what was kept
 (`MappingTable.on_change`), so a freed operand is translated again, and refused, and no kept
-plan holds freed memory. Only placements that load does not decide are kept.
+plan holds freed memory. Only placements that load does not decide are kept. A kept run of
+one input and one output whose nodes all run on one device is also bound for the session's
+ring worker to run itself (`_inline`), where the device's backend can.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def plan_graph(planner: Any, owner: Any, req: P.RunGraph) -> list[Op]:
             f"RunGraph: the graph takes {len(graph.inputs)} input and {len(graph.outputs)} output VA(s), "
             f"got {len(req.inputs)} and {len(req.outputs)}"
         )
-    key = (gseg.id, owner, *req.inputs, *req.outputs)
+    key: tuple[Any, ...] | None = (gseg.id, owner, *req.inputs, *req.outputs)
     kept = planner.graph_runs
     placed = kept.get(key)
     pulls: list[Op] = []
@@ -71,6 +73,8 @@ def plan_graph(planner: Any, owner: Any, req: P.RunGraph) -> list[Op]:
             if len(kept) >= RUNS_KEPT:
                 kept.clear()
             kept[key] = placed
+        else:
+            key = None
     run = _GraphRun(plan, req.profile, pulls, planner if pulls else None)
     ops: list[Op] = []
     current: _Stretch | None = None
@@ -87,7 +91,19 @@ def plan_graph(planner: Any, owner: Any, req: P.RunGraph) -> list[Op]:
         ops[0].begin = current.begin  # type: ignore[union-attr]
     ops[-1].rid = req.id
     run.ops = ops
+    if key is not None and len(ops) == 1 and len(req.inputs) == len(req.outputs) == 1:
+        _bind(planner.inline, owner, req, ops[0].device, current.steps)  # type: ignore[union-attr]
     return [*pulls, *ops]
+
+
+def _bind(inline: Any, owner: Any, req: P.RunGraph, device: VirtualDevice, steps: list[Any]) -> None:
+    """A kept run of one stretch, bound for the ring's worker to run itself (`_inline`), where
+    its device's backend can."""
+    at = (owner, req.graph, req.inputs[0], req.outputs[0])
+    if at not in inline.kept:
+        bound = device.backend.inline_steps(steps, device.local_id)
+        if bound is not None:
+            inline.keep(*at, bound)
 
 
 def _place(planner: Any, owner: Any, plan: GraphPlan, gseg: Any, req: P.RunGraph, pulls: list[Op]) -> tuple[list[Any], bool]:

@@ -88,6 +88,7 @@ STATS_FAMILIES: dict[str, tuple[str, str, str]] = {
     "device_unpinned_copies": ("device_unpinned_copies_total", "counter", "Worker device copies from host memory that was not page-locked (staged by the driver)"),
     "device_faults": ("device_faults_total", "counter", "Ring requests that failed on a device (CUDA) error"),
     "graph_plans_reused": ("graph_plans_reused_total", "counter", "Graph runs that reused an earlier run's plan (same VAs, no segment freed since)"),
+    "native_graph_runs": ("native_graph_runs_total", "counter", "Graph runs a ring worker ran itself on its thread (a kept plan on a CPU device: no event loop)"),
     "device_batches_pipelined": ("device_batches_pipelined_total", "counter", "Batches of device work a worker answered once their events passed, with the next batch queued behind them"),
     "segments": ("segments", "gauge", "Live segments (host, device and remote)"),
     "queued_requests": ("queued_requests", "gauge", "Requests queued across sessions, not yet taken by a pass"),

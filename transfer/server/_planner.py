@@ -18,6 +18,7 @@ from ..addressing import MappingTable, Segment, SegmentKind, make_va
 from ..backends import Answer, Span, Then
 from ..kernels import OPERATORS, REGISTRY, TensorRef, signature, tensor_extent, tensor_nbytes
 from ._graphrun import plan_graph
+from ._inline import InlineRuns
 from ._ops import Op, Range
 from ._placement import Placement, VirtualDevice
 from ._remoteplan import RemotePlan, names_remote, plan_remote_copy, pull_input, remote_op, remote_plan
@@ -60,10 +61,16 @@ class Planner:
         #: Graph runs' placements by (graph, session, bound VAs) (server/_graphrun.py), dropped
         #: whenever the table changes under them.
         self.graph_runs: dict[tuple[Any, ...], list[Any]] = {}
-        table.on_change = self.graph_runs.clear
+        #: Those runs bound for the ring workers to run themselves (`_inline`); dropped with them.
+        self.inline = InlineRuns()
+        table.on_change = self._table_changed
         #: The daemon's counters (`Accounting.counters`), set by the server: copies and fills of
         #: GPU memory planned here are the Python pass's ("python_device_requests").
         self.counters: dict[str, int] = {}
+
+    def _table_changed(self) -> None:
+        self.graph_runs.clear()
+        self.inline.clear()
 
     # --- helpers -------------------------------------------------------------------------------
     def _translate(self, owner: Any, va: int, nbytes: int) -> tuple[Segment[Any], int]:

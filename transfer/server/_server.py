@@ -122,6 +122,8 @@ class Server:
         self.pass_ = Pass(config, self.planner, self.limiters, self.control, self.rings, self.accounting, self._send)
         self.front = Front(config, self.pass_, self.rings, self.resources, self.accounting, self._hello_info, self.control)
         self.rings.kick = self.pass_.kick
+        self.dataplane.graph_runner = self.planner.inline.runner
+        self.planner.inline.report = self._report_run
         self.rings.on_broken = self.front.end_soon
         self.pass_.on_peer_lost = lambda s: self.front.end_soon(s, "NIXL peer disconnected")
         self.pass_.on_closed = self.front.release
@@ -133,6 +135,12 @@ class Server:
 
     def _send(self, identity: bytes, data: bytes) -> None:
         self.send(identity, data)
+
+    def _report_run(self, session: Session, rid: int, err: Any) -> None:
+        """A graph run a ring worker ran itself failed: its error, as the pass answers one."""
+        self.accounting.failed(session, err.code)
+        if session.running:
+            self._send(session.identity, P.encode_replies([P.Reply(rid, error=err)]))
 
     @staticmethod
     def _build_devices(backend: Backend, cpu_devices: int) -> list[VirtualDevice]:

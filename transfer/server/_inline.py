@@ -1,0 +1,90 @@
+"""Graph runs a ring's native worker serves itself, on its own thread.
+
+A RUN_GRAPH descriptor names a graph and one input and one output VA. The first run with
+those VAs goes the general way (the worker hands the ring to the event loop; the planner
+translates, places and keeps the placement, `_graphrun`). If every node landed on one
+device whose backend can bind the stretch to its memory (`Backend.inline_steps`: the CPU
+devices), the bound stretch is kept here too, by (session, graph, input, output). From then
+on the worker calls `InlineRuns.runner(session)` for such a descriptor, with the GIL, and
+the run is one call: no handover, no event loop, no plan, no process hop; the worker pushes
+the completion in ring order.
+
+What makes that safe:
+- **Order.** The worker serves a session's ring in order; a descriptor that follows a
+  socket frame (FLAG_AFTER) is handed over, and a frame waits for the descriptors sent
+  before it: the session has no other work in flight while the worker runs one.
+- **Memory.** The bound views hold their mappings (a host segment's memfd, a CPU device
+  buffer's), so a free during a run never unmaps what the run touches; and every change
+  of the table (a free, a detach, a session's end) drops everything kept here
+  (`MappingTable.on_change`), so the next run is planned again, and refused if an operand
+  has gone, with the error a request gets.
+- **Errors.** A node that fails answers the descriptor with its error's code and the
+  message on the control socket, from the loop (`report`), as the Python pass answers one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import trio
+
+from .. import errors as E
+from ..kernels import FAILED, SKIPPED
+
+__all__ = ["InlineRuns"]
+
+#: Bound runs kept (as many as the planner keeps placements).
+KEPT = 1024
+
+Bound = Callable[[], list[tuple[int, Any, float]]]
+
+
+class InlineRuns:
+    """The bound graph runs, by (session id, graph VA, input VA, output VA)."""
+
+    def __init__(self) -> None:
+        self.kept: dict[tuple[int, int, int, int], Bound] = {}
+        #: Answers a failed run's error on the control socket (the loop's; set by the server).
+        self.report: Callable[[Any, int, E.TransferError], None] = lambda session, rid, err: None
+
+    def keep(self, owner: int, graph: int, src: int, dst: int, bound: Bound) -> None:
+        if len(self.kept) >= KEPT:
+            self.kept.clear()
+        self.kept[(owner, graph, src, dst)] = bound
+
+    def clear(self) -> None:
+        self.kept.clear()
+
+    def runner(self, session: Any) -> Callable[[int, int, int, int, int], int | None] | None:
+        """What the session's worker calls for a RUN_GRAPH (on its thread, with the GIL): the
+        status it answers, or None (not kept: the worker hands the ring over). None outside a
+        trio run (nothing could carry an error's message)."""
+        kept, sid = self.kept, session.id
+        try:
+            token = trio.lowlevel.current_trio_token()
+        except RuntimeError:
+            return None
+        report = self.report
+
+        def run(rid: int, graph: int, src: int, dst: int, stream: int) -> int | None:
+            bound = kept.get((sid, graph, src, dst))
+            if bound is None or not session.running:
+                return None
+            err = _first_error(bound())
+            if err is None:
+                return 0
+            try:
+                token.run_sync_soon(report, session, rid, err)
+            except trio.RunFinishedError:
+                pass  # the daemon is stopping: the client fails what it waits for
+            return err.code
+
+        return run
+
+
+def _first_error(outcomes: list[tuple[int, Any, float]]) -> E.TransferError | None:
+    """The run's answer, as `_graphrun._GraphRun.answer` gives it: the first failure in node order."""
+    errors: list[E.TransferError | None] = []
+    for state, value, _ in outcomes:
+        errors.append(value if state == FAILED else errors[value] if state == SKIPPED else None)
+    return next((e for e in errors if e is not None), None)
