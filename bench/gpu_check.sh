@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The prepared GPU check: on a machine with an NVIDIA GPU and nothing prepared, install what
-# the package needs from wheels handed to it, build, and record in at most 8 minutes:
+# the package needs from wheels handed to it, build, and record in at most about 8.5 minutes:
 #   bench/results/gpu-DATE-tests.log   pytest -m gpu
 #   bench/results/gpu-DATE.{json,log}  transfer-bench's gpu mode (native device workers, and a
-#                                      daemon with them off, against CuPy), bench/graphs.py's MLP,
-#                                      and the targets met or missed ("targets" in the JSON)
+#                                      daemon with them off, against CuPy), its share mode (4
+#                                      tenants), bench/graphs.py's MLP, and the targets met or
+#                                      missed ("targets" in the JSON)
 # Each part runs under its own timeout and writes as it goes; a part that fails or times out
 # leaves the others' results.
 #
@@ -32,19 +33,22 @@ if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
     export PYTHONPATH=/tmp/transfer-site
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-timeout 120 "$PY" setup.py -q build_ext --inplace > "$BASE-build.log" 2>&1 || { tail -20 "$BASE-build.log" | tee -a "$LOG"; exit 1; }
+timeout 90 "$PY" setup.py -q build_ext --inplace > "$BASE-build.log" 2>&1 || { tail -20 "$BASE-build.log" | tee -a "$LOG"; exit 1; }
 rm -f "$BASE-build.log"  # (kept only when the build fails)
 "$PY" -c "import transfer, cupy; print('transfer', transfer.__version__, 'cupy', cupy.__version__)" 2>&1 | tee -a "$LOG"
 
 step "pytest -m gpu"
-timeout 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider --timeout 60 tests > "$BASE-tests.log" 2>&1
+timeout 120 "$PY" -m pytest -m gpu -q -p no:cacheprovider --timeout 60 tests > "$BASE-tests.log" 2>&1
 echo "pytest rc $?: $(tail -1 "$BASE-tests.log")" | tee -a "$LOG"
 
 step "transfer-bench gpu mode"
-timeout 200 "$PY" bench/gpu_check.py bench --out "$BASE.json" 2>&1 | grep -v "transfer.daemon.startup" | tee -a "$LOG"
+timeout 170 "$PY" bench/gpu_check.py bench --out "$BASE.json" 2>&1 | grep -v "transfer.daemon.startup" | tee -a "$LOG"
+
+step "share mode (4 tenants)"
+timeout 60 "$PY" bench/gpu_check.py share --reps 3 --out "$BASE.json" 2>&1 | grep -v "transfer.daemon.startup" | tee -a "$LOG"
 
 step "graphs (MLP, CuPy)"
-timeout 80 "$PY" bench/graphs.py --backend cupy --batches 1,16,64,256 --seconds 0.4 --reps 2 --latency 1000 \
+timeout 70 "$PY" bench/graphs.py --backend cupy --batches 1,16,64,256 --seconds 0.4 --reps 2 --latency 1000 \
     --json "$BASE-graphs.json" 2>&1 | grep -v "transfer.daemon.startup" | tee -a "$LOG"
 
 step "targets"

@@ -46,4 +46,19 @@ int queue_intern_names(void);
 #include "submission.h"
 #include "util.h"
 
+#if PY_VERSION_HEX >= 0x030D0000
+#define IS_FINALIZING() Py_IsFinalizing()
+#else
+#define IS_FINALIZING() _Py_IsFinalizing()
+#endif
+
+/* cudagraph.c: CUDA graphs and host functions for the graph runs the workers serve. */
+PyObject *cuda_graphs_native(PyObject *mod, PyObject *unused);
+PyObject *cuda_capture_begin_native(PyObject *mod, PyObject *args);
+PyObject *cuda_capture_end_native(PyObject *mod, PyObject *args);
+PyObject *cuda_graph_launch_native(PyObject *mod, PyObject *args);
+PyObject *cuda_graph_free_native(PyObject *mod, PyObject *args);
+PyObject *cuda_host_call_native(PyObject *mod, PyObject *args);
+PyObject *cuda_host_dispatcher_native(PyObject *mod, PyObject *fn);
+
 #endif /* TRANSFER_BINDING_H */

@@ -22,6 +22,12 @@ int tdp_cuda_loaded(void)
     return atomic_load_explicit(&tdp_cuda_state, memory_order_acquire) == 1;
 }
 
+int tdp_cuda_graphs(void)
+{
+    return tdp_cuda_loaded() && tdp_cu.StreamBeginCapture && tdp_cu.StreamEndCapture && tdp_cu.GraphInstantiate &&
+           tdp_cu.GraphLaunch && tdp_cu.GraphExecDestroy && tdp_cu.GraphDestroy && tdp_cu.LaunchHostFunc;
+}
+
 int tdp_cuda_devices(void)
 {
     return tdp_cuda_loaded() ? tdp_cuda_count : 0;
@@ -53,8 +59,10 @@ int tdp_cuda_load(const char *path, char *err, size_t errlen)
     static const struct {
         const char *name;
         size_t at;
+        int optional;
     } syms[] = {
-#define S(field, name) {name, offsetof(tdp_cuda_api_t, field)}
+#define S(field, name) {name, offsetof(tdp_cuda_api_t, field), 0}
+#define O(field, name) {name, offsetof(tdp_cuda_api_t, field), 1}
         S(Init, "cuInit"), S(DriverGetVersion, "cuDriverGetVersion"), S(DeviceGetCount, "cuDeviceGetCount"),
         S(DeviceGet, "cuDeviceGet"), S(DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain"),
         S(CtxSetCurrent, "cuCtxSetCurrent"), S(StreamCreate, "cuStreamCreate"), S(StreamDestroy, "cuStreamDestroy_v2"),
@@ -63,10 +71,17 @@ int tdp_cuda_load(const char *path, char *err, size_t errlen)
         S(MemcpyAsync, "cuMemcpyAsync"), S(MemsetD8Async, "cuMemsetD8Async"), S(MemAlloc, "cuMemAlloc_v2"),
         S(MemFree, "cuMemFree_v2"), S(MemHostRegister, "cuMemHostRegister_v2"),
         S(MemHostUnregister, "cuMemHostUnregister"), S(GetErrorString, "cuGetErrorString"),
+        S(EventElapsedTime, "cuEventElapsedTime"),
+        O(StreamBeginCapture, "cuStreamBeginCapture_v2"), O(StreamEndCapture, "cuStreamEndCapture"),
+        O(GraphInstantiate, "cuGraphInstantiateWithFlags"), O(GraphLaunch, "cuGraphLaunch"),
+        O(GraphExecDestroy, "cuGraphExecDestroy"), O(GraphDestroy, "cuGraphDestroy"), O(LaunchHostFunc, "cuLaunchHostFunc"),
 #undef S
+#undef O
     };
     for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++) {
         void *f = dlsym(h, syms[i].name);
+        if (!f && syms[i].optional)
+            continue;
         if (!f) {
             snprintf(err, errlen, "the CUDA driver %s has no %s", path, syms[i].name);
             dlclose(h);

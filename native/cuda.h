@@ -16,6 +16,9 @@ typedef struct CUctx_st *CUcontext;
 typedef struct CUstream_st *CUstream;
 typedef struct CUevent_st *CUevent;
 typedef unsigned long long CUdeviceptr;
+typedef struct CUgraph_st *CUgraph;
+typedef struct CUgraphExec_st *CUgraphExec;
+typedef void (*CUhostFn)(void *);
 
 #define TDP_CUDA_SUCCESS 0
 #define TDP_CUDA_NOT_READY 600
@@ -23,6 +26,8 @@ typedef unsigned long long CUdeviceptr;
 #define TDP_CUDA_STREAM_NON_BLOCKING 1u
 #define TDP_CUDA_EVENT_DISABLE_TIMING 2u
 #define TDP_CUDA_HOST_REGISTER_PORTABLE 1u
+/* cuStreamBeginCapture's mode: only this thread's calls may disturb the capture. */
+#define TDP_CUDA_CAPTURE_THREAD_LOCAL 1
 /* Devices the data plane drives (contexts and per-worker streams are kept per ordinal). */
 #define TDP_CUDA_MAX_DEVICES 16
 
@@ -48,6 +53,15 @@ typedef struct {
     CUresult (*MemHostRegister)(void *, size_t, unsigned);
     CUresult (*MemHostUnregister)(void *);
     CUresult (*GetErrorString)(CUresult, const char **);
+    CUresult (*EventElapsedTime)(float *, CUevent, CUevent);
+    /* Optional (NULL where the driver lacks them: then graphs are not captured). */
+    CUresult (*StreamBeginCapture)(CUstream, int);
+    CUresult (*StreamEndCapture)(CUstream, CUgraph *);
+    CUresult (*GraphInstantiate)(CUgraphExec *, CUgraph, unsigned long long);
+    CUresult (*GraphLaunch)(CUgraphExec, CUstream);
+    CUresult (*GraphExecDestroy)(CUgraphExec);
+    CUresult (*GraphDestroy)(CUgraph);
+    CUresult (*LaunchHostFunc)(CUstream, CUhostFn, void *);
 } tdp_cuda_api_t;
 
 /* The loaded driver's entry points (valid once tdp_cuda_load returned 0). */
@@ -57,6 +71,8 @@ extern tdp_cuda_api_t tdp_cu;
  * stays loaded (a second call with any path returns 0). */
 int tdp_cuda_load(const char *path, char *err, size_t errlen);
 int tdp_cuda_loaded(void);
+/* The driver can capture streams into graphs and launch them (and run host functions). */
+int tdp_cuda_graphs(void);
 /* Devices the driver sees (0 before a load). */
 int tdp_cuda_devices(void);
 /* Make `ordinal`'s primary context current on the calling thread: 0 or a CUresult. */

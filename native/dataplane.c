@@ -717,10 +717,11 @@ static inline int64_t tdp_serve(tdp_worker_t *w, uint64_t avail)
             atomic_fetch_add_explicit(&w->n_bytes, d->nbytes, memory_order_relaxed);
             since += d->nbytes;
         } else if (d->op == TDP_RUN_GRAPH && w->run) {
-            if (w->parked || w->fl[w->cf].dused || w->fl[w->cf].ndevc)
-                tdp_dev_wait(w); /* a graph reads what the device work before it wrote */
+            /* (host work in it waits for the device work before it: the runner asks, tdp_run_host_wait) */
             w->ran = 1;
-            if (d->nbytes || d->arg1 || d->arg2 || !w->run(w->run_ctx, d, c)) { /* (Python refuses the former) */
+            int served = !(d->nbytes || d->arg1 || d->arg2) && w->run(w->run_ctx, d, c); /* (Python refuses the former) */
+            tdp_dev_run_done(w, served);
+            if (!served) {
                 why = TDP_WHY_OPCODE;
                 break;
             }

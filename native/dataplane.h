@@ -113,6 +113,8 @@ typedef struct {
  * queued it. */
 typedef struct {
     CUevent ev[TDP_CUDA_MAX_DEVICES];
+    CUevent evs[TDP_CUDA_MAX_DEVICES]; /* recorded before the flight's first work on a device: its device time */
+    uint32_t started;           /* devices whose start event is recorded (bits) */
     uint32_t dused;             /* devices with work queued (bits) */
     uint32_t recorded;          /* of those, devices whose event is recorded (bits) */
     tdp_busy_t **held;
@@ -181,6 +183,7 @@ typedef struct {
     uint64_t pkinds[TDP_KINDS];
     int parked;
     _Atomic uint64_t n_dcopy, n_dfill, n_dbytes, n_unpinned, n_dfaults, n_dwaits, n_dparks;
+    _Atomic uint64_t n_dev_ns;  /* device time of its work: each flight's start to end event, per device */
     /* Graph runs the worker serves itself: the binding's runner (dataplane_type.c) runs a
      * RUN_GRAPH whose plan the daemon keeps, with the GIL, in this thread, and fills its
      * completion (1); 0: not one it keeps, handed over as any opcode the worker does not
@@ -189,6 +192,7 @@ typedef struct {
     void (*run_end)(void *ctx); /* the thread's last act, if `run` was ever called */
     void *run_ctx;
     int ran;
+    uint32_t run_dev;           /* devices the run being served queued work on (tdp_dev_run_stream) */
     _Atomic uint64_t n_runs;
     pthread_t thread;
     int started;
@@ -273,6 +277,10 @@ void tdp_dev_settle(tdp_worker_t *w);
 void tdp_dev_settle_parked(tdp_worker_t *w, tdp_comp_t *comps);
 /* Make the parked flight the current one's successor: swap flights (after parking). */
 void tdp_dev_swap(tdp_worker_t *w);
+/* A graph run's device work, from the worker's runner on its thread (device.c). */
+CUresult tdp_dev_run_stream(tdp_worker_t *w, int ordinal, CUstream *out);
+int tdp_dev_run_hold(tdp_worker_t *w, uint32_t sid);
+void tdp_dev_run_done(tdp_worker_t *w, int served);
 /* Copies of device memory are queued in pieces of at most this many bytes, so that one tenant's
  * big copy never holds a copy engine for long. */
 #define TDP_DEV_CHUNK (4ull << 20)

@@ -316,12 +316,6 @@ typedef struct {
     PyGILState_STATE gs;
 } WorkerObject;
 
-#if PY_VERSION_HEX >= 0x030D0000
-#define IS_FINALIZING() Py_IsFinalizing()
-#else
-#define IS_FINALIZING() _Py_IsFinalizing()
-#endif
-
 /* The worker's tdp_worker_t.run: a RUN_GRAPH served by the daemon's runner, on the worker's
  * thread, with the GIL. A status other than 0 is an error whose message the runner sent on
  * the control socket (COMPLETION_DETAIL); an exception in the runner is a bug: reported, and
@@ -550,6 +544,50 @@ static PyObject *Worker_watch(WorkerObject *self, PyObject *arg)
     return PyLong_FromUnsignedLongLong(atomic_load_explicit(&self->w.done, memory_order_seq_cst));
 }
 
+/* The runner's calls, on the worker's own thread only (where the worker is inside the run). */
+static int on_worker_thread(WorkerObject *self)
+{
+    if (!self->w.started || !pthread_equal(pthread_self(), self->w.thread)) {
+        PyErr_SetString(PyExc_RuntimeError, "only a graph run on the worker's thread may call this");
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *Worker_device_stream(WorkerObject *self, PyObject *arg)
+{
+    long ordinal = PyLong_AsLong(arg);
+    if ((ordinal == -1 && PyErr_Occurred()) || !on_worker_thread(self))
+        return NULL;
+    CUstream s = NULL;
+    CUresult r = tdp_dev_run_stream(&self->w, (int)ordinal, &s);
+    if (r != 0)
+        return PyErr_Format(PyExc_OSError, "the worker's stream on CUDA device %ld: %s (CUDA error %d)", ordinal,
+                            tdp_cuda_describe(r), r);
+    return PyLong_FromVoidPtr(s);
+}
+
+static PyObject *Worker_hold(WorkerObject *self, PyObject *arg)
+{
+    unsigned long sid = PyLong_AsUnsignedLong(arg);
+    if ((sid == (unsigned long)-1 && PyErr_Occurred()) || !on_worker_thread(self))
+        return NULL;
+    return PyBool_FromLong(sid <= UINT32_MAX && tdp_dev_run_hold(&self->w, (uint32_t)sid) == 0);
+}
+
+static PyObject *Worker_device_wait(WorkerObject *self, PyObject *unused)
+{
+    if (!on_worker_thread(self))
+        return NULL;
+    tdp_worker_t *w = &self->w;
+    if (w->parked || w->fl[w->cf].dused || w->fl[w->cf].ndevc || w->mg.n) {
+        Py_BEGIN_ALLOW_THREADS
+        tdp_dev_wait(w);
+        Py_END_ALLOW_THREADS
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *Worker_take_signal(WorkerObject *self, PyObject *unused)
 {
     return PyBool_FromLong(atomic_exchange_explicit(&self->w.signalled, 0, memory_order_seq_cst));
@@ -566,7 +604,7 @@ static PyObject *Worker_counters(WorkerObject *self, PyObject *unused)
 {
     tdp_worker_t *w = &self->w;
 #define C(x) (unsigned long long)atomic_load_explicit(&w->x, memory_order_relaxed)
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "copy", C(n_copy), "fill", C(n_fill),
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "copy", C(n_copy), "fill", C(n_fill),
                          "checksum", C(n_checksum), "fused", C(n_fused), "shared", C(n_shared), "fence", C(n_fence),
                          "bytes", C(n_bytes),
                          "batches", C(n_batches), "wakes", C(n_wakes), "sleeps", C(n_sleeps),
@@ -579,7 +617,7 @@ static PyObject *Worker_counters(WorkerObject *self, PyObject *unused)
                          "handover_device", C(handovers[TDP_WHY_DEVICE]),
                          "device_copy", C(n_dcopy), "device_fill", C(n_dfill), "device_bytes", C(n_dbytes),
                          "device_unpinned", C(n_unpinned), "device_faults", C(n_dfaults), "device_waits", C(n_dwaits), "device_parked", C(n_dparks),
-                         "graph", C(n_runs), "done", C(done));
+                         "graph", C(n_runs), "device_ns", C(n_dev_ns), "done", C(done));
 #undef C
 }
 
@@ -666,6 +704,12 @@ static int Worker_set_limit(WorkerObject *self, PyObject *v, void *c)
 
 static PyMethodDef Worker_methods[] = {
     {"stop", (PyCFunction)Worker_stop, METH_NOARGS, "stop and join the thread (idempotent)"},
+    {"device_stream", (PyCFunction)Worker_device_stream, METH_O,
+     "device_stream(ordinal) -> CUstream: (a graph run, on the worker's thread) the stream to queue its device work on"},
+    {"hold", (PyCFunction)Worker_hold, METH_O,
+     "hold(segment id) -> bool: (a graph run) keep the segment's memory until the run's device work is done"},
+    {"device_wait", (PyCFunction)Worker_device_wait, METH_NOARGS,
+     "device_wait(): (a graph run on the host) wait for the device work queued before it"},
     {"resume", (PyCFunction)Worker_resume, METH_NOARGS,
      "hand the ring back to the worker (Python has stopped touching it)"},
     {"watch", (PyCFunction)Worker_watch, METH_O,

@@ -72,13 +72,17 @@ static CUresult tdp_stream(tdp_worker_t *w, int ordinal)
     if (r == 0 && !w->fl[0].ev[ordinal]) {
         if (!w->dstream[ordinal])
             r = tdp_cu.StreamCreate(&w->dstream[ordinal], TDP_CUDA_STREAM_NON_BLOCKING);
-        for (int k = 0; k < 2 && r == 0; k++)
-            r = tdp_cu.EventCreate(&w->fl[k].ev[ordinal], TDP_CUDA_EVENT_DISABLE_TIMING);
+        for (int k = 0; k < 2 && r == 0; k++) { /* (timed: the pair measures the flight's device time) */
+            r = tdp_cu.EventCreate(&w->fl[k].ev[ordinal], 0);
+            r = r ? r : tdp_cu.EventCreate(&w->fl[k].evs[ordinal], 0);
+        }
         if (r != 0) {
             for (int k = 0; k < 2; k++) {
                 if (w->fl[k].ev[ordinal])
                     tdp_cu.EventDestroy(w->fl[k].ev[ordinal]);
-                w->fl[k].ev[ordinal] = NULL;
+                if (w->fl[k].evs[ordinal])
+                    tdp_cu.EventDestroy(w->fl[k].evs[ordinal]);
+                w->fl[k].ev[ordinal] = w->fl[k].evs[ordinal] = NULL;
             }
             if (w->dstream[ordinal] && !(w->dext & (1u << ordinal))) {
                 tdp_cu.StreamDestroy(w->dstream[ordinal]);
@@ -86,6 +90,19 @@ static CUresult tdp_stream(tdp_worker_t *w, int ordinal)
             }
         }
     }
+    return r;
+}
+
+/* The flight's first work on `ordinal`: its start event goes on the stream first. */
+static CUresult tdp_flight_start(tdp_worker_t *w, int ordinal)
+{
+    tdp_flight_t *f = &w->fl[w->cf];
+    uint32_t bit = 1u << ordinal;
+    if (f->started & bit)
+        return 0;
+    CUresult r = tdp_cu.EventRecord(f->evs[ordinal], w->dstream[ordinal]);
+    if (r == 0)
+        f->started |= bit;
     return r;
 }
 
@@ -107,6 +124,52 @@ static CUresult tdp_dev_flush(tdp_worker_t *w)
     uint64_t n = w->mg.n;
     w->mg.n = 0;
     return tdp_dev_issue(w, TDP_COPY, w->mg.dst, w->mg.src, n, 0, w->mg.ordinal);
+}
+
+/* A graph run's device work (the runner's, on this worker's thread): the worker's stream on
+ * `ordinal` for it to queue on, the device marked used by the run being served. 0, or a CUresult. */
+CUresult tdp_dev_run_stream(tdp_worker_t *w, int ordinal, CUstream *out)
+{
+    if (ordinal < 0 || ordinal >= tdp_cuda_devices())
+        return 101;
+    CUresult r = w->sticky ? w->sticky : w->fl[w->cf].fault;
+    if (r == 0 && w->mg.n) { /* a copy before the run, still held for merging: queued first */
+        r = tdp_cuda_use(w->mg.ordinal);
+        r = r ? r : tdp_dev_flush(w);
+        if (r != 0 && !w->fl[w->cf].fault)
+            w->fl[w->cf].fault = r;
+    }
+    r = r ? r : tdp_stream(w, ordinal);
+    r = r ? r : tdp_flight_start(w, ordinal);
+    if (r == 0) {
+        *out = w->dstream[ordinal];
+        w->run_dev |= 1u << ordinal;
+    }
+    return r;
+}
+
+/* Keep segment `sid` busy (its memory not released) until the current flight settles: a graph
+ * run's operands. 0, or -1 (no such segment, or no memory). */
+int tdp_dev_run_hold(tdp_worker_t *w, uint32_t sid)
+{
+    pthread_rwlock_rdlock(&w->table->lock);
+    tdp_busy_t *b = tdp_table_busy(w->table, sid);
+    int rc = b ? tdp_hold(&w->fl[w->cf], b) : -1;
+    pthread_rwlock_unlock(&w->table->lock);
+    return rc;
+}
+
+/* The run just served queued device work: its devices are the flight's, its completion fails
+ * with the flight's driver error. */
+void tdp_dev_run_done(tdp_worker_t *w, int served)
+{
+    tdp_flight_t *f = &w->fl[w->cf];
+    if (served && w->run_dev) {
+        f->dused |= w->run_dev;
+        if (f->ndevc == 0 || f->devc[f->ndevc - 1] != w->cur)
+            f->devc[f->ndevc++] = w->cur;
+    }
+    w->run_dev = 0;
 }
 
 int tdp_dev_op(tdp_worker_t *w, int op, uint64_t dva, uint64_t sva, uint64_t n, uint8_t value, int sum)
@@ -149,6 +212,7 @@ int tdp_dev_op(tdp_worker_t *w, int op, uint64_t dva, uint64_t sva, uint64_t n, 
     if (f->ndevc == 0 || f->devc[f->ndevc - 1] != w->cur)
         f->devc[f->ndevc++] = w->cur;
     CUresult r = w->sticky ? w->sticky : f->fault ? f->fault : tdp_stream(w, ordinal);
+    r = r ? r : tdp_flight_start(w, ordinal);
     for (int k = 0; k < 2 && r == 0; k++) {
         if (hosts[k]) {
             tdp_pin(w->table, hosts[k]);
@@ -242,8 +306,11 @@ static void tdp_flight_settle(tdp_worker_t *w, tdp_flight_t *f, tdp_comp_t *comp
         CUresult r = w->sticky ? w->sticky : f->fault ? f->fault : tdp_event_wait(w, f->ev[d]);
         if (r != 0 && !f->fault)
             f->fault = r;
+        float ms = 0;
+        if (r == 0 && (f->started & bit) && tdp_cu.EventElapsedTime(&ms, f->evs[d], f->ev[d]) == 0 && ms > 0)
+            atomic_fetch_add_explicit(&w->n_dev_ns, (uint64_t)((double)ms * 1e6), memory_order_relaxed);
     }
-    f->recorded = 0;
+    f->recorded = f->started = 0;
     atomic_fetch_add_explicit(&w->n_dwaits, 1, memory_order_relaxed);
     for (uint32_t k = 0; k < f->nheld; k++)
         atomic_fetch_sub_explicit(&f->held[k]->inflight, 1, memory_order_acq_rel);
@@ -292,12 +359,14 @@ void tdp_dev_close(tdp_worker_t *w)
 {
     for (int d = 0; d < TDP_CUDA_MAX_DEVICES; d++) {
         if (w->fl[0].ev[d] && tdp_cuda_use(d) == 0) {
-            for (int k = 0; k < 2; k++)
+            for (int k = 0; k < 2; k++) {
                 tdp_cu.EventDestroy(w->fl[k].ev[d]);
+                tdp_cu.EventDestroy(w->fl[k].evs[d]);
+            }
             if (!(w->dext & (1u << d)))
                 tdp_cu.StreamDestroy(w->dstream[d]);
         }
-        w->fl[0].ev[d] = w->fl[1].ev[d] = NULL;
+        w->fl[0].ev[d] = w->fl[1].ev[d] = w->fl[0].evs[d] = w->fl[1].evs[d] = NULL;
         w->dstream[d] = NULL;
     }
     for (int k = 0; k < 2; k++) {

@@ -1,7 +1,8 @@
 /*
  * module.c: transfer._native, the package's one native core: the ring's queues
  * (queue_type.c), the data plane's table and workers (dataplane_type.c), the client's
- * submission (submission.c) and the utilities (util.c). It reports the layout it was
+ * submission (submission.c), CUDA graphs for the workers' graph runs (cudagraph.c) and
+ * the utilities (util.c). It reports the layout it was
  * built with (`layout()`), which transfer/ring checks against its own at import.
  */
 #include "binding.h"
@@ -163,6 +164,15 @@ static PyMethodDef module_methods[] = {
     {"cuda_alloc", cuda_alloc_native, METH_VARARGS, "cuda_alloc(nbytes, ordinal) -> int: device memory (cuMemAlloc)"},
     {"cuda_free", cuda_free_native, METH_VARARGS, "cuda_free(ptr, ordinal): cuMemFree"},
     {"cuda_describe", cuda_describe_native, METH_O, "cuda_describe(code) -> str: the driver's words for a CUDA error"},
+    {"cuda_graphs", cuda_graphs_native, METH_NOARGS, "cuda_graphs() -> bool: the loaded driver captures and launches graphs"},
+    {"cuda_capture_begin", cuda_capture_begin_native, METH_VARARGS, "cuda_capture_begin(stream, ordinal): record, not run"},
+    {"cuda_capture_end", cuda_capture_end_native, METH_VARARGS,
+     "cuda_capture_end(stream, ordinal) -> exec: the capture, instantiated"},
+    {"cuda_graph_launch", cuda_graph_launch_native, METH_VARARGS, "cuda_graph_launch(exec, stream, ordinal): one run"},
+    {"cuda_graph_free", cuda_graph_free_native, METH_VARARGS, "cuda_graph_free(exec, ordinal): cuGraphExecDestroy"},
+    {"cuda_host_call", cuda_host_call_native, METH_VARARGS,
+     "cuda_host_call(stream, ordinal, key): queue the dispatcher's call with key on the stream"},
+    {"cuda_host_dispatcher", cuda_host_dispatcher_native, METH_O, "cuda_host_dispatcher(fn): what host calls call"},
     {"checksum64", checksum64_native, METH_O,
      "checksum64(buffer) -> int: checksum64 of a C-contiguous buffer (transfer/_checksum.py)"},
     {NULL}};

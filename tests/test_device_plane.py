@@ -347,3 +347,100 @@ def test_a_checksum_after_a_copy_from_the_device_reads_what_it_wrote(fake_gpu: F
         with c.batch():
             got = [c.copy(b.va, a.va, n), c.copy(b.va, dev.va, n), c.checksum(b.va, n)]
         assert [p.result() for p in got][2] == transfer.checksum64(np.full(n, 2, np.uint8))
+
+
+def _graph_counts(c: transfer.Client) -> dict[str, int]:
+    st = c.stats()["daemon"]
+    return {k: st[k] for k in ("native_graph_runs", "graph_captures", "graph_capture_failures", "graph_replays", "graph_eager_runs")}
+
+
+def _pipeline(c: transfer.Client, n: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """n batches, none waited for until the end: each copied to the device, a two-node graph
+    (scale_add, relu) run there, the result copied back into its own host slot."""
+    seg, out = c.segment(n * 256), c.segment(n * 256)
+    din, dmid, dout = c.alloc(256), c.alloc(256), c.alloc(256)
+    g = c.graph()
+    g.input("x", (64,), np.float32)
+    g.output("y", (64,), np.float32)
+    g.tensor("h", (64,), np.float32)
+    g.op("scale_add", ["x"], ["h"], {"a": 2.0, "b": -50.0})
+    g.op("relu", ["h"], ["y"])
+    xs = seg.ndarray((n, 64), np.float32)
+    xs[...] = np.random.default_rng(n).uniform(0, 50, (n, 64)).astype(np.float32)
+    c.copy(din, seg, 256).result()  # (the buffers and the graph defined, its first run planned, before the pipeline)
+    c.run_graph(g, [din], [dout]).result()
+    c.fill(dmid, 256, 0).result()
+    pending = []
+    for k in range(n):
+        c.copy(din, seg.va + k * 256, 256)
+        c.run_graph(g, [din], [dout])
+        pending.append(c.copy(out.va + k * 256, dout, 256))
+    for p in pending:
+        p.result()
+    c.free(dmid)
+    return [np.maximum(2 * x - 50, 0) for x in xs], out.ndarray((n, 64), np.float32)
+
+
+def test_a_repeated_device_graph_run_is_captured_once_and_replayed(gpu: Any) -> None:
+    """From its second run, a graph run on device memory is the worker's: captured into a CUDA
+    graph on the worker's stream once, then one launch per run, in ring order between the
+    copies around it (each batch's output is its own), with no wait between batches."""
+    n = 40
+    with transfer.connect(gpu.endpoint) as c:
+        before = _graph_counts(c)
+        want, got = _pipeline(c, n)
+        after = _graph_counts(c)
+        device_ns = c.stats()["session"]["device_ns"]
+    for k in range(n):
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-6, err_msg=f"batch {k}")
+    d = {k: after[k] - before[k] for k in after}
+    assert d["native_graph_runs"] == n  # (the first run, before them, was planned by the Python pass)
+    assert d["graph_captures"] + d["graph_capture_failures"] == 1
+    assert d["graph_replays"] + d["graph_eager_runs"] == n
+    assert device_ns > 0  # (timed by the events around each flight's work on the worker's stream)
+    if isinstance(gpu, FakeGpu):
+        assert d["graph_captures"] == 1 and d["graph_replays"] == n
+
+
+def test_a_run_that_cannot_be_captured_is_launched_kernel_by_kernel(fake_gpu_factory: Any) -> None:
+    """A driver that refuses capture: counted, and every run's kernels go on the worker's
+    stream one by one instead, with the same answers."""
+    g = fake_gpu_factory(FAKECUDA_NO_CAPTURE="1")
+    n = 12
+    with transfer.connect(g.endpoint) as c:
+        want, got = _pipeline(c, n)
+        d = _graph_counts(c)
+    for k in range(n):
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-6, err_msg=f"batch {k}")
+    assert d["graph_captures"] == 0 and d["graph_capture_failures"] == 1 and d["graph_eager_runs"] == n
+
+
+def test_a_free_drops_the_capture(fake_gpu: FakeGpu) -> None:
+    """Any free drops what the workers captured: the next run is planned and captured again,
+    and a run naming the freed buffer is refused, never replayed into it."""
+    with transfer.connect(fake_gpu.endpoint) as c:
+        seg = c.segment(256)
+        x = seg.ndarray(64, np.float32)
+        x[:] = np.arange(64)
+        din, dout, other = c.alloc(256), c.alloc(256), c.alloc(256)
+        g = c.graph()
+        g.input("x", (64,), np.float32)
+        g.output("y", (64,), np.float32)
+        g.op("scale_add", ["x"], ["y"], {"a": 3.0, "b": 0.0})
+        c.copy(din, seg, 256).result()
+        c.fill(other, 256, 0).result()  # (defined on the daemon: its free is one)
+        for _ in range(3):
+            c.run_graph(g, [din], [dout]).result()
+        assert _graph_counts(c)["graph_captures"] == 1
+        c.free(other)
+        for _ in range(3):
+            c.run_graph(g, [din], [dout]).result()
+        assert _graph_counts(c)["graph_captures"] == 2
+        c.copy(seg, dout, 256).result()
+        np.testing.assert_allclose(x, 3 * np.arange(64))
+        c.free(dout)
+        with pytest.raises(E.InvalidAddress, match="freed"):
+            c.run_graph(g, [din], [dout]).result()
+        c.run_graph(g, [din], [din]).result()  # (in place: the session serves on)
+        c.copy(seg, din, 256).result()
+        np.testing.assert_allclose(x, 3 * np.arange(64))  # (din held arange)

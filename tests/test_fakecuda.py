@@ -142,3 +142,41 @@ def test_poison_never_reaches_work_queued_before_it() -> None:
         assert cu.cuEventSynchronize(e) == 0
         assert (view(other, 64) == 4).all() and (h[:64] == 4).all()
     """))
+
+
+def test_capture_records_and_each_launch_replays_in_stream_order() -> None:
+    """Between begin and end capture nothing runs; each launch of the instantiated graph queues
+    the recorded copies and host functions again, in order on the launching stream; freeing
+    memory or recording an event while a stream captures is misuse."""
+    out = _ok(_script("""
+        HOST = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+        calls = []
+        fn = HOST(lambda arg: calls.append((arg, int(dev[0]))))
+        cu.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, HOST, ctypes.c_void_p]
+        cu.cuGraphLaunch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        cu.fakecuda_launches.restype = cu.fakecuda_captures.restype = ctypes.c_uint64
+        s, e = stream(), event()
+        d = alloc(4096); dev = view(d, 4096)
+        src = np.zeros(4096, np.uint8); assert cu.cuMemHostRegister_v2(src.ctypes.data, 4096, 1) == 0
+        assert cu.cuStreamBeginCapture_v2(s, 1) == 0
+        assert cu.cuMemcpyAsync(d, src.ctypes.data, 4096, s) == 0
+        assert cu.cuLaunchHostFunc(s, fn, 7) == 0
+        assert calls == [] and cu.fakecuda_executed() == 0     # recorded, not run
+        g, x = ctypes.c_void_p(), ctypes.c_void_p()
+        assert cu.cuStreamEndCapture(s, ctypes.byref(g)) == 0
+        assert cu.cuGraphInstantiateWithFlags(ctypes.byref(x), g, ctypes.c_ulonglong(0)) == 0
+        for k in (1, 2, 3):
+            src[:] = k
+            assert cu.cuGraphLaunch(x, s) == 0
+            assert cu.cuEventRecord(e, s) == 0 and cu.cuEventSynchronize(e) == 0
+        print("calls", calls)
+        print("launches", cu.fakecuda_launches(), "captures", cu.fakecuda_captures(), "violations", cu.fakecuda_violations())
+        assert cu.cuStreamBeginCapture_v2(s, 1) == 0
+        assert cu.cuEventRecord(e, s) == 900                   # not while capturing
+        assert cu.cuMemFree_v2(d) == 900
+        assert cu.cuStreamEndCapture(s, ctypes.byref(g)) == 901 # the capture was broken
+        print("after", cu.fakecuda_violations())
+    """))
+    assert "calls [(7, 1), (7, 2), (7, 3)]" in out, out  # each launch: the copy ran before the host function
+    assert "launches 3 captures 1 violations 0" in out, out
+    assert "after 2" in out, out

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
+from types import SimpleNamespace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -139,12 +140,13 @@ def test_an_inline_failure_is_answered_with_its_error_from_the_loop() -> None:
     runs.report = lambda session, rid, err: reported.append((session, rid, err))
 
     class Session:
-        id, running = 9, True
+        id, running, worker = 9, True, None
+        stats = SimpleNamespace(device_ns=0)
 
     session = Session()
     bad = E.InvalidField("node 1 (relu): no")
-    runs.keep(9, 0xA, 1, 2, lambda: [(DONE, None, 0.0), (FAILED, bad, 0.0)])
-    runs.keep(9, 0xB, 1, 2, lambda: [(DONE, None, 0.0)])
+    runs.keep(9, 0xA, 1, 2, lambda worker: [(DONE, None, 0.25), (FAILED, bad, 0.0)])
+    runs.keep(9, 0xB, 1, 2, lambda worker: [(DONE, None, 0.5)])
 
     async def main() -> list[Any]:
         run = runs.runner(session)
@@ -155,6 +157,7 @@ def test_an_inline_failure_is_answered_with_its_error_from_the_loop() -> None:
 
     assert trio.run(main) == [bad.code, 0, None]
     assert reported == [(session, 11, bad)]
+    assert session.stats.device_ns == 750_000_000  # the kernels' time: the session's device time
     runs.clear()
     assert runs.kept == {} and runs.runner(session) is None  # (outside a trio run: no runner)
 
@@ -216,6 +219,7 @@ def test_a_repeated_ring_run_is_the_workers(client: transfer.Client) -> None:
         np.testing.assert_allclose(y, _ref(x, p), rtol=1e-4, atol=1e-4)
     after = _counts(client)
     assert after[0] == runs + 5 and after[1] == reused
+    assert client.stats()["session"]["device_ns"] > 0  # the kernels' time, the session's device time
     assert after[2] - ops <= 1  # (the stats request's own pass at most: no run was an op)
 
 

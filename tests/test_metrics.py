@@ -343,7 +343,7 @@ class FakeSession(SimpleNamespace):
 
 
 def fake(i: int, client: str) -> FakeSession:
-    return FakeSession(id=i, client=client, running=True, stats=SimpleNamespace(bytes_moved=0, requests=0, errors=0))
+    return FakeSession(id=i, client=client, running=True, stats=SimpleNamespace(bytes_moved=0, requests=0, errors=0, device_ns=0))
 
 
 def series(ss: SessionSeries, live: list[FakeSession]) -> dict[str, list[int]]:
@@ -363,8 +363,8 @@ def test_session_series_stay_bounded_monotonic_and_complete() -> None:
     rng = np.random.default_rng(7)
     live: list[FakeSession] = []
     last: dict[str, list[int]] = {}  # each label's value when a scrape last showed it
-    total = [0, 0, 0]  # what the sessions did
-    counted = [0, 0, 0]  # increments the scrapes saw
+    total = [0, 0, 0, 0]  # what the sessions did
+    counted = [0, 0, 0, 0]  # increments the scrapes saw
     shapes: set[int] = set()
 
     def look(live: list[FakeSession]) -> dict[str, list[int]]:
@@ -372,9 +372,9 @@ def test_session_series_stay_bounded_monotonic_and_complete() -> None:
         assert len(now) <= 2 * n + 1, now.keys()
         shapes.add(len(now))
         for label, v in now.items():
-            before = last.get(label, [0, 0, 0])
+            before = last.get(label, [0, 0, 0, 0])
             assert all(a >= b for a, b in zip(v, before)), (label, before, v)
-            for k in range(3):
+            for k in range(4):
                 counted[k] += v[k] - before[k]
             last[label] = v
         return now
@@ -386,13 +386,15 @@ def test_session_series_stay_bounded_monotonic_and_complete() -> None:
             next_id += 1
         for s in live:
             db, dr = int(rng.integers(0, 1 << 20)), int(rng.integers(0, 5))
-            de = int(rng.random() < 0.1)
+            de, dt = int(rng.random() < 0.1), int(rng.integers(0, 10**6))
             s.stats.bytes_moved += db
             s.stats.requests += dr
             s.stats.errors += de
+            s.stats.device_ns += dt
             total[0] += db
             total[1] += dr
             total[2] += de
+            total[3] += dt
         for _ in range(int(rng.integers(0, 3)) if rng.random() < 0.3 else 0):
             if live:
                 gone = live.pop(int(rng.integers(0, len(live))))
@@ -419,7 +421,7 @@ def test_session_series_label_the_heaviest_clients() -> None:
     assert second[OTHER][0] == 10**6  # counted where it was, then the labels move
     third = series(ss, [a, b, c])
     assert set(third) == {"medium", "heavy", OTHER}
-    assert third["heavy"] == [0, 0, 0] and third[OTHER][0] == 10**6  # a new series starts at 0
+    assert third["heavy"] == [0, 0, 0, 0] and third[OTHER][0] == 10**6  # a new series starts at 0
     # Two sessions of one name share its series; it outlives the first to end.
     d = fake(4, "medium")
     d.stats.bytes_moved = 5
@@ -438,31 +440,31 @@ def test_ended_series_show_once_and_overflow_goes_to_other() -> None:
         ss.ended(s)
     c, d = fake(3, "c"), fake(4, "d")
     c.stats.bytes_moved = d.stats.bytes_moved = 5
-    assert series(ss, [c, d]) == {"a": [10, 0, 0], "b": [10, 0, 0], "c": [5, 0, 0], "d": [5, 0, 0], OTHER: [0, 0, 0]}  # 2N+1
+    assert series(ss, [c, d]) == {"a": [10, 0, 0, 0], "b": [10, 0, 0, 0], "c": [5, 0, 0, 0], "d": [5, 0, 0, 0], OTHER: [0, 0, 0, 0]}  # 2N+1
     # More labeled names end between two scrapes than may linger: (other) takes the rest.
     e, f = fake(5, "e"), fake(6, "f")
     for s in (c, d, e, f):
         s.stats.bytes_moved += 100
         s.running = False
         ss.ended(s)  # c, d linger; e, f got the freed slots, and end past the cap
-    assert series(ss, []) == {"c": [105, 0, 0], "d": [105, 0, 0], OTHER: [200, 0, 0]}
+    assert series(ss, []) == {"c": [105, 0, 0, 0], "d": [105, 0, 0, 0], OTHER: [200, 0, 0, 0]}
     # A name that comes back goes on from where its series stopped.
     a2 = fake(7, "a")
     a2.stats.bytes_moved = 1
-    assert series(ss, [a2])["a"] == [11, 0, 0]
+    assert series(ss, [a2])["a"] == [11, 0, 0, 0]
 
 
 def test_a_name_back_before_its_ended_series_was_shown_goes_on() -> None:
     ss = SessionSeries(2)
     x = fake(1, "x")
     x.stats.bytes_moved = 100
-    assert series(ss, [x])["x"] == [100, 0, 0]
+    assert series(ss, [x])["x"] == [100, 0, 0, 0]
     x.stats.bytes_moved = 150
     x.running = False
     ss.ended(x)  # lingers, its last 50 unseen
     x2 = fake(2, "x")
     x2.stats.bytes_moved = 20
-    assert series(ss, [x2])["x"] == [170, 0, 0]  # one series, still growing
+    assert series(ss, [x2])["x"] == [170, 0, 0, 0]  # one series, still growing
 
 
 def test_client_names_become_safe_labels() -> None:

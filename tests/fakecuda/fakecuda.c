@@ -18,6 +18,15 @@
  *    call without a current context.
  *  - FAKECUDA_FAULT_AT=N makes the N-th copy fault: from then on every call fails with
  *    CUDA_ERROR_ILLEGAL_ADDRESS (sticky, as a lost context), and queued work is dropped.
+ *  - Host functions (cuLaunchHostFunc) run on the engine thread, in their stream's order: the
+ *    tests' stand-in for kernels.
+ *  - Stream capture: between cuStreamBeginCapture and cuStreamEndCapture, the copies, fills and
+ *    host functions queued on the stream are recorded into a graph, not run; an event record,
+ *    a synchronize of the capturing stream, or a cuMemAlloc/cuMemFree while any stream captures
+ *    is a violation (CUDA refuses them: CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED). A graph is
+ *    instantiated, and each cuGraphLaunch queues its recorded work on a stream, checked as if
+ *    queued then. fakecuda_launches() counts launches; fakecuda_captures() captures.
+ *    FAKECUDA_NO_CAPTURE=1: cuStreamBeginCapture fails, as on a driver or stream that cannot.
  *
  * Built by the test suite (tests/fakecuda/__init__.py); the daemon loads it through
  * TRANSFER_CUDA_DRIVER. Its counts: fakecuda_executed(), fakecuda_violations(), and the report.
@@ -38,22 +47,27 @@ typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
 enum { OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_INITIALIZED = 3, INVALID_DEVICE = 101,
        INVALID_CONTEXT = 201, INVALID_HANDLE = 400, NOT_READY = 600, ILLEGAL_ADDRESS = 700,
-       ALREADY_REGISTERED = 712, NOT_REGISTERED = 713 };
+       ALREADY_REGISTERED = 712, NOT_REGISTERED = 713, CAPTURE_UNSUPPORTED = 900, CAPTURE_INVALIDATED = 901 };
 enum { DEV, PINNED, PAGEABLE };
-enum { K_COPY, K_SET, K_EVENT };
+enum { K_COPY, K_SET, K_EVENT, K_HOST };
 
-typedef struct { _Atomic uint64_t recorded, passed; } event_t;
+typedef struct { _Atomic uint64_t recorded, passed, passed_ns; } event_t;
 typedef struct op {
     int kind, dclass, sclass;
     uint8_t *dst, *src, val;
     uint64_t n, gen;
     uint8_t *snap;
     event_t *ev;
+    void (*fn)(void *);
+    void *arg;
     struct op *next;
 } op_t;
+/* A captured graph (and an instantiated one: a copy of its ops): what to queue per launch. */
+typedef struct graph { op_t *head, *tail; int broken; } graph_t;
 typedef struct stream {
     op_t *head, *tail;
     int running, dead;
+    graph_t *capture; /* capturing into this graph, or NULL */
     struct stream *next;
 } stream_t;
 typedef struct { uint8_t *base; uint64_t n; int dev; } range_t;
@@ -63,16 +77,19 @@ static pthread_cond_t work_cv = PTHREAD_COND_INITIALIZER, done_cv = PTHREAD_COND
 static stream_t *streams;
 static range_t *allocs, *regs;
 static int nallocs, nregs, callocs, cregs;
-static _Atomic uint64_t queued, executed, violations, copies;
+static _Atomic uint64_t queued, executed, violations, copies, launches, captures;
+static int capturing; /* streams capturing now (under mu) */
 static _Atomic int sticky;
 static uint64_t fault_at, rng = 88172645463325252ull, spin_ns = 200000;
-static int ndevices = 1, started, report_fd = -1;
+static int ndevices = 1, started, report_fd = -1, no_capture;
 static __thread int current = -1;
 static op_t *running_op; /* the op the engine is running (under mu) */
 
 static _Atomic int paused; /* fakecuda_pause(1): the engine takes no work until fakecuda_pause(0) */
 
 uint64_t fakecuda_executed(void) { return atomic_load(&executed); }
+uint64_t fakecuda_launches(void) { return atomic_load(&launches); }
+uint64_t fakecuda_captures(void) { return atomic_load(&captures); }
 uint64_t fakecuda_violations(void) { return atomic_load(&violations); }
 
 /* Tests: hold the engine (queued work stays queued, whatever the scheduler does), or let it go. */
@@ -105,9 +122,10 @@ static void violation(const char *fmt, ...)
 __attribute__((destructor)) static void fake_report(void)
 {
     if (report_fd >= 0) {
-        char buf[128];
-        int k = snprintf(buf, sizeof buf, "executed %llu\nviolations %llu\n", (unsigned long long)atomic_load(&executed),
-                         (unsigned long long)atomic_load(&violations));
+        char buf[192];
+        int k = snprintf(buf, sizeof buf, "executed %llu\nviolations %llu\nlaunches %llu\ncaptures %llu\n",
+                         (unsigned long long)atomic_load(&executed), (unsigned long long)atomic_load(&violations),
+                         (unsigned long long)atomic_load(&launches), (unsigned long long)atomic_load(&captures));
         if (write(report_fd, buf, (size_t)k) < 0) {
         }
     }
@@ -149,7 +167,7 @@ static int classify(const uint8_t *p, uint64_t n, int *dev)
 
 static int uses(const op_t *o, const uint8_t *base, uint64_t n)
 {
-    if (o->kind == K_EVENT)
+    if (o->kind == K_EVENT || o->kind == K_HOST)
         return 0;
     int hit = o->dst < base + n && base < o->dst + o->n;
     if (o->kind == K_COPY && !o->snap)
@@ -164,7 +182,13 @@ static void run_op(op_t *o, int gone)
     if (atomic_load(&sticky))
         return; /* (the context is lost: queued work is dropped) */
     if (o->kind == K_EVENT) {
+        atomic_store(&o->ev->passed_ns, now_ns());
         atomic_store(&o->ev->passed, o->gen);
+        return;
+    }
+    if (o->kind == K_HOST) {
+        o->fn(o->arg);
+        atomic_fetch_add(&executed, 1);
         return;
     }
     if (gone) {
@@ -210,7 +234,7 @@ static void *engine(void *arg)
             s->tail = NULL;
         s->running = 1;
         running_op = o;
-        int gone = o->kind != K_EVENT &&
+        int gone = o->kind != K_EVENT && o->kind != K_HOST &&
                    (classify(o->dst, o->n, NULL) != o->dclass ||
                     (o->kind == K_COPY && !o->snap && classify(o->src, o->n, NULL) != o->sclass));
         pthread_mutex_unlock(&mu);
@@ -242,6 +266,8 @@ CUresult cuInit(unsigned flags)
             fault_at = strtoull(e, NULL, 10);
         if ((e = getenv("FAKECUDA_SPIN_US")))
             spin_ns = strtoull(e, NULL, 10) * 1000;
+        if ((e = getenv("FAKECUDA_NO_CAPTURE")))
+            no_capture = atoi(e) != 0;
         if ((e = getenv("FAKECUDA_REPORT")))
             report_fd = open(e, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
         pthread_t t;
@@ -284,6 +310,8 @@ CUresult cuGetErrorString(CUresult r, const char **s)
     case ILLEGAL_ADDRESS: *s = "an illegal memory access was encountered (fake driver: injected)"; break;
     case ALREADY_REGISTERED: *s = "part or all of the requested memory range is already mapped"; break;
     case NOT_REGISTERED: *s = "memory range not registered"; break;
+    case CAPTURE_UNSUPPORTED: *s = "operation not permitted when stream is capturing"; break;
+    case CAPTURE_INVALIDATED: *s = "operation failed due to a previous error during capture"; break;
     default: *s = "unknown error"; return INVALID_VALUE;
     }
     return OK;
@@ -313,6 +341,12 @@ CUresult cuStreamSynchronize(void *h)
 {
     CTX();
     pthread_mutex_lock(&mu);
+    if (((stream_t *)h)->capture) {
+        ((stream_t *)h)->capture->broken = 1;
+        pthread_mutex_unlock(&mu);
+        violation("cuStreamSynchronize of a stream that is capturing");
+        return CAPTURE_UNSUPPORTED;
+    }
     wait_idle(h);
     pthread_mutex_unlock(&mu);
     return atomic_load(&sticky) ? ILLEGAL_ADDRESS : OK;
@@ -335,8 +369,22 @@ CUresult cuStreamDestroy_v2(void *h)
     return OK;
 }
 
+static void append(op_t **head, op_t **tail, op_t *o)
+{
+    o->next = NULL;
+    if (*tail)
+        (*tail)->next = o;
+    else
+        *head = o;
+    *tail = o;
+}
+
 static void push(stream_t *s, op_t *o) /* under mu */
 {
+    if (s->capture) { /* recorded, not run */
+        append(&s->capture->head, &s->capture->tail, o);
+        return;
+    }
     if (s->tail)
         s->tail->next = o;
     else
@@ -367,6 +415,13 @@ CUresult cuEventRecord(void *h, void *s)
     o->kind = K_EVENT;
     o->ev = e;
     pthread_mutex_lock(&mu);
+    if (((stream_t *)s)->capture) {
+        ((stream_t *)s)->capture->broken = 1;
+        pthread_mutex_unlock(&mu);
+        free(o);
+        violation("cuEventRecord on a stream that is capturing (this fake does not record event nodes)");
+        return CAPTURE_UNSUPPORTED;
+    }
     o->gen = atomic_fetch_add(&e->recorded, 1) + 1;
     push(s, o);
     pthread_mutex_unlock(&mu);
@@ -381,6 +436,20 @@ CUresult cuEventQuery(void *h)
     return atomic_load(&e->passed) >= atomic_load(&e->recorded) ? OK : NOT_READY;
 }
 
+/* Milliseconds between two events that have passed (the engine's clock when each ran). */
+CUresult cuEventElapsedTime(float *ms, void *a, void *b)
+{
+    event_t *s = a, *e = b;
+    if (atomic_load(&sticky))
+        return ILLEGAL_ADDRESS;
+    if (!atomic_load(&s->recorded) || !atomic_load(&e->recorded))
+        return INVALID_HANDLE;
+    if (atomic_load(&s->passed) < atomic_load(&s->recorded) || atomic_load(&e->passed) < atomic_load(&e->recorded))
+        return NOT_READY;
+    *ms = (float)((double)(int64_t)(atomic_load(&e->passed_ns) - atomic_load(&s->passed_ns)) / 1e6);
+    return OK;
+}
+
 CUresult cuEventSynchronize(void *h)
 {
     event_t *e = h;
@@ -391,20 +460,17 @@ CUresult cuEventSynchronize(void *h)
     return atomic_load(&sticky) ? ILLEGAL_ADDRESS : OK;
 }
 
-static CUresult enqueue(int kind, CUdeviceptr dst, CUdeviceptr src, size_t n, unsigned char val, void *h)
+/* Queue `o` on `s` (under mu), as the driver queues an async copy or fill: its memory
+ * classified, a pageable source read now, a host destination poisoned until it runs.
+ * 0, or a CUresult (o freed). */
+static CUresult queue_locked(op_t *o, stream_t *s)
 {
-    CTX();
-    if (!n)
+    int kind = o->kind;
+    uint64_t n = o->n;
+    if (kind == K_HOST) {
+        push(s, o);
         return OK;
-    op_t *o = calloc(1, sizeof *o);
-    if (!o)
-        return OUT_OF_MEMORY;
-    o->kind = kind;
-    o->dst = (uint8_t *)(uintptr_t)dst;
-    o->src = (uint8_t *)(uintptr_t)src;
-    o->n = n;
-    o->val = val;
-    pthread_mutex_lock(&mu);
+    }
     o->dclass = classify(o->dst, n, NULL);
     o->sclass = kind == K_COPY ? classify(o->src, n, NULL) : DEV;
     if (o->dclass < 0 || o->sclass < 0 || (kind == K_SET && o->dclass != DEV) ||
@@ -412,13 +478,17 @@ static CUresult enqueue(int kind, CUdeviceptr dst, CUdeviceptr src, size_t n, un
         pthread_mutex_unlock(&mu);
         violation("a %s of %llu bytes at %p <- %p outside device memory or straddling a range", kind == K_COPY ? "copy" : "fill",
                   (unsigned long long)n, (void *)o->dst, (void *)o->src);
+        pthread_mutex_lock(&mu);
         free(o);
         return INVALID_VALUE;
+    }
+    if (s->capture) { /* recorded: classified, poisoned and staged when a launch queues it */
+        push(s, o);
+        return OK;
     }
     if (kind == K_COPY && o->sclass == PAGEABLE) { /* read now, as the driver stages it */
         o->snap = malloc(n);
         if (!o->snap) {
-            pthread_mutex_unlock(&mu);
             free(o);
             return OUT_OF_MEMORY;
         }
@@ -439,16 +509,167 @@ static CUresult enqueue(int kind, CUdeviceptr dst, CUdeviceptr src, size_t n, un
                 }
         memset(o->dst, 0xDB, n);
     }
-    stream_t *s = h;
+    int pageable = o->dclass == PAGEABLE;
     push(s, o);
-    if (o->dclass == PAGEABLE) /* into pageable memory: the call returns once it is done */
+    if (pageable) /* into pageable memory: the call returns once it is done */
         wait_idle(s);
-    pthread_mutex_unlock(&mu);
     return OK;
+}
+
+static CUresult enqueue(int kind, CUdeviceptr dst, CUdeviceptr src, size_t n, unsigned char val, void *h)
+{
+    CTX();
+    if (!n)
+        return OK;
+    op_t *o = calloc(1, sizeof *o);
+    if (!o)
+        return OUT_OF_MEMORY;
+    o->kind = kind;
+    o->dst = (uint8_t *)(uintptr_t)dst;
+    o->src = (uint8_t *)(uintptr_t)src;
+    o->n = n;
+    o->val = val;
+    pthread_mutex_lock(&mu);
+    CUresult r = queue_locked(o, h);
+    pthread_mutex_unlock(&mu);
+    return r;
 }
 
 CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, void *s) { return enqueue(K_COPY, dst, src, n, 0, s); }
 CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, void *s) { return enqueue(K_SET, dst, 0, n, v, s); }
+
+CUresult cuLaunchHostFunc(void *h, void (*fn)(void *), void *arg)
+{
+    CTX();
+    op_t *o = calloc(1, sizeof *o);
+    if (!o)
+        return OUT_OF_MEMORY;
+    o->kind = K_HOST;
+    o->fn = fn;
+    o->arg = arg;
+    pthread_mutex_lock(&mu);
+    push(h, o);
+    pthread_mutex_unlock(&mu);
+    return OK;
+}
+
+/* ---- stream capture and graphs ---------------------------------------------------------- */
+CUresult cuStreamBeginCapture_v2(void *h, int mode)
+{
+    CTX();
+    if (no_capture)
+        return CAPTURE_UNSUPPORTED;
+    stream_t *s = h;
+    pthread_mutex_lock(&mu);
+    if (s->capture) {
+        pthread_mutex_unlock(&mu);
+        violation("cuStreamBeginCapture of a stream that is capturing already");
+        return INVALID_VALUE;
+    }
+    s->capture = calloc(1, sizeof *s->capture);
+    if (s->capture)
+        capturing++;
+    pthread_mutex_unlock(&mu);
+    return s->capture ? OK : OUT_OF_MEMORY;
+}
+
+static void free_ops(op_t *o)
+{
+    while (o) {
+        op_t *next = o->next;
+        free(o->snap);
+        free(o);
+        o = next;
+    }
+}
+
+CUresult cuStreamEndCapture(void *h, void **out)
+{
+    CTX();
+    stream_t *s = h;
+    pthread_mutex_lock(&mu);
+    graph_t *g = s->capture;
+    if (!g) {
+        pthread_mutex_unlock(&mu);
+        violation("cuStreamEndCapture of a stream that is not capturing");
+        return INVALID_VALUE;
+    }
+    s->capture = NULL;
+    capturing--;
+    pthread_mutex_unlock(&mu);
+    if (g->broken) {
+        free_ops(g->head);
+        free(g);
+        *out = NULL;
+        return CAPTURE_INVALIDATED;
+    }
+    atomic_fetch_add(&captures, 1);
+    *out = g;
+    return OK;
+}
+
+CUresult cuGraphInstantiateWithFlags(void **out, void *graph, unsigned long long flags)
+{
+    CTX();
+    graph_t *g = graph, *x = calloc(1, sizeof *x);
+    if (!x)
+        return OUT_OF_MEMORY;
+    for (op_t *o = g->head; o; o = o->next) {
+        op_t *c = malloc(sizeof *c);
+        if (!c) {
+            free_ops(x->head);
+            free(x);
+            return OUT_OF_MEMORY;
+        }
+        *c = *o;
+        c->snap = NULL;
+        append(&x->head, &x->tail, c);
+    }
+    *out = x;
+    return OK;
+}
+
+CUresult cuGraphLaunch(void *exec, void *h)
+{
+    CTX();
+    graph_t *x = exec;
+    stream_t *s = h;
+    pthread_mutex_lock(&mu);
+    if (s->capture) {
+        pthread_mutex_unlock(&mu);
+        violation("cuGraphLaunch into a capturing stream (not modelled)");
+        return CAPTURE_UNSUPPORTED;
+    }
+    CUresult r = OK;
+    for (op_t *o = x->head; o && r == OK; o = o->next) {
+        op_t *c = malloc(sizeof *c);
+        if (!c) {
+            r = OUT_OF_MEMORY;
+            break;
+        }
+        *c = *o;
+        c->snap = NULL;
+        c->next = NULL;
+        r = queue_locked(c, s);
+    }
+    pthread_mutex_unlock(&mu);
+    if (r == OK)
+        atomic_fetch_add(&launches, 1);
+    return r;
+}
+
+/* (Work a launch queued is a copy of the graph's: destroying either while it runs is fine, as
+ * the driver frees an executable graph in flight once it completes.) */
+CUresult cuGraphExecDestroy(void *exec)
+{
+    CTX();
+    graph_t *x = exec;
+    free_ops(x->head);
+    free(x);
+    return OK;
+}
+
+CUresult cuGraphDestroy(void *graph) { return cuGraphExecDestroy(graph); }
 
 static int grow(range_t **a, int n, int *cap)
 {
@@ -472,9 +693,21 @@ static int in_use(const uint8_t *base, uint64_t n) /* under mu: queued work touc
     return 0;
 }
 
+static int capture_refuses(const char *what)
+{
+    pthread_mutex_lock(&mu);
+    int c = capturing;
+    pthread_mutex_unlock(&mu);
+    if (c)
+        violation("%s while a stream captures (an allocator that refuses allocation during capture was not used)", what);
+    return c;
+}
+
 CUresult cuMemAlloc_v2(CUdeviceptr *out, size_t n)
 {
     CTX();
+    if (capture_refuses("cuMemAlloc"))
+        return CAPTURE_UNSUPPORTED;
     uint8_t *p = aligned_alloc(256, (n + 255) / 256 * 256);
     if (!p)
         return OUT_OF_MEMORY;
@@ -510,6 +743,8 @@ static CUresult drop_range(range_t *a, int *n, void *p, const char *what)
 CUresult cuMemFree_v2(CUdeviceptr p)
 {
     CTX();
+    if (capture_refuses("cuMemFree"))
+        return CAPTURE_UNSUPPORTED;
     CUresult r = drop_range(allocs, &nallocs, (void *)(uintptr_t)p, "cuMemFree");
     if (r == OK)
         free((void *)(uintptr_t)p);

@@ -215,10 +215,10 @@ class Backend(abc.ABC):
         backend whose kernels run elsewhere (the CPU devices' processes) only queues them."""
         return Answer.ready(run_steps(steps, failed, lambda kernel, ins, outs, params: self.compute(kernel, ins, outs, params, device)))
 
-    def inline_steps(self, steps: Sequence[Any], device: int) -> Callable[[], list[tuple[int, Any, float]]] | None:
-        """A graph run's stretch as a call that runs it in the calling thread (a ring's worker:
-        `server._inline`), its operands bound once; None where this backend cannot (its kernels
-        need a device context of the thread, or a stream of the daemon's)."""
+    def inline_steps(self, steps: Sequence[Any], device: int, counters: dict[str, int]) -> Callable[[Any], list[Any]] | None:
+        """A graph run's stretch as a call a ring's worker makes on its thread (`server._inline`):
+        `call(worker)` runs it (its operands bound once) and returns the nodes' outcomes known
+        at once; None where this backend cannot."""
         return None
 
     def read_answers_with(self, adopt: Callable[[Any], bool]) -> None:

@@ -168,6 +168,38 @@ class CupyBackend(StreamBackend):
             outs = [cp.ndarray(t.shape, dtype=storage_dtype(t.dtype, cp), memptr=mem.data + off, strides=t.strides) for t, mem, off in outputs]
             return kernel.run(ins, outs, params, cp)
 
+    # --- graph runs a ring worker serves: captured with CuPy on the worker's stream -------------
+    def _device_call(self, kernel: Any, ins: Any, outs: Any, params: Any, device: int) -> Any:
+        cp = self.cp
+        with cp.cuda.Device(device):
+            vins = [cp.ndarray(t.shape, dtype=storage_dtype(t.dtype, cp), memptr=s.mem.data + s.offset, strides=t.strides) for t, s in ins]
+            vouts = [cp.ndarray(t.shape, dtype=storage_dtype(t.dtype, cp), memptr=s.mem.data + s.offset, strides=t.strides) for t, s in outs]
+        return lambda: kernel.run(vins, vouts, params, cp)
+
+    def _capture(self, replay: Any, stream: int) -> Any:
+        cp = self.cp
+        with cp.cuda.Device(replay.ordinal):
+            s = cp.cuda.ExternalStream(stream)
+            with s, cp.cuda.using_allocator(_refuse):
+                s.begin_capture()
+                try:
+                    for call in replay.calls:
+                        call()
+                finally:
+                    graph = s.end_capture()  # (ends the capture whatever happened: the stream stays usable)
+        replay.stream = s
+        return graph
+
+    def _replay(self, replay: Any, stream: int) -> None:
+        with self.cp.cuda.Device(replay.ordinal):
+            replay.exec.launch(replay.stream)
+
+    def _eager(self, replay: Any, stream: int) -> None:
+        cp = self.cp
+        with cp.cuda.Device(replay.ordinal), cp.cuda.ExternalStream(stream):
+            for call in replay.calls:
+                call()
+
     def _sync(self, key: Key) -> None:
         s = self._streams.get(key)
         if s is not None:
@@ -182,3 +214,9 @@ class CupyBackend(StreamBackend):
     def _drop(self, key: Key) -> None:
         with self._lock:
             self._streams.pop(key, None)
+
+
+def _refuse(nbytes: int) -> Any:
+    """The allocator a capture runs under: a kernel that allocates cannot be replayed (its
+    memory would be the capture's forever, or freed under it), so it is refused."""
+    raise MemoryError(f"a kernel allocated {nbytes} bytes during graph capture")

@@ -99,16 +99,23 @@ class NumpyBackend(Backend):
     def begin_steps(self, steps: Sequence[Any], failed: set[int], device: int, block: bool = True) -> Answer:
         return self.procs[device % len(self.procs)].begin(steps, failed, block)
 
-    def inline_steps(self, steps: Sequence[Any], device: int) -> Callable[[], list[tuple[int, Any, float]]]:
+    def inline_steps(self, steps: Sequence[Any], device: int, counters: dict[str, int]) -> Callable[[Any], list[Any]]:
         """The stretch run where it is called, on views made once of its operands' memory
         (each view keeps its mapping: memory freed meanwhile stays mapped until the views go,
-        so a run never touches unmapped pages). The same kernels the device's process runs."""
+        so a run never touches unmapped pages), after the device work the worker queued
+        before it (a copy from a GPU into its input). The same kernels the device's process
+        runs."""
         def bound(pairs: Any) -> list[np.ndarray]:
             return [np.ndarray(t.shape, DTYPES[t.dtype], s.mem.array if s.kind is SegmentKind.HOST else s.mem, s.offset, t.strides)
                     for t, s in pairs]
 
         ready = [(i, kernel, bound(ins), bound(outs), params, deps, name) for i, kernel, ins, outs, params, deps, name in steps]
-        return lambda: run_steps(ready, set(), _run_kernel)  # (a fresh set of failures per run)
+
+        def run(worker: Any) -> list[Any]:
+            worker.device_wait()
+            return run_steps(ready, set(), _run_kernel)  # (a fresh set of failures per run)
+
+        return run
 
     def read_answers_with(self, adopt: Callable[[Any], bool]) -> None:
         for proc in self.procs:

@@ -58,14 +58,17 @@ import itertools
 import logging
 import threading
 from collections import defaultdict
-from typing import Any, ContextManager, Hashable, Iterator
+from typing import Any, ContextManager, Hashable, Iterator, Sequence
 
 import numpy as np
 
+from .. import _native
 from .. import errors as E
 from .._checksum import checksum64
 from ..addressing import SegmentKind
+from ..kernels import OPERATORS
 from ._base import Backend, Span, host_bytes
+from ._replay import Replay
 
 __all__ = ["StreamBackend", "Fence", "kernel_alignment", "Key"]
 
@@ -400,6 +403,54 @@ class StreamBackend(Backend):
                 self._before_host(span, writes=True)
                 self._host_copy(host, stage)
         return result
+
+    # --- graph runs a ring worker serves (`_replay`) ---------------------------------------------
+    #: Whether this backend's kernels run as host functions on the driver's streams (the
+    #: simulation over the fake driver) rather than as device kernels.
+    host_kernels = False
+
+    def inline_steps(self, steps: Sequence[Any], device: int, counters: dict[str, int]) -> Replay | None:
+        """A stretch whose operands all lie in this device's memory, aligned for its kernels,
+        as a `Replay` (captured into a CUDA graph at its first run, on the worker's stream);
+        None otherwise (the Python pass stages host operands and copes with misalignment)."""
+        if not _native.cuda_graphs():
+            return None
+        ordinal = None
+        calls = []
+        for _, kernel, ins, outs, params, _, _ in steps:
+            op = OPERATORS.get(kernel.op)
+            if op is None or op.n_outputs == 0:
+                return None  # (a value for the host: a synchronize, never a graph)
+            for t, span in (*ins, *outs):
+                where = self.cuda_pointer(span.mem) if span.kind == SegmentKind.DEVICE else None
+                if where is None or (ordinal is not None and where[1] != ordinal):
+                    return None
+                ordinal = where[1]
+                item = t.np_dtype.itemsize
+                if (where[0] + span.offset) % kernel_alignment(kernel.op, item) or (
+                        t.strides is not None and any(st % item for st in t.strides)):
+                    return None
+            calls.append(self._device_call(kernel, ins, outs, params, device))
+        return None if ordinal is None else Replay(self, calls, ordinal, counters)
+
+    def _device_call(self, kernel: Any, ins: Any, outs: Any, params: Any, device: int) -> Any:
+        """One kernel over device operands, bound once: what a capture records."""
+        raise NotImplementedError
+
+    def _capture(self, replay: Replay, stream: int) -> Any:
+        """Record the replay's kernels on `stream` (nothing runs); the executable graph."""
+        raise NotImplementedError
+
+    def _replay(self, replay: Replay, stream: int) -> None:
+        """Queue one launch of the captured graph on `stream`."""
+        raise NotImplementedError
+
+    def _eager(self, replay: Replay, stream: int) -> None:
+        """Queue the replay's kernels on `stream` one by one (its capture failed)."""
+        raise NotImplementedError
+
+    def _free_graph(self, replay: Replay, graph: Any) -> None:
+        """An executable graph goes (a launch in flight completes first)."""
 
     def _operand(self, kernel: Any, t: Any, span: Span, device: int, output: bool) -> tuple[Any, Any, int, Any]:
         """(ref, device mem, offset, write-back): where a kernel operand lives on the device.

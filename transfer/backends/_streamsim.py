@@ -54,6 +54,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _native
 from .._native import cuda_alloc, cuda_devices, cuda_free
 
 from ..addressing import SegmentKind
@@ -389,6 +390,40 @@ class StreamSimBackend(StreamBackend):
             self._sync(self._key(device))
             return out[0]
         return None
+
+    # --- graph runs a ring worker serves: kernels as host functions on the fake driver's stream --
+    host_kernels = True
+
+    def _device_call(self, kernel: Any, ins: Any, outs: Any, params: Any, device: int) -> Any:
+        def view(t: Any, span: Span) -> np.ndarray:
+            return np.ndarray(t.shape, dtype=t.np_dtype, buffer=span.mem.data, offset=span.offset, strides=t.strides)
+
+        vins, vouts = [view(*p) for p in ins], [view(*p) for p in outs]
+
+        def call() -> None:  # (on the driver's thread, when the stream reaches it)
+            with np.errstate(all="ignore"):
+                kernel.run(vins, vouts, params, np)
+
+        return call
+
+    def _capture(self, replay: Any, stream: int) -> Any:
+        _native.cuda_capture_begin(stream, replay.ordinal)
+        try:
+            for key in replay.keys:
+                _native.cuda_host_call(stream, replay.ordinal, key)
+        finally:
+            graph = _native.cuda_capture_end(stream, replay.ordinal)
+        return graph
+
+    def _replay(self, replay: Any, stream: int) -> None:
+        _native.cuda_graph_launch(replay.exec, stream, replay.ordinal)
+
+    def _eager(self, replay: Any, stream: int) -> None:
+        for key in replay.keys:
+            _native.cuda_host_call(stream, replay.ordinal, key)
+
+    def _free_graph(self, replay: Any, graph: Any) -> None:
+        _native.cuda_graph_free(graph, replay.ordinal)
 
     def _record(self, key: Key) -> Any:
         backend = self

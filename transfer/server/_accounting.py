@@ -55,8 +55,12 @@ class Accounting:
             # Graph runs that reused the plan of an earlier run with the same VAs (nothing
             # translated or placed: server/_graphrun.py).
             "graph_plans_reused": 0,
-            # Graph runs a ring worker ran itself, on its thread (server/_inline.py).
-            "native_graph_runs": 0,
+            # Graph runs a ring worker ran itself, on its thread (server/_inline.py); of those on a
+            # GPU, stretches captured into a CUDA graph, captures that failed (then launched
+            # kernel by kernel), launches of a captured graph, and kernel-by-kernel runs
+            # (backends/_replay.py).
+            "native_graph_runs": 0, "graph_captures": 0, "graph_capture_failures": 0, "graph_replays": 0,
+            "graph_eager_runs": 0,
         }
 
     def native(self, session: Session, counts: dict[str, int], latency: dict[str, tuple[list[int], float]]) -> None:
@@ -77,6 +81,7 @@ class Accounting:
         c["device_batches_pipelined"] += counts["device_parked"]
         session.stats.requests += n
         session.stats.bytes_moved += counts["bytes"]
+        session.stats.device_ns += counts["device_ns"]
         host = counts["bytes"] - counts["device_bytes"]
         if host:
             self.metrics.bytes_moved("cpu", host)  # a worker copies host memory on its own core

@@ -92,18 +92,20 @@ def plan_graph(planner: Any, owner: Any, req: P.RunGraph) -> list[Op]:
     ops[-1].rid = req.id
     run.ops = ops
     if key is not None and len(ops) == 1 and len(req.inputs) == len(req.outputs) == 1:
-        _bind(planner.inline, owner, req, ops[0].device, current.steps)  # type: ignore[union-attr]
+        _bind(planner, owner, req, ops[0], current.steps)  # type: ignore[union-attr]
     return [*pulls, *ops]
 
 
-def _bind(inline: Any, owner: Any, req: P.RunGraph, device: VirtualDevice, steps: list[Any]) -> None:
+def _bind(planner: Any, owner: Any, req: P.RunGraph, op: Op, steps: list[Any]) -> None:
     """A kept run of one stretch, bound for the ring's worker to run itself (`_inline`), where
-    its device's backend can."""
+    its device's backend can; on a GPU its device work holds every segment it touches."""
+    inline, device = planner.inline, op.device
     at = (owner, req.graph, req.inputs[0], req.outputs[0])
     if at not in inline.kept:
-        bound = device.backend.inline_steps(steps, device.local_id)
+        bound = device.backend.inline_steps(steps, device.local_id, planner.counters)
         if bound is not None:
-            inline.keep(*at, bound)
+            holds = tuple(sorted({r[0] for r in (*op.reads, *op.writes)})) if device.kind == "gpu" else ()
+            inline.keep(*at, bound, holds)
 
 
 def _place(planner: Any, owner: Any, plan: GraphPlan, gseg: Any, req: P.RunGraph, pulls: list[Op]) -> tuple[list[Any], bool]:

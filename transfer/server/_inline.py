@@ -36,30 +36,37 @@ __all__ = ["InlineRuns"]
 #: Bound runs kept (as many as the planner keeps placements).
 KEPT = 1024
 
-Bound = Callable[[], list[tuple[int, Any, float]]]
+#: A bound stretch: called with the session's worker, it runs (a CPU device) or queues (a GPU:
+#: `backends._replay`) the run; the outcomes known at once.
+Bound = Callable[[Any], list[tuple[int, Any, float]]]
 
 
 class InlineRuns:
-    """The bound graph runs, by (session id, graph VA, input VA, output VA)."""
+    """The bound graph runs, by (session id, graph VA, input VA, output VA), each with the
+    segments its device work must hold (none for a CPU device's)."""
 
     def __init__(self) -> None:
-        self.kept: dict[tuple[int, int, int, int], Bound] = {}
+        self.kept: dict[tuple[int, int, int, int], tuple[Bound, tuple[int, ...]]] = {}
         #: Answers a failed run's error on the control socket (the loop's; set by the server).
         self.report: Callable[[Any, int, E.TransferError], None] = lambda session, rid, err: None
 
-    def keep(self, owner: int, graph: int, src: int, dst: int, bound: Bound) -> None:
+    def keep(self, owner: int, graph: int, src: int, dst: int, bound: Bound, holds: tuple[int, ...] = ()) -> None:
         if len(self.kept) >= KEPT:
-            self.kept.clear()
-        self.kept[(owner, graph, src, dst)] = bound
+            self.clear()
+        self.kept[(owner, graph, src, dst)] = (bound, holds)
 
     def clear(self) -> None:
-        self.kept.clear()
+        kept, self.kept = self.kept, {}
+        for bound, _ in kept.values():
+            close = getattr(bound, "close", None)
+            if close is not None:
+                close()  # (a replay: its graph goes once no launch of it is in flight)
 
     def runner(self, session: Any) -> Callable[[int, int, int, int, int], int | None] | None:
         """What the session's worker calls for a RUN_GRAPH (on its thread, with the GIL): the
         status it answers, or None (not kept: the worker hands the ring over). None outside a
         trio run (nothing could carry an error's message)."""
-        kept, sid = self.kept, session.id
+        runs, sid, stats = self, session.id, session.stats
         try:
             token = trio.lowlevel.current_trio_token()
         except RuntimeError:
@@ -67,10 +74,18 @@ class InlineRuns:
         report = self.report
 
         def run(rid: int, graph: int, src: int, dst: int, stream: int) -> int | None:
-            bound = kept.get((sid, graph, src, dst))
-            if bound is None or not session.running:
+            entry = runs.kept.get((sid, graph, src, dst))
+            if entry is None or not session.running:
                 return None
-            err = _first_error(bound())
+            bound, holds = entry
+            worker = session.worker
+            for seg in holds:
+                if not worker.hold(seg):
+                    return None  # (a segment the native table does not have: the Python pass serves it)
+            outcomes = bound(worker)
+            if outcomes:  # (a CPU device's run: its kernels' time is the session's device time)
+                stats.device_ns += int(sum(o[2] for o in outcomes) * 1e9)
+            err = _first_error(outcomes)
             if err is None:
                 return 0
             try:

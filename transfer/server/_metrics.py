@@ -88,7 +88,11 @@ STATS_FAMILIES: dict[str, tuple[str, str, str]] = {
     "device_unpinned_copies": ("device_unpinned_copies_total", "counter", "Worker device copies from host memory that was not page-locked (staged by the driver)"),
     "device_faults": ("device_faults_total", "counter", "Ring requests that failed on a device (CUDA) error"),
     "graph_plans_reused": ("graph_plans_reused_total", "counter", "Graph runs that reused an earlier run's plan (same VAs, no segment freed since)"),
-    "native_graph_runs": ("native_graph_runs_total", "counter", "Graph runs a ring worker ran itself on its thread (a kept plan on a CPU device: no event loop)"),
+    "native_graph_runs": ("native_graph_runs_total", "counter", "Graph runs a ring worker ran itself on its thread (a kept plan: no event loop)"),
+    "graph_captures": ("graph_captures_total", "counter", "GPU graph runs captured into a CUDA graph (once per kept run)"),
+    "graph_capture_failures": ("graph_capture_failures_total", "counter", "GPU graph runs that could not be captured (then launched kernel by kernel)"),
+    "graph_replays": ("graph_replays_total", "counter", "GPU graph runs launched as one captured CUDA graph"),
+    "graph_eager_runs": ("graph_eager_runs_total", "counter", "GPU graph runs a worker launched kernel by kernel (their capture failed)"),
     "device_batches_pipelined": ("device_batches_pipelined_total", "counter", "Batches of device work a worker answered once their events passed, with the next batch queued behind them"),
     "segments": ("segments", "gauge", "Live segments (host, device and remote)"),
     "queued_requests": ("queued_requests", "gauge", "Requests queued across sessions, not yet taken by a pass"),
@@ -301,9 +305,12 @@ class _Collector(Collector):
         rows, other = m.sessions.collect(live)
         fams = [
             CounterMetricFamily(f"{ns}_session_{what}_total", f"{help_}, by client name (at most {m.sessions.limit} named; the rest in {OTHER!r})", labels=["client"])
-            for what, help_ in (("moved_bytes", "Bytes sessions' requests copied, filled or read"), ("requests", "Requests sessions sent"), ("errors", "Sessions' failed requests"))
+            for what, help_ in (("moved_bytes", "Bytes sessions' requests copied, filled or read"), ("requests", "Requests sessions sent"),
+                                ("errors", "Sessions' failed requests"),
+                                ("device_seconds", "Device time of sessions' work the ring workers did: device work timed by events on the worker's stream, and CPU graph runs' kernels"))
         ]
+        scale = (1, 1, 1, 1e-9)  # (device time is counted in nanoseconds)
         for label, values in [*rows, (OTHER, other)]:
-            for fam, v in zip(fams, values):
-                fam.add_metric([label], v)
+            for fam, v, k in zip(fams, values, scale):
+                fam.add_metric([label], v * k)
         yield from fams

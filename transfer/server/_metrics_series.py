@@ -18,6 +18,8 @@ __all__ = ["SessionSeries", "SessionLike", "client_label", "OTHER"]
 #: The per-client series that gathers every client without a label of its own. Client names
 #: are sanitized to [A-Za-z0-9_.:@/-], so no client can be called this.
 OTHER = "(other)"
+#: What each series counts, in order.
+VALUES = ("bytes_moved", "requests", "errors", "device_ns")
 _LABEL_CHARS = re.compile(r"[^A-Za-z0-9_.:@/-]")
 
 
@@ -33,6 +35,8 @@ class SessionStatsLike(Protocol):
     def requests(self) -> int: ...
     @property
     def errors(self) -> int: ...
+    @property
+    def device_ns(self) -> int: ...
 
 
 class SessionLike(Protocol):
@@ -55,7 +59,7 @@ class _Client:
     live: int = 0
     #: Bytes its sessions moved while it had live ones: the rank for a label.
     rank: int = 0
-    #: [bytes, requests, errors] of its series; None: counted in (other).
+    #: [bytes, requests, errors, device ns] of its series (`VALUES`); None: counted in (other).
     values: list[int] | None = None
     #: `values` as the last scrape showed them (or as the series started).
     shown: list[int] | None = None
@@ -87,11 +91,11 @@ class SessionSeries:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._lock = threading.Lock()
-        #: session id -> [client label, bytes, requests, errors] as last folded
+        #: session id -> [client label, *VALUES] as last folded
         self._seen: dict[int, list[Any]] = {}
         #: Names with a live session.
         self._clients: dict[str, _Client] = {}
-        self._other = [0, 0, 0]
+        self._other = [0] * len(VALUES)
         #: Labeled names whose last session ended, oldest first: (final values, values last shown).
         self._lingering: dict[str, tuple[list[int], list[int]]] = {}
         #: Stopped series' last values, oldest first (at most RETIRED).
@@ -121,13 +125,13 @@ class SessionSeries:
                 if len(self._lingering) < self.limit:
                     self._lingering[label] = (c.values, c.shown)
                 else:  # a burst of endings between scrapes: (other) takes what no scrape showed
-                    for k in range(3):
+                    for k in range(len(VALUES)):
                         self._other[k] += c.values[k] - c.shown[k]
                     self._retire(label, c.shown)
 
     # --- the scrape (HTTP thread) ----------------------------------------------------------------
     def collect(self, sessions: Iterable[SessionLike]) -> tuple[list[tuple[str, list[int]]], list[int]]:
-        """Fold the live sessions; return ([(label, [bytes, requests, errors])], (other)'s);
+        """Fold the live sessions; return ([(label, [values in VALUES' order])], (other)'s);
         then drop the series of ended names and move labels to the heaviest names."""
         with self._lock:
             for s in sessions:
@@ -163,20 +167,19 @@ class SessionSeries:
                 else:
                     self._label(c, self._resume(label))
         c.live += 1
-        rec = self._seen[s.id] = [label, 0, 0, 0]
+        rec = self._seen[s.id] = [label, *(0 for _ in VALUES)]
         return rec
 
     def _fold_one(self, s: SessionLike, rec: list[Any]) -> None:
         st = s.stats
-        b, r, e = st.bytes_moved, st.requests, st.errors
-        db, dr, de = b - rec[1], r - rec[2], e - rec[3]
-        rec[1], rec[2], rec[3] = b, r, e
         c = self._clients[rec[0]]
-        c.rank += db
         v = c.values if c.values is not None else self._other
-        v[0] += db
-        v[1] += dr
-        v[2] += de
+        for k, name in enumerate(VALUES):
+            now = getattr(st, name)
+            v[k] += now - rec[k + 1]
+            if k == 0:
+                c.rank += now - rec[1]
+            rec[k + 1] = now
 
     def _rebalance(self) -> None:
         """Labels go to the `limit` live names that moved the most bytes (holders win ties)."""
@@ -205,4 +208,4 @@ class SessionSeries:
             del self._retired[next(iter(self._retired))]
 
     def _resume(self, label: str) -> list[int]:
-        return self._retired.pop(label) if label in self._retired else [0, 0, 0]
+        return self._retired.pop(label) if label in self._retired else [0] * len(VALUES)

@@ -52,6 +52,9 @@ class SessionStats:
     blocking: int = 0
     #: Deferred definitions received (allocations, frees, tensors, plans).
     defines: int = 0
+    #: Device time its requests took, in nanoseconds: the ring worker's device work, timed by
+    #: events on its stream, and graph runs the worker ran on a CPU device (their kernels).
+    device_ns: int = 0
 
     def to_wire(self) -> dict[str, int]:
         return dict(self.__dict__)
