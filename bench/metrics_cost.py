@@ -76,7 +76,7 @@ def bench_scrape(sessions: int = 1024, rounds: int = 20) -> float:
     class _S:
         def __init__(self, i: int) -> None:
             self.id, self.client, self.running = i, f"producer-{i}", True
-            self.stats = type("st", (), {"bytes_moved": i, "requests": i, "errors": 0})()
+            self.stats = type("st", (), {"bytes_moved": i, "requests": i, "errors": 0, "device_ns": 0})()
 
     live = [_S(i) for i in range(1, sessions + 1)]
     m = Metrics(process=False)

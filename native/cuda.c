@@ -75,6 +75,7 @@ int tdp_cuda_load(const char *path, char *err, size_t errlen)
         O(StreamBeginCapture, "cuStreamBeginCapture_v2"), O(StreamEndCapture, "cuStreamEndCapture"),
         O(GraphInstantiate, "cuGraphInstantiateWithFlags"), O(GraphLaunch, "cuGraphLaunch"),
         O(GraphExecDestroy, "cuGraphExecDestroy"), O(GraphDestroy, "cuGraphDestroy"), O(LaunchHostFunc, "cuLaunchHostFunc"),
+        O(StreamCreateWithPriority, "cuStreamCreateWithPriority"), O(CtxGetStreamPriorityRange, "cuCtxGetStreamPriorityRange"),
 #undef S
 #undef O
     };

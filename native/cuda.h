@@ -62,6 +62,8 @@ typedef struct {
     CUresult (*GraphExecDestroy)(CUgraphExec);
     CUresult (*GraphDestroy)(CUgraph);
     CUresult (*LaunchHostFunc)(CUstream, CUhostFn, void *);
+    CUresult (*StreamCreateWithPriority)(CUstream *, unsigned, int);
+    CUresult (*CtxGetStreamPriorityRange)(int *, int *);
 } tdp_cuda_api_t;
 
 /* The loaded driver's entry points (valid once tdp_cuda_load returned 0). */

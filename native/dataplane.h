@@ -168,6 +168,15 @@ typedef struct {
      * next batch while the worker waits for the last. */
     CUstream dstream[TDP_CUDA_MAX_DEVICES];
     uint32_t dext;              /* streams given by the daemon (its lanes' streams: CuPy's), not ours to destroy */
+    int high;                   /* a latency tenant's: the streams it makes get the device's greatest priority */
+    /* The bound on copies queued ahead (`queue_bytes`, 0: none): every `queue_bytes` issued on a
+     * device an event is recorded, and the worker waits for the one before it first, so at most
+     * about twice that is queued on the stream at any time. */
+    uint64_t queue_bytes;
+    uint64_t qsince[TDP_CUDA_MAX_DEVICES];
+    CUevent qev[TDP_CUDA_MAX_DEVICES][2];
+    uint8_t qcur[TDP_CUDA_MAX_DEVICES], qlive[TDP_CUDA_MAX_DEVICES];
+    _Atomic uint64_t n_qwaits;  /* waits for the older half of the queue */
     tdp_flight_t fl[2];
     int cf;                     /* the current flight (the batch being served) */
     uint32_t cur;               /* the completion slot of the request being served */

@@ -372,8 +372,10 @@ static uint64_t spin_ns_of(double spin)
 static int Worker_init(WorkerObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"table", "requests", "completions", "session", "bell_fd", "cbell_fd", "spin", "bounds", "streams",
-                             "runner", NULL};
+                             "runner", "high_priority", "queue_bytes", NULL};
     PyObject *table, *rq, *cq, *bounds = NULL, *streams = NULL, *runner = NULL;
+    int high = 0;
+    unsigned long long queue_bytes = 0;
     unsigned long long session;
     int bell = -1, cbell = -1;
     double spin = 20e-6;
@@ -381,8 +383,9 @@ static int Worker_init(WorkerObject *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_RuntimeError, "already initialised");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!K|iidOOO", kwlist, &TableType, &table, &QueueType, &rq,
-                                     &QueueType, &cq, &session, &bell, &cbell, &spin, &bounds, &streams, &runner))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!K|iidOOOpK", kwlist, &TableType, &table, &QueueType, &rq,
+                                     &QueueType, &cq, &session, &bell, &cbell, &spin, &bounds, &streams, &runner, &high,
+                                     &queue_bytes))
         return -1;
     if (runner == Py_None)
         runner = NULL;
@@ -453,6 +456,8 @@ static int Worker_init(WorkerObject *self, PyObject *args, PyObject *kwds)
     atomic_store(&w->spin_ns, spin_ns_of(spin));
     memcpy(w->hbounds_ns, hb, nb * sizeof *hb);
     w->nbounds = nb;
+    w->high = high;
+    w->queue_bytes = queue_bytes;
     if (runner) {
         Py_INCREF(runner);
         self->runner = runner;
@@ -604,7 +609,7 @@ static PyObject *Worker_counters(WorkerObject *self, PyObject *unused)
 {
     tdp_worker_t *w = &self->w;
 #define C(x) (unsigned long long)atomic_load_explicit(&w->x, memory_order_relaxed)
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "copy", C(n_copy), "fill", C(n_fill),
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "copy", C(n_copy), "fill", C(n_fill),
                          "checksum", C(n_checksum), "fused", C(n_fused), "shared", C(n_shared), "fence", C(n_fence),
                          "bytes", C(n_bytes),
                          "batches", C(n_batches), "wakes", C(n_wakes), "sleeps", C(n_sleeps),
@@ -617,7 +622,8 @@ static PyObject *Worker_counters(WorkerObject *self, PyObject *unused)
                          "handover_device", C(handovers[TDP_WHY_DEVICE]),
                          "device_copy", C(n_dcopy), "device_fill", C(n_dfill), "device_bytes", C(n_dbytes),
                          "device_unpinned", C(n_unpinned), "device_faults", C(n_dfaults), "device_waits", C(n_dwaits), "device_parked", C(n_dparks),
-                         "graph", C(n_runs), "device_ns", C(n_dev_ns), "done", C(done));
+                         "graph", C(n_runs), "device_ns", C(n_dev_ns), "device_queue_waits", C(n_qwaits),
+                         "done", C(done));
 #undef C
 }
 

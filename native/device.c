@@ -70,7 +70,11 @@ static CUresult tdp_stream(tdp_worker_t *w, int ordinal)
 {
     CUresult r = tdp_cuda_use(ordinal);
     if (r == 0 && !w->fl[0].ev[ordinal]) {
-        if (!w->dstream[ordinal])
+        int least, greatest;
+        if (!w->dstream[ordinal] && w->high && tdp_cu.StreamCreateWithPriority && tdp_cu.CtxGetStreamPriorityRange &&
+            tdp_cu.CtxGetStreamPriorityRange(&least, &greatest) == 0)
+            r = tdp_cu.StreamCreateWithPriority(&w->dstream[ordinal], TDP_CUDA_STREAM_NON_BLOCKING, greatest);
+        else if (!w->dstream[ordinal])
             r = tdp_cu.StreamCreate(&w->dstream[ordinal], TDP_CUDA_STREAM_NON_BLOCKING);
         for (int k = 0; k < 2 && r == 0; k++) { /* (timed: the pair measures the flight's device time) */
             r = tdp_cu.EventCreate(&w->fl[k].ev[ordinal], 0);
@@ -106,6 +110,33 @@ static CUresult tdp_flight_start(tdp_worker_t *w, int ordinal)
     return r;
 }
 
+static CUresult tdp_event_wait(tdp_worker_t *w, CUevent e);
+
+/* The queue bound (`queue_bytes`): once that many bytes were queued on the device since the
+ * last mark, mark the stream with an event, after waiting for the mark before it. 0, or a
+ * CUresult. */
+static CUresult tdp_dev_throttle(tdp_worker_t *w, int ordinal, uint64_t len)
+{
+    if (!w->queue_bytes || (w->qsince[ordinal] += len) < w->queue_bytes)
+        return 0;
+    w->qsince[ordinal] = 0;
+    CUresult r = 0;
+    for (int k = 0; k < 2 && r == 0; k++)
+        if (!w->qev[ordinal][k])
+            r = tdp_cu.EventCreate(&w->qev[ordinal][k], TDP_CUDA_EVENT_DISABLE_TIMING);
+    uint8_t cur = w->qcur[ordinal], older = cur ^ 1;
+    if (r == 0 && (w->qlive[ordinal] & (1u << older))) {
+        atomic_fetch_add_explicit(&w->n_qwaits, 1, memory_order_relaxed);
+        r = tdp_event_wait(w, w->qev[ordinal][older]);
+    }
+    r = r ? r : tdp_cu.EventRecord(w->qev[ordinal][cur], w->dstream[ordinal]);
+    if (r == 0) {
+        w->qlive[ordinal] |= 1u << cur;
+        w->qcur[ordinal] = older;
+    }
+    return r;
+}
+
 /* Queue a copy or fill on `ordinal`'s stream, in pieces of TDP_DEV_CHUNK: 0, or a CUresult. */
 static CUresult tdp_dev_issue(tdp_worker_t *w, int op, uint64_t dptr, uint64_t sptr, uint64_t n, uint8_t value, int ordinal)
 {
@@ -114,6 +145,7 @@ static CUresult tdp_dev_issue(tdp_worker_t *w, int op, uint64_t dptr, uint64_t s
         uint64_t len = n - off < TDP_DEV_CHUNK ? n - off : TDP_DEV_CHUNK;
         r = op == TDP_COPY ? tdp_cu.MemcpyAsync(dptr + off, sptr + off, len, w->dstream[ordinal])
                            : tdp_cu.MemsetD8Async(dptr + off, value, len, w->dstream[ordinal]);
+        r = r ? r : tdp_dev_throttle(w, ordinal, len);
     }
     return r;
 }
@@ -362,6 +394,9 @@ void tdp_dev_close(tdp_worker_t *w)
             for (int k = 0; k < 2; k++) {
                 tdp_cu.EventDestroy(w->fl[k].ev[d]);
                 tdp_cu.EventDestroy(w->fl[k].evs[d]);
+                if (w->qev[d][k])
+                    tdp_cu.EventDestroy(w->qev[d][k]);
+                w->qev[d][k] = NULL;
             }
             if (!(w->dext & (1u << d)))
                 tdp_cu.StreamDestroy(w->dstream[d]);

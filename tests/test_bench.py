@@ -161,6 +161,25 @@ def test_share_mode_tiny(tmp_path: Path) -> None:
     assert "share mode" in proc.stdout
 
 
+def test_registration_mode_tiny(tmp_path: Path) -> None:
+    """A producer's memory made a remote segment and let go, against NIXL's own registration,
+    and registered again while live (reused): every figure measured, nothing left behind."""
+    from transfer.transport import _nixl
+
+    if not _nixl.available():
+        pytest.skip("the registration mode needs NIXL (pip install --no-deps nixl-cu12==1.5.1)")
+    out = tmp_path / "reg.json"
+    proc, tag, _ = _run(["--modes", "registration", "--sizes", "1M,64M", "--reps", "2", "--json", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _assert_nothing_left(tag)
+    rows = json.loads(out.read_text())["registration"]["rows"]
+    assert [r["size"] for r in rows] == [1 << 20, 64 << 20]
+    for r in rows:
+        assert min(r["raw_register_us"], r["register_us"], r["free_us"], r["again_us"], r["again_free_us"]) > 0
+        assert r["register_vs_raw"] > 0
+    assert "registration mode" in proc.stdout
+
+
 def test_jain_fairness_index() -> None:
     from transfer._bench.share import jain
 

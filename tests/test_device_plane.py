@@ -21,11 +21,13 @@ from typing import Any, Iterator
 
 import numpy as np
 import pytest
+import zmq
 
 import _workers
 import fakecuda
 import transfer
 from transfer import errors as E
+from transfer import protocol as P
 from transfer.testing import DaemonProcess
 
 
@@ -444,3 +446,54 @@ def test_a_free_drops_the_capture(fake_gpu: FakeGpu) -> None:
         c.run_graph(g, [din], [din]).result()  # (in place: the session serves on)
         c.copy(seg, din, 256).result()
         np.testing.assert_allclose(x, 3 * np.arange(64))  # (din held arange)
+
+
+def test_a_latency_tenant_gets_the_devices_greatest_priority(fake_gpu: FakeGpu) -> None:
+    """`priority="latency"` at connect: the session's device streams (its ring worker's
+    included) are created at the device's greatest priority; a normal session's are not; a
+    priority that is not one is refused on both sides."""
+    with transfer.connect(fake_gpu.endpoint, priority="latency") as fast, transfer.connect(fake_gpu.endpoint) as bulk:
+        assert fast.stats()["session"]["priority"] == "latency" and bulk.stats()["session"]["priority"] == "normal"
+        for c in (fast, bulk):
+            seg, buf = c.segment(4096), c.alloc(4096)
+            for _ in range(3):  # (the first defines the buffer, on the socket; then the ring worker's)
+                c.copy(buf, seg, 4096).result()
+            assert counts(c)["device_native_requests"] >= 2
+    with pytest.raises(ValueError, match="priority"):
+        transfer.connect(fake_gpu.endpoint, priority="urgent")
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    try:  # (the wire: a priority that is not one)
+        s.connect(fake_gpu.daemon.endpoint)
+        s.send(P.encode_requests([P.Hello(1, P.VERSION, "raw", 0, b"", 5)]))
+        assert s.poll(10_000)
+        (r,) = P.decode_replies(s.recv())
+        assert isinstance(r.error, E.InvalidField) and "priority" in str(r.error)
+    finally:
+        s.close(0)
+    fake_gpu.daemon.stop()
+    assert fakecuda.report(fake_gpu.report).get("priority_streams") == 1  # (the fake's counts at its exit)
+
+
+@pytest.mark.parametrize("bound", [8 << 20, 0])
+def test_a_tenant_queues_at_most_its_bound_on_the_copy_engine(fake_gpu_factory: Any, bound: int) -> None:
+    """`--device-queue-bytes`: a tenant's worker streaming large copies keeps at most about
+    twice the bound queued on its stream (it waits for the older half first), so another
+    tenant's copy is never behind more; without a bound, one 64 MiB copy queues all of it."""
+    n = 64 << 20
+    g = fake_gpu_factory("--device-queue-bytes", str(bound))
+    with transfer.connect(g.endpoint, deferred=False) as c:
+        seg, buf = c.segment(n), c.alloc(n)
+        seg.buffer[::4096] = 7
+        for _ in range(3):
+            c.copy(buf, seg, n).result()
+        back = c.segment(n)
+        c.copy(back, buf, n).result()
+        assert (back.buffer[::4096] == 7).all()
+        waits = c.stats()["daemon"]["device_queue_waits"]
+    g.daemon.stop()
+    most = fakecuda.report(g.report)["max_stream_bytes"]
+    if bound:
+        assert most <= 2 * bound + (4 << 20) and waits > 0, (most, waits)  # (a worker's piece is 4 MiB)
+    else:
+        assert most >= n and waits == 0, (most, waits)

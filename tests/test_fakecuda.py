@@ -180,3 +180,27 @@ def test_capture_records_and_each_launch_replays_in_stream_order() -> None:
     assert "calls [(7, 1), (7, 2), (7, 3)]" in out, out  # each launch: the copy ran before the host function
     assert "launches 3 captures 1 violations 0" in out, out
     assert "after 2" in out, out
+
+
+def test_a_higher_priority_stream_goes_first() -> None:
+    """Work queued on a stream of the context's greatest priority runs before any queued on
+    the others, whatever the random order across streams would pick; the range is 0..-1."""
+    out = _ok(_script("""
+        HOST = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+        order = []
+        fn = HOST(lambda arg: order.append(arg))
+        cu.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, HOST, ctypes.c_void_p]
+        least, greatest = ctypes.c_int(), ctypes.c_int()
+        assert cu.cuCtxGetStreamPriorityRange(ctypes.byref(least), ctypes.byref(greatest)) == 0
+        low, high = stream(), ctypes.c_void_p()
+        assert cu.cuStreamCreateWithPriority(ctypes.byref(high), 1, greatest) == 0
+        assert cu.cuStreamCreateWithPriority(ctypes.byref(ctypes.c_void_p()), 1, -7) == 1   # outside the range
+        cu.fakecuda_pause(1)
+        for k in range(20):
+            assert cu.cuLaunchHostFunc(low, fn, 100 + k) == 0
+            assert cu.cuLaunchHostFunc(high, fn, 200 + k) == 0
+        cu.fakecuda_pause(0)
+        assert cu.cuStreamSynchronize(low) == 0 and cu.cuStreamSynchronize(high) == 0
+        print(least.value, greatest.value, order == [200 + k for k in range(20)] + [100 + k for k in range(20)])
+    """))
+    assert out.split() == ["0", "-1", "True"], out

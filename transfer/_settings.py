@@ -211,6 +211,7 @@ def _defaults() -> tuple[Setting, ...]:
         ("max_host_bytes_per_session", parse_size, "shared-memory bytes one session may hold; 0 = unlimited", "--max-host-bytes-per-session", {"minimum": 0, "metavar": "BYTES"}),
         ("max_host_bytes", parse_size, "the whole daemon's shared-memory budget (memfds: RAM and swap); 0 = what the machine has", "--max-host-bytes", {"minimum": 0, "metavar": "BYTES"}),
         ("max_pinned_bytes", parse_size, "host bytes a GPU backend may page-lock for DMA; 0 = half the machine's memory", "--max-pinned-bytes", {"minimum": 0, "metavar": "BYTES"}),
+        ("device_queue_bytes", parse_size, "bytes of copies one session's ring worker keeps queued on a GPU's copy engine ahead of what it has done (a tenant streaming large copies cannot queue more in front of others); 0 = no bound", "--device-queue-bytes", {"minimum": 0, "metavar": "BYTES"}),
         ("max_device_bytes_per_session", parse_size, "device bytes one session may hold; 0 = unlimited", "--max-device-bytes-per-session", {"minimum": 0, "metavar": "BYTES"}),
         ("max_device_bytes", parse_size, "the whole daemon's device budget (numpy backend: host RAM)", "--max-device-bytes", {"minimum": 0, "metavar": "BYTES"}),
         ("max_inflight", _int, "requests one session may have queued or running (credits announced in hello)", "--max-inflight", {"minimum": 1}),
@@ -422,7 +423,8 @@ def _cross_check(r: Resolved) -> None:
         raise ConfigError(f"{where('session_timeout_s')}: must exceed {where('heartbeat_s')} (idle sessions would be reclaimed between pings)")
     if r["limits.max_bin"] > r["limits.max_frame_bytes"]:
         raise ConfigError(f"{where('limits.max_bin')}: must not exceed {where('limits.max_frame_bytes')}")
-    for key in ("max_host_bytes", "max_host_bytes_per_session", "max_device_bytes", "max_device_bytes_per_session", "max_pinned_bytes"):
+    for key in ("max_host_bytes", "max_host_bytes_per_session", "max_device_bytes", "max_device_bytes_per_session", "max_pinned_bytes",
+                "device_queue_bytes"):
         if 0 < r[key] < 4096:  # (1.5K is 1536 bytes: less than the one page a segment takes)
             raise ConfigError(f"{where(key)}: a budget below one page (4 KiB) admits nothing; 0 means no limit "
                               "(sizes are bytes, or K/M/G/T binary multiples: 16G)")

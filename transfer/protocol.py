@@ -77,6 +77,9 @@ from .kernels import MAX_GRAPH_NODES, MAX_GRAPH_TENSORS, TensorRef  # noqa: F401
 
 __all__ = [
     "VERSION",
+    "PRIORITIES",
+    "PRIORITY_NORMAL",
+    "PRIORITY_LATENCY",
     "Limits",
     "Request",
     "Hello",
@@ -141,6 +144,10 @@ _definition = bounded()
 #: A graph nests one level deeper: definition -> nodes -> node -> params -> a list parameter.
 _graph_definition = bounded(max_depth=5)
 
+#: Hello's priorities.
+PRIORITY_NORMAL, PRIORITY_LATENCY = 0, 1
+PRIORITIES = {"normal": PRIORITY_NORMAL, "latency": PRIORITY_LATENCY}
+
 #: Define kinds.
 DEF_ALLOC, DEF_FREE, DEF_TENSOR, DEF_PLAN, DEF_GRAPH = 1, 2, 3, 4, 5
 #: A RunGraph binds at most this many VAs to the graph's inputs, and as many to its outputs.
@@ -162,12 +169,15 @@ class Request(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=Fa
 
 
 class Hello(Request, tag=1):
-    """Open a session. `pid` lets a same-host daemon notice the client's death at once."""
+    """Open a session. `pid` lets a same-host daemon notice the client's death at once.
+    `priority`: PRIORITY_NORMAL, or PRIORITY_LATENCY for a latency-sensitive tenant (its
+    device streams are created at the device's greatest priority)."""
 
     version: U32 = VERSION
     client: Str256 = ""
     pid: Pid = 0
     token: Bin1024 = b""
+    priority: U8 = 0
 
 
 class Close(Request, tag=2):

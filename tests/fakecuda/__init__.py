@@ -25,11 +25,12 @@ def build() -> Path:
 
 
 def report(path: Path) -> dict[str, object]:
-    """What the fake wrote: {"violations": [lines], "executed": n (at exit), "violation_count": n}."""
+    """What the fake wrote: {"violations": [lines], "violation_count": n, and its counts at exit:
+    "executed", "launches", "captures", "priority_streams": n}."""
     lines = path.read_text().splitlines() if path.exists() else []
     out: dict[str, object] = {"violations": [ln for ln in lines if ln.startswith("violation:")]}
     for ln in lines:
         key, _, value = ln.partition(" ")
-        if key in ("executed", "violations") and value.isdigit():
-            out["executed" if key == "executed" else "violation_count"] = int(value)
+        if value.isdigit() and not ln.startswith("violation:"):
+            out["violation_count" if key == "violations" else key] = int(value)
     return out

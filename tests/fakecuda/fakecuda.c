@@ -5,7 +5,9 @@
  *
  *  - Device memory is host memory handed out by cuMemAlloc (filled with 0xCD: not zeroed).
  *  - Streams are FIFO queues run by one engine thread, in order within a stream and in a
- *    seeded random order across streams (FAKECUDA_SEED); the engine polls for work for
+ *    seeded random order across streams (FAKECUDA_SEED), except that a stream of a higher
+ *    priority (cuStreamCreateWithPriority: lower is higher; the range is 0..-1) with work
+ *    always goes before the others; the engine polls for work for
  *    FAKECUDA_SPIN_US (200) before it sleeps. Nothing queued has run when the call returns;
  *    an event is not ready until the work recorded before it has run.
  *  - The destination of a copy into host memory is poisoned (0xDB) when it is queued, so a
@@ -27,6 +29,8 @@
  *    instantiated, and each cuGraphLaunch queues its recorded work on a stream, checked as if
  *    queued then. fakecuda_launches() counts launches; fakecuda_captures() captures.
  *    FAKECUDA_NO_CAPTURE=1: cuStreamBeginCapture fails, as on a driver or stream that cannot.
+ *  - The report gives the most bytes of copies and fills ever queued on one stream at once
+ *    (max_stream_bytes), and the streams created at a priority above the default.
  *
  * Built by the test suite (tests/fakecuda/__init__.py); the daemon loads it through
  * TRANSFER_CUDA_DRIVER. Its counts: fakecuda_executed(), fakecuda_violations(), and the report.
@@ -68,6 +72,8 @@ typedef struct stream {
     op_t *head, *tail;
     int running, dead;
     graph_t *capture; /* capturing into this graph, or NULL */
+    int priority;     /* lower runs first (cuStreamCreateWithPriority; 0 is the default) */
+    uint64_t qbytes;  /* bytes of copies and fills queued on it, not yet run */
     struct stream *next;
 } stream_t;
 typedef struct { uint8_t *base; uint64_t n; int dev; } range_t;
@@ -77,7 +83,7 @@ static pthread_cond_t work_cv = PTHREAD_COND_INITIALIZER, done_cv = PTHREAD_COND
 static stream_t *streams;
 static range_t *allocs, *regs;
 static int nallocs, nregs, callocs, cregs;
-static _Atomic uint64_t queued, executed, violations, copies, launches, captures;
+static _Atomic uint64_t queued, executed, violations, copies, launches, captures, priority_streams, max_stream_bytes;
 static int capturing; /* streams capturing now (under mu) */
 static _Atomic int sticky;
 static uint64_t fault_at, rng = 88172645463325252ull, spin_ns = 200000;
@@ -122,10 +128,12 @@ static void violation(const char *fmt, ...)
 __attribute__((destructor)) static void fake_report(void)
 {
     if (report_fd >= 0) {
-        char buf[192];
-        int k = snprintf(buf, sizeof buf, "executed %llu\nviolations %llu\nlaunches %llu\ncaptures %llu\n",
+        char buf[256];
+        int k = snprintf(buf, sizeof buf, "executed %llu\nviolations %llu\nlaunches %llu\ncaptures %llu\npriority_streams %llu\n"
+                         "max_stream_bytes %llu\n",
                          (unsigned long long)atomic_load(&executed), (unsigned long long)atomic_load(&violations),
-                         (unsigned long long)atomic_load(&launches), (unsigned long long)atomic_load(&captures));
+                         (unsigned long long)atomic_load(&launches), (unsigned long long)atomic_load(&captures),
+                         (unsigned long long)atomic_load(&priority_streams), (unsigned long long)atomic_load(&max_stream_bytes));
         if (write(report_fd, buf, (size_t)k) < 0) {
         }
     }
@@ -217,9 +225,12 @@ static void *engine(void *arg)
         }
         pthread_mutex_lock(&mu);
         stream_t *pick[256];
-        int m = 0;
+        int m = 0, best = 1 << 30;
+        for (stream_t *s = streams; s && !atomic_load(&paused); s = s->next)
+            if (s->head && s->priority < best)
+                best = s->priority; /* (the highest priority with work: only its streams may go next) */
         for (stream_t *s = streams; s && m < 256 && !atomic_load(&paused); s = s->next)
-            if (s->head)
+            if (s->head && s->priority == best)
                 pick[m++] = s;
         if (!m) {
             if (!atomic_load(&queued) || atomic_load(&paused))
@@ -233,6 +244,8 @@ static void *engine(void *arg)
         if (!s->head)
             s->tail = NULL;
         s->running = 1;
+        if (o->kind == K_COPY || o->kind == K_SET)
+            s->qbytes -= o->n;
         running_op = o;
         int gone = o->kind != K_EVENT && o->kind != K_HOST &&
                    (classify(o->dst, o->n, NULL) != o->dclass ||
@@ -331,6 +344,29 @@ CUresult cuStreamCreate(void **out, unsigned flags)
     return OK;
 }
 
+CUresult cuCtxGetStreamPriorityRange(int *least, int *greatest)
+{
+    CTX();
+    *least = 0;
+    *greatest = -1;
+    return OK;
+}
+
+CUresult cuStreamCreateWithPriority(void **out, unsigned flags, int priority)
+{
+    if (priority < -1 || priority > 0) {
+        violation("a stream priority outside the range the context gives (%d)", priority);
+        return INVALID_VALUE;
+    }
+    CUresult r = cuStreamCreate(out, flags);
+    if (r == OK) {
+        ((stream_t *)*out)->priority = priority;
+        if (priority < 0)
+            atomic_fetch_add(&priority_streams, 1);
+    }
+    return r;
+}
+
 static void wait_idle(stream_t *s) /* under mu */
 {
     while (s->head || s->running)
@@ -390,6 +426,11 @@ static void push(stream_t *s, op_t *o) /* under mu */
     else
         s->head = o;
     s->tail = o;
+    if (o->kind == K_COPY || o->kind == K_SET) {
+        s->qbytes += o->n;
+        if (s->qbytes > atomic_load(&max_stream_bytes))
+            atomic_store(&max_stream_bytes, s->qbytes);
+    }
     atomic_fetch_add_explicit(&queued, 1, memory_order_release);
     pthread_cond_signal(&work_cv);
 }

@@ -283,6 +283,52 @@ def test_freed_remote_segment_is_dead(client: transfer.Client) -> None:
     client.free(buf)
 
 
+def test_remote_copies_land_in_gpu_memory_with_no_host_bounce() -> None:
+    """A daemon with a GPU (the stream simulation, whose device memory NIXL registers as the
+    host memory it is; VRAM on a real GPU): a READ from a producer's memory lands in a device
+    buffer directly, and a WRITE leaves one directly: one NIXL post each, no host segment."""
+    for d, endpoint in _daemon(["--allow-insecure-tcp", "--backend", "streamsim"]):
+        with transfer.connect(endpoint, name="rdma-gpu") as c:
+            arr = np.random.default_rng(9).integers(0, 256, 1 << 20, dtype=np.uint8)
+            seg, out = c.register_remote(arr), c.remote_segment(1 << 20)
+            buf = c.alloc(1 << 20)
+            assert buf.device == c.home_device and c.stats()["daemon"]["devices"][buf.device]["kind"] == "gpu"
+            posts = c.stats()["daemon"]["nixl_posts"]
+            c.copy(buf, seg).result()
+            assert c.checksum(buf).result() == transfer.checksum64(arr)
+            c.copy(out.at(4096), buf.at(8192), 65536).result()
+            assert np.array_equal(out.buffer[4096 : 4096 + 65536], arr[8192 : 8192 + 65536])
+            assert c.stats()["daemon"]["nixl_posts"] - posts == 2
+            for s in (seg, out, buf):
+                c.free(s)
+
+
+def test_registering_the_same_memory_again_reuses_its_registration(client: transfer.Client) -> None:
+    """The same memory registered again while it is registered: the same segment and NIXL
+    registration (no round trip, no new metadata); each handle is freed on its own, and the
+    memory goes with the last; other memory, or a part of it, is a registration of its own."""
+    arr = np.random.default_rng(5).integers(0, 256, 1 << 20, dtype=np.uint8)
+    segs_before = client.stats()["session"]["segments"]
+    a = client.register_remote(arr)
+    b = client.register_remote(arr)
+    c = client.register_remote(arr.reshape(1024, 1024))  # (the same bytes, another view)
+    part = client.register_remote(arr[: 1 << 19])
+    assert a.va == b.va == c.va and a._reg is b._reg is c._reg and part.va != a.va
+    assert client.stats()["session"]["segments"] == segs_before + 2
+    buf = client.alloc(arr.nbytes)
+    client.free(a)
+    client.copy(buf, b).result()  # still mapped: b and c hold it
+    assert client.checksum(buf).result() == transfer.checksum64(arr)
+    client.free(c)
+    client.free(b)
+    with pytest.raises(transfer.SegmentFreed):
+        client.copy(buf, b.va, 16).result()
+    d = client.register_remote(arr)  # registered afresh, now that none is live
+    assert d.va != a.va and client.stats()["session"]["segments"] == segs_before + 3  # (d, part, buf)
+    for s in (d, part, buf):
+        client.free(s)
+
+
 @pytest.mark.parametrize("verified", [False, True], ids=["copies", "verified-copies"])
 def test_producer_killed_mid_transfer(tcp_daemon: tuple[DaemonProcess, str], client: transfer.Client, verified: bool) -> None:
     """A producer killed while the daemon READs from it: its session and NIXL peer go, and

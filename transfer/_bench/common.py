@@ -26,7 +26,7 @@ METHODS_ALL = ("transfer", "transfer-socket", "shm-pipe", "iceoryx2", "torch-mp"
 #: shm-pipe is the floor: what a user writes in an afternoon; iceoryx2 (zero-copy IPC
 #: middleware) and torch-mp what users pick (each skipped with a note when not installed).
 METHODS_QUICK = ("transfer", "shm-pipe", "iceoryx2", "torch-mp", "zmq-copy", "zmq-zerocopy")
-MODES_ALL = ("local", "compute", "remote", "gpu", "latency", "share")
+MODES_ALL = ("local", "compute", "remote", "gpu", "latency", "share", "registration")
 
 #: Methods that run in every mode but ``remote``; ``remote`` has its own baseline.
 METHODS_REMOTE = ("transfer", "nixl-raw")

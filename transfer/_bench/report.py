@@ -260,7 +260,7 @@ def markdown_table(results: list[Record], limits: Limits) -> str:
 
 def write_json(path: str, machine: Record, config: Record, results: list[Record],
                limits: Limits, notes: list[str], gpu: Record | None = None,
-               latency: Record | None = None, share: Record | None = None) -> None:
+               latency: Record | None = None, share: Record | None = None, registration: Record | None = None) -> None:
     doc = {"machine": machine, "config": config, "notes": notes,
            "results": [_clean(r) for r in results] + limit_rows(limits)}
     if gpu is not None:  # the gpu mode's own rows (_bench.gpu): its methods are not the cells'
@@ -269,6 +269,8 @@ def write_json(path: str, machine: Record, config: Record, results: list[Record]
         doc["latency"] = latency
     if share is not None:  # the share mode's tenants (_bench.share)
         doc["share"] = share
+    if registration is not None:  # the registration mode's costs (_bench.registration)
+        doc["registration"] = registration
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     with open(path, "w") as f:

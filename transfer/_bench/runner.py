@@ -47,6 +47,10 @@ def mode_available(mode: str) -> tuple[bool, str]:
         from .gpu import available
 
         return available()
+    if mode == "registration":
+        from .registration import available
+
+        return available()
     if mode == "remote":
         # The producer's own memory read over NIXL (UCX: cma/tcp on one host, RDMA
         # across hosts); the daemon stays the embedded ipc one, the data plane is NIXL's.

@@ -194,6 +194,15 @@ class Backend(abc.ABC):
         """Wait for the work queued on one lane of a device: the scheduler calls it as a wave ends."""
         self.synchronize_device(device)
 
+    def nixl_memory(self, mem: Any) -> tuple[int, int, str, int] | None:
+        """Device memory as NIXL registers it: (address, bytes, "DRAM" or "VRAM", device id);
+        None where it cannot be (a remote copy then goes through a host segment)."""
+        return None
+
+    def prioritize(self, owner: Any) -> None:
+        """The lanes `(owner, n)` are a latency tenant's: their streams, made from now on, get
+        the device's greatest priority (until `forget_lanes(owner)`)."""
+
     def forget_lanes(self, owner: Any) -> None:
         """The lanes `(owner, n)` will not be used again (a session ended)."""
 

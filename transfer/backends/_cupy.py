@@ -85,7 +85,10 @@ class CupyBackend(StreamBackend):
         s = self._streams.get(key)
         if s is None:
             with self._lock, self.cp.cuda.Device(device):
-                s = self._streams.get(key) or self.cp.cuda.Stream(non_blocking=True)
+                s = self._streams.get(key)
+                if s is None and self._urgent_key(key):  # a latency tenant's lane: the greatest priority
+                    s = self.cp.cuda.Stream(non_blocking=True, priority=self.cp.cuda.runtime.deviceGetStreamPriorityRange()[1])
+                s = s or self.cp.cuda.Stream(non_blocking=True)
                 self._streams[key] = s
         return s
 
@@ -110,6 +113,9 @@ class CupyBackend(StreamBackend):
 
     def cuda_pointer(self, mem: Any) -> tuple[int, int] | None:
         return int(mem.data.ptr), int(mem.device.id)
+
+    def nixl_memory(self, mem: Any) -> tuple[int, int, str, int]:
+        return int(mem.data.ptr), int(mem.nbytes), "VRAM", int(mem.device.id)
 
     def lane_streams(self, lane: Hashable) -> dict[int, int]:
         out = {}

@@ -64,6 +64,9 @@ class NumpyBackend(Backend):
     def host_buffer(self, mem: Any) -> Any:
         return mem  # "device" memory is a host array
 
+    def nixl_memory(self, mem: Any) -> tuple[int, int, str, int]:
+        return int(mem.ctypes.data), int(mem.nbytes), "DRAM", 0  # (host memory standing in for a device's)
+
     def register_host(self, shm: Any) -> None:
         self.shared.add(shm.array, os.dup(shm.fd), shm.nbytes)
 

@@ -106,6 +106,8 @@ class StreamBackend(Backend):
         self.pinned_bytes = 0
         #: Page-locked bytes at most (the daemon's --max-pinned-bytes); 0: no cap.
         self.max_pinned_bytes = 0
+        #: Owners whose lanes are a latency tenant's (`prioritize`).
+        self._urgent: set[Any] = set()
 
     # --- lanes ------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -298,8 +300,16 @@ class StreamBackend(Backend):
         for dev in range(self.device_count):
             self.synchronize_device(dev)
 
+    def prioritize(self, owner: Any) -> None:
+        self._urgent.add(owner)
+
+    def _urgent_key(self, key: Key) -> bool:
+        """Whether the lane of `key` is a latency tenant's (its stream: the greatest priority)."""
+        return isinstance(key[1], tuple) and key[1][0] in self._urgent
+
     def forget_lanes(self, owner: Any) -> None:
         """Lanes `(owner, n)` are done with (their session ended): finish their work, drop them."""
+        self._urgent.discard(owner)
         with self._pending_lock:
             keys = [k for k in self._keys if isinstance(k[1], tuple) and k[1][0] == owner]
         for key in keys:

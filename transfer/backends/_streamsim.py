@@ -290,6 +290,11 @@ class StreamSimBackend(StreamBackend):
     def cuda_pointer(self, mem: Any) -> tuple[int, int] | None:
         return (mem.cuda_ptr, mem.device) if mem.cuda_ptr else None
 
+    def nixl_memory(self, mem: Any) -> tuple[int, int, str, int]:
+        """The simulated device memory is host memory: NIXL registers it as DRAM, and a remote
+        READ lands in it as it would land in a GPU's VRAM (no host segment between)."""
+        return int(mem.data.ctypes.data), int(mem.nbytes), "DRAM", 0
+
     def _pin(self, shm: Any) -> None:
         self.pinned.add(id(shm))
 

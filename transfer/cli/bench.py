@@ -5,13 +5,16 @@
                                    transfer vs hand-rolled shm, iceoryx2, torch.multiprocessing,
                                    pyzmq copy/zero-copy and the physical limits
     transfer-bench full            the sweep: 4 KiB..256 MiB, producers 1..N, depth,
-                                   modes local/compute/remote/gpu/latency/share (remote:
+                                   modes local/compute/remote/gpu/latency/share/registration (remote:
                                    NIXL; gpu: CuPy; skipped when unavailable), every baseline
     transfer-bench --modes gpu     host-to-device from a registered segment vs CuPy
                                    pinned and pageable copies, then 2 producers + compute
     transfer-bench --modes share   tenants sharing one device through one daemon (a
                                    copy, a normalize and an MLP per batch) against a
                                    process each; a latency tenant beside a bulk one
+    transfer-bench --modes registration
+                                   a producer's memory made a remote segment and let go,
+                                   1 MiB..4 GiB, against NIXL's own registration
     transfer-bench --json r.json --plot r.png
 
 Every method does the same work: producers (separate processes) write fresh
@@ -73,7 +76,7 @@ def _build_parser() -> argparse.ArgumentParser:
                    "the share mode's tenants: the largest (default 4)")
     p.add_argument("--depth", help="groups in flight per producer, or a list (default 4)")
     p.add_argument("--batch", type=_at_least(1, int), help="requests per group (default: 64 for 4 KiB, 256 KiB/size, >= 1)")
-    p.add_argument("--modes", help="local,compute,remote,gpu,latency,share (quick: local,latency; full: all, unavailable skipped)")
+    p.add_argument("--modes", help="local,compute,remote,gpu,latency,share,registration (quick: local,latency; full: all, unavailable skipped)")
     p.add_argument("--methods", help="transfer,transfer-socket,shm-pipe,iceoryx2,torch-mp,zmq-copy,zmq-zerocopy,mp-queue,mp-pipe,"
                                      "nixl-raw (remote mode: transfer and nixl-raw only; nixl-raw: remote only; skipped with a note "
                                      "when not installed: iceoryx2 (pip install 'transfer[bench]'), torch-mp (PyTorch))")
@@ -129,7 +132,7 @@ def _main(args: argparse.Namespace) -> int:
         cores = os.cpu_count() or 2
         producers = _int_list(args.producers or (str(min(4, max(2, cores))) if full else "2"), sweep=full, flag="--producers")
         depths = _int_list(args.depth or "4", sweep=False, flag="--depth")
-        modes = [m.strip() for m in (args.modes or ("local,compute,remote,gpu,latency,share" if full else "local,latency")).split(",")]
+        modes = [m.strip() for m in (args.modes or ("local,compute,remote,gpu,latency,share,registration" if full else "local,latency")).split(",")]
         default_methods = list(common.METHODS_ALL if full else common.METHODS_QUICK)
         if "remote" in modes and "nixl-raw" not in default_methods:
             default_methods.append("nixl-raw")  # the remote mode's baseline
@@ -184,7 +187,7 @@ def _main(args: argparse.Namespace) -> int:
     cks, cks_name = common.get_checksum()
 
     gpu_sizes = [s for s in sizes if s >= 64 << 10] if args.sizes else common.parse_sizes("64K..256M")
-    own_modes = {"gpu", "latency", "share"}  # their own methods: _bench.gpu, _bench.latency, _bench.share
+    own_modes = {"gpu", "latency", "share", "registration"}  # their own methods: _bench.gpu, .latency, .share, .registration
     cell_modes = [m for m in run_modes if m not in own_modes]
     cells = [Cell(method=m, mode=mode, size=s, producers=p, depth=d,
                   batch=args.batch or common.default_batch_items(s), verify_every=verify_every,
@@ -231,7 +234,7 @@ def _main(args: argparse.Namespace) -> int:
                     results.append(r)
                     progress.line(f"{cell.describe()}: {r['gbps']:7.3f} GB/s  {r['rps']:11,.0f} req/s  "
                                   f"p50 {r['p50_us']:9,.0f} µs  p99 {r['p99_us']:9,.0f} µs", advance_cell=True)
-            gpu_result = lat_result = share_result = None
+            gpu_result = lat_result = share_result = reg_result = None
             if "latency" in run_modes:
                 from transfer._bench import latency
 
@@ -257,6 +260,11 @@ def _main(args: argparse.Namespace) -> int:
                 # share mode: --producers is the number of tenants (default 4).
                 share_result = share.run(max(producers) if args.producers else 4, reps=reps, rep_s=max(rep_s, 0.5),
                                          line=progress.line, daemon_args=daemon_args)
+            if "registration" in run_modes:
+                from transfer._bench import registration
+
+                # registration mode: --sizes are its buffers (default 1M,64M,1G,4G).
+                reg_result = registration.run(sizes if args.sizes else None, reps=reps, line=progress.line, daemon_args=daemon_args)
         except BenchFailure as e:
             progress.stop()
             print(f"\ntransfer-bench: FAILED: {e}", file=sys.stderr)
@@ -290,6 +298,10 @@ def _main(args: argparse.Namespace) -> int:
         from transfer._bench import share
 
         con.print(share.render(share_result))
+    if reg_result is not None:
+        from transfer._bench import registration
+
+        con.print(registration.render(reg_result))
     for n in notes:
         con.print(f"note: {n}", markup=False)  # a note may name an extra, e.g. transfer[bench]
     config = {"preset": args.preset, "sizes": sizes, "producers": producers, "depths": depths,
@@ -298,7 +310,7 @@ def _main(args: argparse.Namespace) -> int:
               "wall_seconds": round(time.perf_counter() - t_wall, 2)}
     if args.json:
         report.write_json(args.json, machine, config, results, limits, notes, gpu=gpu_result, latency=lat_result,
-                          share=share_result)
+                          share=share_result, registration=reg_result)
         con.print(f"wrote {args.json}")
     if args.plot:
         report.write_plot(args.plot, results, limits, title)

@@ -186,6 +186,7 @@ async def open_asyncio_client(
     client_keys: Any = None,
     deferred: bool = True,
     ring: bool | int | None = None,
+    priority: str = "normal",
 ) -> AsyncIterator[AsyncioClient]:
     """An asyncio session with the daemon (the arguments are `transfer.connect`'s);
     everything it holds is released on exit. A failing request raises its own exception."""
@@ -201,7 +202,7 @@ async def open_asyncio_client(
         raise
     try:
         try:
-            await client._run(client._op_hello(name, deferred), connect_timeout)
+            await client._run(client._op_hello(name, deferred, priority), connect_timeout)
         except E.RequestTimeout:
             raise E.DaemonUnavailable(f"no daemon answered at {endpoint} within {connect_timeout}s") from None
     except BaseException:

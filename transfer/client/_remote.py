@@ -11,6 +11,10 @@ Order on release matters (docs/rdma.md: deregistration is not revocation):
 the daemon drops the segment and acknowledges *before* the producer
 deregisters or frees the memory. `RemoteSegment.free()` / `Client.free()`
 does exactly that.
+
+Registering the same memory again (the same address and size, while a registration of it is
+live) is reused: the new `RemoteSegment` names the same daemon segment and NIXL registration,
+at the cost of a lookup. Each is freed on its own; the last free lets the memory go.
 """
 
 from __future__ import annotations
@@ -28,8 +32,21 @@ from ._resources import Addressed
 __all__ = ["RemoteSegment", "RemoteAgent"]
 
 
+class _Registered:
+    """Memory registered with our agent and mapped by the daemon as one remote segment: what
+    every `RemoteSegment` of that memory shares (a registration of the same memory again is
+    reused, counted by `refs`; the last free lets it go)."""
+
+    __slots__ = ("va", "reg", "refs", "array")
+
+    def __init__(self, va: int, reg: Any, array: np.ndarray) -> None:
+        self.va, self.reg, self.refs, self.array = va, reg, 1, array
+
+
 class RemoteAgent:
-    """This process's NIXL agent for one client session (created on first use)."""
+    """This process's NIXL agent for one client session (created on first use), and what it
+    has registered, by (address, bytes): the registration holds the memory, so the address
+    cannot be reused for other memory while it is live."""
 
     def __init__(self, session_id: int) -> None:
         from ..transport._nixl import NixlEndpoint
@@ -37,20 +54,27 @@ class RemoteAgent:
         # Agent names are chosen by us and checked for clashes by the daemon.
         self.name = f"tx-s{session_id}-p{os.getpid()}-{secrets.token_hex(4)}"
         self.ep = NixlEndpoint(self.name, progress="event")
+        self.live: dict[tuple[int, int], _Registered] = {}
 
     def close(self) -> None:
+        self.live.clear()
         self.ep.close()
 
 
 class RemoteSegment(Addressed):
     """A buffer in this process that the daemon reads and writes by VA (over NIXL)."""
 
-    def __init__(self, client: Any, va: int, array: np.ndarray, registration: Any) -> None:
+    def __init__(self, client: Any, array: np.ndarray, shared: _Registered) -> None:
         self._client = client
-        self.va = va
+        self.va = shared.va
         self.nbytes = int(array.nbytes)
         self._array: np.ndarray | None = array
-        self._reg = registration
+        self._shared: _Registered | None = shared
+
+    @property
+    def _reg(self) -> Any:
+        """The NIXL registration (None once freed)."""
+        return self._shared.reg if self._shared is not None else None
 
     @property
     def buffer(self) -> np.ndarray:
@@ -74,11 +98,24 @@ class RemoteSegment(Addressed):
         """The same as `client.free(self)` (awaitable on a trio client)."""
         return self._client.free(self)
 
+    def _release(self) -> bool:
+        """This handle goes: True if it was the last of its memory's (the daemon's segment and
+        the registration go then, in that order: `_deregister`)."""
+        shared, self._array = self._shared, None
+        if shared is None:
+            return False
+        shared.refs -= 1
+        if shared.refs:
+            self._shared = None
+        return not shared.refs
+
     def _deregister(self, agent: RemoteAgent | None) -> None:
-        if self._reg is not None and agent is not None and not agent.ep.closed:
-            agent.ep.deregister(self._reg)
-        self._reg = None
-        self._array = None
+        shared, self._shared = self._shared, None
+        if shared is not None and agent is not None:
+            if agent.live.get((int(shared.array.ctypes.data), int(shared.array.nbytes))) is shared:
+                del agent.live[(int(shared.array.ctypes.data), int(shared.array.nbytes))]
+            if not agent.ep.closed:
+                agent.ep.deregister(shared.reg)
 
     def __repr__(self) -> str:
         return f"<RemoteSegment va={self.va:#x} nbytes={self.nbytes}{' freed' if self.freed else ''}>"
@@ -91,6 +128,11 @@ def register(client: Any, agent: RemoteAgent, array: np.ndarray, call: Callable[
         raise TypeError(f"register_remote takes a NumPy array, got {type(array).__name__}")
     if not array.flags.c_contiguous or not array.flags.writeable or array.nbytes == 0:
         raise E.InvalidField("register_remote needs a writable, C-contiguous, non-empty array")
+    key = (int(array.ctypes.data), int(array.nbytes))
+    shared = agent.live.get(key)
+    if shared is not None:  # the same memory again: its registration and segment, reused
+        shared.refs += 1
+        return RemoteSegment(client, array, shared)
     reg = agent.ep.register(array)
     try:
         # Metadata is taken after registering: it carries the new buffer's remote key.
@@ -98,4 +140,5 @@ def register(client: Any, agent: RemoteAgent, array: np.ndarray, call: Callable[
     except BaseException:
         agent.ep.deregister(reg)
         raise
-    return RemoteSegment(client, info.va, array, reg)
+    shared = agent.live[key] = _Registered(info.va, reg, array)
+    return RemoteSegment(client, array, shared)

@@ -141,8 +141,10 @@ class Session:
         return self._core.remote
 
     # --- the handshake, the ring, the end ---------------------------------------------------
-    def _op_hello(self, name: str, deferred: bool) -> Op[None]:
-        info = yield from self._op_call(P.Hello, P.VERSION, name or f"pid{os.getpid()}", os.getpid(), b"")
+    def _op_hello(self, name: str, deferred: bool, priority: str = "normal") -> Op[None]:
+        if priority not in P.PRIORITIES:
+            raise ValueError(f"priority {priority!r}: choose from {', '.join(P.PRIORITIES)}")
+        info = yield from self._op_call(P.Hello, P.VERSION, name or f"pid{os.getpid()}", os.getpid(), b"", P.PRIORITIES[priority])
         self._core.on_hello(info, deferred)
 
     def _op_open_ring(self, capacity: int) -> Op[None]:
@@ -225,8 +227,8 @@ class Session:
                 with self._lock:
                     core.deferred.free(resource.memory)  # its intermediates go with the next frame
         elif isinstance(resource, RemoteSegment):
-            if not resource.freed:
-                yield from self._op_call(P.Unregister, resource.va)  # the daemon lets go first, then we deregister
+            if resource._release():  # (the last handle of its memory: the daemon lets go first, then we deregister)
+                yield from self._op_call(P.Unregister, resource.va)
                 resource._deregister(core.remote)
         else:
             raise TypeError(f"cannot free {type(resource).__name__}")

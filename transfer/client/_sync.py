@@ -47,12 +47,15 @@ class Client(Session):
         client_keys: Any = None,
         deferred: bool = True,
         ring: bool | int | None = None,
+        priority: str = "normal",
     ) -> None:
         """`server_key` pins the daemon's CURVE public key (z85 or a key file) for tcp://;
         `client_keys` is this client's pair (a ``NAME.key_secret`` file or (public, secret)).
         `ring`: the shared-memory request ring copies, fills, checksums and fences take
         instead of the socket (docs/ring.md). Default: on for a same-host (ipc) daemon, off
-        for tcp; False opts out; an int is its capacity (default 1024)."""
+        for tcp; False opts out; an int is its capacity (default 1024). `priority`:
+        "latency" for a latency-sensitive tenant: its device streams get the device's
+        greatest priority (docs/operations.md, "Sharing a GPU"); default "normal"."""
         super().__init__(resolve_endpoint(endpoint), Pending, self._wait_for)
         self._liveness_timeout = liveness_timeout
         self._core.max_inflight = max(1, max_inflight)
@@ -64,7 +67,7 @@ class Client(Session):
         self._last_rx = self._last_tx = time.monotonic()
         try:
             try:
-                self._run(self._op_hello(name, deferred), connect_timeout)
+                self._run(self._op_hello(name, deferred, priority), connect_timeout)
             except E.RequestTimeout:
                 raise E.DaemonUnavailable(f"no daemon answered at {self.endpoint} within {connect_timeout}s") from None
         except BaseException:

@@ -50,8 +50,9 @@ class Accounting:
             # requests that failed on a device error.
             "device_native_requests": 0, "python_device_requests": 0, "device_unpinned_copies": 0,
             "device_faults": 0,
-            # Batches of device work a worker answered after queueing the next one behind it.
-            "device_batches_pipelined": 0,
+            # Batches of device work a worker answered after queueing the next one behind it; and
+            # the waits of workers at their bound on copies queued ahead (--device-queue-bytes).
+            "device_batches_pipelined": 0, "device_queue_waits": 0,
             # Graph runs that reused the plan of an earlier run with the same VAs (nothing
             # translated or placed: server/_graphrun.py).
             "graph_plans_reused": 0,
@@ -79,6 +80,7 @@ class Accounting:
         c["device_unpinned_copies"] += counts["device_unpinned"]
         c["device_faults"] += counts["device_faults"]
         c["device_batches_pipelined"] += counts["device_parked"]
+        c["device_queue_waits"] += counts["device_queue_waits"]
         session.stats.requests += n
         session.stats.bytes_moved += counts["bytes"]
         session.stats.device_ns += counts["device_ns"]

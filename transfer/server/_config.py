@@ -44,6 +44,9 @@ class DaemonConfig:
     #: Host bytes a GPU backend may page-lock for DMA (pinned memory cannot be paged out);
     #: 0 = half the machine's memory. Segments past it are copied through the driver's staging.
     max_pinned_bytes: int = 0
+    #: Bytes of copies a session's ring worker keeps queued on a GPU ahead of what has run: it
+    #: waits for the older half before queueing more (0: no bound).
+    device_queue_bytes: int = 64 << 20
     #: Whole-daemon device memory budget (NumPy backend: host RAM standing in).
     max_device_bytes: int = 16 << 30
     #: Data work of at most this many bytes (a checksum's count half) runs on the event loop; more goes to a thread.

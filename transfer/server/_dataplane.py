@@ -30,6 +30,7 @@ import logging
 import os
 from typing import Any, Callable
 
+from .. import protocol as P
 from .._native import Table, Worker, copy_helpers, cuda_load
 from ..ring import Ring
 from ..addressing import Segment, SegmentKind
@@ -45,6 +46,7 @@ log = logging.getLogger("transfer.server")
 
 NATIVE, PYTHON, BROKEN = 0, 1, 2
 _COUNTED = ("copy", "fill", "checksum", "fused", "shared", "fence", "graph", "bytes", "handovers", "sleeps", "device_ns",
+            "device_queue_waits",
             "device_copy", "device_fill", "device_bytes", "device_unpinned", "device_faults", "device_parked")
 #: The CUDA driver the workers load (a test names its fake driver here).
 CUDA_DRIVER_ENV = "TRANSFER_CUDA_DRIVER"
@@ -158,6 +160,7 @@ class DataPlane:
         worker = Worker(
             self.table, ring.inbox, ring.outbox, session.id, bell_fd, cbell_fd,
             self.config.worker_spin_s, self.accounting.metrics.latency_bounds(), streams, self.graph_runner(session),
+            session.priority == P.PRIORITY_LATENCY, self.config.device_queue_bytes,
         )
         self._live.append(worker)
         self._respin()

@@ -190,7 +190,10 @@ class Front:
             raise E.ShuttingDown("the daemon is shutting down")
         if len(self.sessions) >= self.max_sessions:
             raise E.QuotaExceeded(f"daemon at its session limit ({self.max_sessions} sessions): try again later")
-        session = Session(identity, req.client, req.pid, remote_peer=secure, last_seen=time.monotonic(), host_pid=req.pid)
+        if req.priority not in (P.PRIORITY_NORMAL, P.PRIORITY_LATENCY):
+            raise E.InvalidField(f"Hello.priority: {req.priority} is not a priority ({P.PRIORITY_NORMAL}: normal, {P.PRIORITY_LATENCY}: latency)")
+        session = Session(identity, req.client, req.pid, remote_peer=secure, last_seen=time.monotonic(), host_pid=req.pid,
+                          priority=req.priority)
         info = self._hello_info(session)  # grants arenas: may refuse
         self.sessions[identity] = session
         self._spawn(self._run_session, session)

@@ -87,6 +87,7 @@ STATS_FAMILIES: dict[str, tuple[str, str, str]] = {
     "python_device_requests": ("python_device_requests_total", "counter", "Copies and fills of GPU memory the Python pass served (no CUDA driver, a handover, a socket request)"),
     "device_unpinned_copies": ("device_unpinned_copies_total", "counter", "Worker device copies from host memory that was not page-locked (staged by the driver)"),
     "device_faults": ("device_faults_total", "counter", "Ring requests that failed on a device (CUDA) error"),
+    "device_queue_waits": ("device_queue_waits_total", "counter", "Waits of ring workers at their bound on copies queued ahead on a GPU (--device-queue-bytes)"),
     "graph_plans_reused": ("graph_plans_reused_total", "counter", "Graph runs that reused an earlier run's plan (same VAs, no segment freed since)"),
     "native_graph_runs": ("native_graph_runs_total", "counter", "Graph runs a ring worker ran itself on its thread (a kept plan: no event loop)"),
     "graph_captures": ("graph_captures_total", "counter", "GPU graph runs captured into a CUDA graph (once per kept run)"),

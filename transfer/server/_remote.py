@@ -186,26 +186,30 @@ class RemotePlane:
         return peer is not None and peer.session == handle.session and (handle.addr, handle.nbytes) in peer.declared
 
     # --- the daemon's own memory ---------------------------------------------------------------
-    def local_base(self, seg: Any) -> int:
-        """The address of a local segment's memory, registered with our agent (once)."""
+    def local_memory(self, seg: Any, backend: Any) -> tuple[int, str, int]:
+        """A local segment's memory, registered with our agent (once): (address, NIXL memory
+        type, device id). A GPU's memory is registered as VRAM, so a remote READ lands in
+        it (and a WRITE leaves it) with no host bounce; a backend whose device memory is
+        host memory (NumPy, the stream simulation) registers it as DRAM."""
         reg: N.Registration | None = seg.info.get("nixl_reg")
         if reg is not None:
-            return reg.addr
+            return reg.addr, reg.mem_type, reg.dev_id
         if self.ep is None:
             raise E.InvalidField("no remote segment registered yet")
+        where: tuple[int, int, str, int] | None
         if seg.kind == SegmentKind.HOST:
             arr = seg.handle.array
-        elif isinstance(seg.handle, np.ndarray):
-            arr = seg.handle
+            where = (int(arr.ctypes.data), int(arr.nbytes), "DRAM", 0)
         else:
-            # CuPy memory would be registered as VRAM; not wired up yet.
-            raise E.InvalidField(
-                "remote copies to or from GPU memory are not supported yet: copy through a host segment"
-            )
+            where = backend.nixl_memory(seg.handle) if backend is not None else None
+            if where is None:
+                raise E.InvalidField(f"remote copies to or from this backend's device memory ({getattr(backend, 'name', '?')}) "
+                                     "are not supported: copy through a host segment")
+        addr, nbytes, mem, dev = where
         with self._lock:
-            reg = self.ep.register(arr)
+            reg = self.ep.register_address(addr, nbytes, owner=seg.handle, mem=mem, dev_id=dev)  # type: ignore[arg-type]
         seg.info["nixl_reg"] = reg
-        return reg.addr
+        return reg.addr, reg.mem_type, reg.dev_id
 
     def staging(self, nbytes: int, backend: Any) -> tuple[np.ndarray, Any]:
         """A private buffer registered with our agent: where a compute's remote inputs land.
@@ -246,16 +250,17 @@ class RemotePlane:
                     log.warning("deregistering segment %d: %s", seg.id, exc)
 
     # --- transfers -------------------------------------------------------------------------------
-    def post(self, peer: str, op: str, local: np.ndarray, remote: np.ndarray, nbytes: int, plan: Any = None) -> None:
+    def post(self, peer: str, op: str, local: np.ndarray, remote: np.ndarray, nbytes: int, plan: Any = None, mem: str = "DRAM") -> None:
         """ONE NIXL transfer for the whole list; blocks until done (call on a worker thread)."""
-        xfer = self.start(peer, op, local, remote, nbytes, plan)
+        xfer = self.start(peer, op, local, remote, nbytes, plan, mem)
         self.finish(xfer, wait=True)
 
-    def start(self, peer: str, op: str, local: np.ndarray, remote: np.ndarray, nbytes: int, plan: Any = None) -> Any:
+    def start(self, peer: str, op: str, local: np.ndarray, remote: np.ndarray, nbytes: int, plan: Any = None, mem: str = "DRAM") -> Any:
         """Post ONE transfer for the whole descriptor list (`RemoteWork`'s rows, `nbytes` in
         all); return it (maybe done already: a same-host `cma` transfer copies inside the post).
         `plan`: the rows are that plan's alone, and its NIXL request is posted again
-        (`RemotePlan.prepared`), unless a posting of it is still out."""
+        (`RemotePlan.prepared`), unless a posting of it is still out. `mem`: the memory type
+        of the local rows (VRAM: a GPU's)."""
         ep = self.ep
         if ep is None:
             raise E.BackendError("the NIXL agent is not running")
@@ -271,13 +276,13 @@ class RemotePlane:
                 # Rows the planner built from translated ranges (remote_plan, pull_input): checked.
                 if plan is not None:
                     if plan.prepared is None:
-                        plan.prepared = ep.prepare(op, peer, local, remote)
+                        plan.prepared = ep.prepare(op, peer, local, remote, mem)
                     if not plan.prepared.busy:
                         self.counters["nixl_reposts"] += plan.prepared.handle is not None
                         return ep.post_prepared(plan.prepared, nbytes)
                 if op == "READ":
-                    return ep.read(peer, local, remote, checked=True, nbytes=nbytes)
-                return ep.write(peer, local, remote, checked=True, nbytes=nbytes)
+                    return ep.read(peer, local, remote, checked=True, nbytes=nbytes, local_mem=mem)
+                return ep.write(peer, local, remote, checked=True, nbytes=nbytes, local_mem=mem)
         except E.NixlError as exc:
             self._failed(p, exc)
             raise

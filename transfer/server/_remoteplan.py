@@ -40,6 +40,8 @@ class RemoteWork:
     then: Callable[[], Any] | None = None
     #: The plan it runs, whose NIXL request a post of this op alone reuses (`RemotePlan.prepared`).
     plan: "RemotePlan | None" = None
+    #: The memory type of the `local` rows: "DRAM", or "VRAM" (a GPU's, registered as such).
+    mem: str = "DRAM"
 
 
 @dataclass(eq=False, slots=True)
@@ -67,6 +69,8 @@ class RemotePlan:
     ends: list[tuple[Segment[Any], int, int]]
     #: Its NIXL request, made at its first post alone and posted again after (`N.Prepared`).
     prepared: Any = None
+    #: The memory type of the local rows (`RemoteWork.mem`).
+    mem: str = "DRAM"
 
     def holds(self, table: Any, owner: Any) -> bool:
         """Whether the table still says what this plan was made from: each segment is the one
@@ -169,12 +173,20 @@ def remote_plan(
     (plan.peer,) = peers
     for seg in remote.values():
         plane.check_declared(seg.handle)
-    lbase = {seg.id: plane.local_base(seg) for seg in local_segs}
+    mems = {seg.id: plane.local_memory(seg, _backend_of(planner, seg)) for seg in local_segs}
+    kinds = {m[1] for m in mems.values()}
+    if len(kinds) > 1:
+        raise E.InvalidField("a remote batch reading into (or writing from) both GPU and host memory: send them as separate requests")
+    (plan.mem,) = kinds
+    lbase = {sid: m[0] for sid, m in mems.items()}
+    ldev = {sid: m[2] for sid, m in mems.items()}
     # (local address, remote address, nbytes) per row
     if write:
         pairs = [(lbase[ss] + so, remote[ds].handle.addr + do, n) for ds, do, ss, so, n in rows]
+        devs = [ldev[ss] for _, _, ss, _, _ in rows]
     else:
         pairs = [(lbase[ds] + do, remote[ss].handle.addr + so, n) for ds, do, ss, so, n in rows]
+        devs = [ldev[ds] for ds, _, _, _, _ in rows]
     if len(pairs) > 1:
         # Destinations must not overlap: inside one post, NIXL gives no order.
         k = 1 if write else 0
@@ -183,16 +195,16 @@ def remote_plan(
             if pairs[b][k] < pairs[a][k] + pairs[a][2]:
                 raise E.InvalidField(f"copy {b}: its destination overlaps another copy's in the same remote batch")
     # Merge runs that continue each other on both sides (fewer descriptors).
-    merged = [list(pairs[0])]
-    for la, ra, n in pairs[1:]:
+    merged = [[*pairs[0], devs[0]]]
+    for (la, ra, n), dv in zip(pairs[1:], devs[1:]):
         last = merged[-1]
-        if la == last[0] + last[2] and ra == last[1] + last[2]:
+        if la == last[0] + last[2] and ra == last[1] + last[2] and dv == last[3]:
             last[2] += n
         else:
-            merged.append([la, ra, n])
+            merged.append([la, ra, n, dv])
     # NIXL's descriptor rows, made here once: each post hands them over as they are.
-    plan.local = np.array([(la, n, 0) for la, _, n in merged], np.uint64)
-    plan.remote = np.array([(ra, n, 0) for _, ra, n in merged], np.uint64)
+    plan.local = np.array([(la, n, dv) for la, _, n, dv in merged], np.uint64)
+    plan.remote = np.array([(ra, n, 0) for _, ra, n, _ in merged], np.uint64)
     plan.nbytes = total
     return plan
 
@@ -203,7 +215,12 @@ def remote_op(rid: int, plan: RemotePlan) -> Op:
         return Op(rid, [], [], plan.device, 0, lambda: None)
     # No `run`: a wave posts its remote ops itself, grouped (`_waves._post_remote`).
     return Op(rid, list(plan.reads), list(plan.writes), plan.device, plan.nbytes,
-              remote=RemoteWork(plan.plane, plan.peer, plan.op, plan.local, plan.remote, plan=plan))
+              remote=RemoteWork(plan.plane, plan.peer, plan.op, plan.local, plan.remote, plan=plan, mem=plan.mem))
+
+
+def _backend_of(planner: Any, seg: Segment[Any]) -> Any:
+    """The backend whose memory a local device segment is (None: host memory)."""
+    return planner.devices[seg.device].backend if seg.kind == SegmentKind.DEVICE else None
 
 
 def pull_input(planner: Any, owner: Any, rseg: Segment[Any], roff: int, nbytes: int) -> tuple[Op, Any, int]:

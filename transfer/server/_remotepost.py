@@ -21,19 +21,19 @@ __all__ = ["remote_groups", "group_ranges", "post_remote_on_loop", "post_remote"
 
 
 def remote_groups(wave: Sequence[Op]) -> tuple[list[Op], list[list[Op]]]:
-    """Split a wave: (local ops, remote ops grouped by (plane, peer, direction)).
+    """Split a wave: (local ops, remote ops grouped by (plane, peer, direction, local memory type)).
 
     Nothing in a wave conflicts, so each group can be ONE NIXL transfer whose
     descriptor list is the concatenation of its ops' ranges.
     """
     local: list[Op] = []
-    groups: dict[tuple[int, str, str], list[Op]] = {}
+    groups: dict[tuple[int, str, str, str], list[Op]] = {}
     for op in wave:
         w = op.remote
         if w is None:
             local.append(op)
         else:
-            groups.setdefault((id(w.plane), w.peer, w.op), []).append(op)
+            groups.setdefault((id(w.plane), w.peer, w.op, w.mem), []).append(op)
     return local, list(groups.values())
 
 
@@ -53,7 +53,7 @@ async def post_remote_on_loop(ops: Sequence[Op]) -> None:
     w = ops[0].remote
     local, remote, nbytes, plan = group_ranges(ops)
     try:
-        xfer = w.plane.start(w.peer, w.op, local, remote, nbytes, plan)
+        xfer = w.plane.start(w.peer, w.op, local, remote, nbytes, plan, w.mem)
         if not w.plane.finish(xfer, wait=False):  # (a same-host cma post copies in place: done)
             delay = 20e-6
             # Shielded: a cancelled session must not free memory a transfer still writes into
@@ -73,7 +73,7 @@ def post_remote(ops: Sequence[Op]) -> None:
     w = ops[0].remote
     local, remote, nbytes, plan = group_ranges(ops)
     try:
-        w.plane.post(w.peer, w.op, local, remote, nbytes, plan)
+        w.plane.post(w.peer, w.op, local, remote, nbytes, plan, w.mem)
     except Exception as exc:  # a NIXL failure fails these requests, not the daemon
         fail_ops(ops, exc)
         return

@@ -102,6 +102,9 @@ class Resources:
         home = choose_home(self.devices, self.homed)
         session.home_device = home.index
         self.homed[home.index] += 1
+        if session.priority == P.PRIORITY_LATENCY:
+            for backend in self.backends:
+                backend.prioritize(session.id)  # (its lanes' streams: the device's greatest priority)
         try:
             arenas = self.grant_arenas(session)
         except BaseException:

@@ -246,7 +246,8 @@ class Server:
         self._fold()
         out: dict[str, Any] = {"daemon": self._daemon_stats()}
         if session is not None:
-            out["session"] = {"id": session.id, "home_device": session.home_device, **session.stats.to_wire(), "segments": len(session.segments), "ring": session.ring is not None}
+            out["session"] = {"id": session.id, "home_device": session.home_device, **session.stats.to_wire(), "segments": len(session.segments),
+                              "ring": session.ring is not None, "priority": "latency" if session.priority == P.PRIORITY_LATENCY else "normal"}
         return out
 
     def _daemon_stats(self) -> dict[str, Any]:

@@ -69,6 +69,9 @@ class Session:
     phase: Phase = Phase.OPEN
     #: The connection came over the CURVE-authenticated tcp socket (another host).
     remote_peer: bool = False
+    #: Hello's priority (protocol.PRIORITY_*): a latency tenant's device streams get the
+    #: device's greatest priority.
+    priority: int = 0
     last_seen: float = 0.0
     host_bytes: int = 0
     device_bytes: int = 0

@@ -477,10 +477,10 @@ class Prepared:
     request is made at the first post and released with this object (or when a posting of
     it fails, the next post making a new one); one posting at a time (`busy`)."""
 
-    __slots__ = ("op", "peer", "local", "remote", "handle", "busy")
+    __slots__ = ("op", "peer", "local", "remote", "local_mem", "handle", "busy")
 
-    def __init__(self, op: str, peer: str, local: np.ndarray, remote: np.ndarray) -> None:
-        self.op, self.peer, self.local, self.remote = op, peer, local, remote
+    def __init__(self, op: str, peer: str, local: np.ndarray, remote: np.ndarray, local_mem: str = "DRAM") -> None:
+        self.op, self.peer, self.local, self.remote, self.local_mem = op, peer, local, remote, local_mem
         self.handle: Any = None
         self.busy = False
 
@@ -581,7 +581,7 @@ class NixlEndpoint:
         self._transfers: weakref.WeakSet[Transfer] = weakref.WeakSet()
         self._closed = False
         b = _bindings()
-        self._dram = b.DRAM_SEG
+        self._dram, self._vram = b.DRAM_SEG, b.VRAM_SEG
         self._xfer_dlist = b.nixlXferDList
 
     # -- metadata / peers ------------------------------------------------------------
@@ -675,15 +675,20 @@ class NixlEndpoint:
             raise InvalidField("cannot register an empty buffer")
         return self.register_address(int(arr.ctypes.data), int(arr.nbytes), owner=buffer)
 
-    def register_address(self, addr: int, nbytes: int, *, owner: Any = None) -> Registration:
-        """Register raw host memory ``[addr, addr + nbytes)`` (caller keeps it mapped)."""
+    def register_address(self, addr: int, nbytes: int, *, owner: Any = None, mem: Literal["DRAM", "VRAM"] = "DRAM",
+                         dev_id: int = 0) -> Registration:
+        """Register raw memory ``[addr, addr + nbytes)`` (the caller keeps it mapped): host
+        memory (DRAM), or a GPU's (VRAM, on CUDA device `dev_id`: a peer's READ or WRITE
+        lands in it directly, GPUDirect RDMA where the NIC allows)."""
         self._check_open()
         _as_ranges([(addr, nbytes)], "registration")
+        if mem not in _MEM_TYPES:
+            raise InvalidField(f"memory type must be DRAM or VRAM, got {mem!r}")
         try:
-            descs = self._agent.register_memory([(addr, nbytes, 0, "")], "DRAM")
+            descs = self._agent.register_memory([(addr, nbytes, dev_id, "")], mem)
         except Exception as exc:
-            raise _translate(exc, f"registering {nbytes} bytes at 0x{addr:x}") from exc
-        reg = Registration(addr, nbytes, "DRAM", 0, descs, owner)
+            raise _translate(exc, f"registering {nbytes} bytes of {mem} at 0x{addr:x}") from exc
+        reg = Registration(addr, nbytes, mem, dev_id, descs, owner)
         self._regs[id(reg)] = reg
         return reg
 
@@ -705,15 +710,16 @@ class NixlEndpoint:
         return list(self._regs.values())
 
     # -- transfers ------------------------------------------------------------------
-    def _dlist(self, ranges: np.ndarray) -> Any:
+    def _dlist(self, ranges: np.ndarray, mem: str = "DRAM") -> Any:
+        seg = self._dram if mem == "DRAM" else self._vram
         if ranges.shape[1] == 3:  # already NIXL's rows: (address, nbytes, device id)
-            return self._xfer_dlist(self._dram, ranges)
+            return self._xfer_dlist(seg, ranges)
         rows = np.zeros((ranges.shape[0], 3), dtype=np.uint64)
         rows[:, :2] = ranges
-        return self._xfer_dlist(self._dram, rows)
+        return self._xfer_dlist(seg, rows)
 
     def _post(self, op: str, peer: str, local: RangeList, remote: RangeList, notif: bytes, checked: bool,
-              nbytes: int | None = None) -> Transfer:
+              nbytes: int | None = None, local_mem: str = "DRAM") -> Transfer:
         self._check_open()
         if peer not in self._peers:
             raise NixlError(f"unknown peer {peer!r}: add_peer() its metadata first")
@@ -731,14 +737,14 @@ class NixlEndpoint:
             if unequal.any():
                 i = int(unequal.argmax())
                 raise InvalidField(f"range {i}: local length {int(loc[i, 1])} != remote length {int(rem[i, 1])}")
-        handle = self._request(op, peer, loc, rem, notif)
+        handle = self._request(op, peer, loc, rem, notif, local_mem)
         if nbytes is None:
             nbytes = int(loc[:, 1].sum(dtype=np.uint64))
         return self._launch(Transfer(self, handle, op, peer, nbytes, int(loc.shape[0])))
 
-    def _request(self, op: str, peer: str, loc: np.ndarray, rem: np.ndarray, notif: bytes) -> Any:
+    def _request(self, op: str, peer: str, loc: np.ndarray, rem: np.ndarray, notif: bytes, local_mem: str = "DRAM") -> Any:
         try:
-            return self._agent.initialize_xfer(op, self._dlist(loc), self._dlist(rem), peer, bytes(notif))
+            return self._agent.initialize_xfer(op, self._dlist(loc, local_mem), self._dlist(rem), peer, bytes(notif))
         except Exception as exc:
             raise _translate(
                 exc,
@@ -746,12 +752,12 @@ class NixlEndpoint:
                 "is outside our registrations or the peer's metadata)",
             ) from exc
 
-    def prepare(self, op: str, peer: str, local: np.ndarray, remote: np.ndarray) -> Prepared:
+    def prepare(self, op: str, peer: str, local: np.ndarray, remote: np.ndarray, local_mem: str = "DRAM") -> Prepared:
         """A transfer to post again and again (`post_prepared`): rows as `read(checked=True)`
         takes them (the caller validated them); nothing is asked of NIXL until the first post."""
         if op not in ("READ", "WRITE"):
             raise InvalidField(f"op must be READ or WRITE, got {op!r}")
-        return Prepared(op, peer, local, remote)
+        return Prepared(op, peer, local, remote, local_mem)
 
     def post_prepared(self, prepared: Prepared, nbytes: int) -> Transfer:
         """Post a `Prepared` transfer (`nbytes` in all), as `read`/`write` would post its lists."""
@@ -761,7 +767,7 @@ class NixlEndpoint:
         if prepared.busy:
             raise NixlError("a prepared transfer is posted once at a time (the last posting is not released)")
         if prepared.handle is None:
-            prepared.handle = self._request(prepared.op, prepared.peer, prepared.local, prepared.remote, b"")
+            prepared.handle = self._request(prepared.op, prepared.peer, prepared.local, prepared.remote, b"", prepared.local_mem)
         prepared.busy = True
         return self._launch(Transfer(self, prepared.handle, prepared.op, prepared.peer, nbytes, int(prepared.local.shape[0]), prepared))
 
@@ -790,7 +796,7 @@ class NixlEndpoint:
             log.warning("could not release failed %r", xfer)
 
     def read(self, peer: str, local: RangeList, remote: RangeList, *, notif: bytes = b"", checked: bool = False,
-             nbytes: int | None = None) -> Transfer:
+             nbytes: int | None = None, local_mem: str = "DRAM") -> Transfer:
         """One-sided READ: copy each ``remote[i]`` of ``peer`` into ``local[i]``.
 
         ``local`` must lie in our registrations, ``remote`` in the peer's (as
@@ -802,14 +808,16 @@ class NixlEndpoint:
         lists already, as (N, 2) uint64 arrays of equal, non-zero lengths that
         do not wrap, or as NIXL's own (N, 3) rows (address, nbytes, device id)
         (the daemon's planner, which checked them against its mapping table),
-        so they are not validated again; ``nbytes``, their total if known.
+        so they are not validated again; ``nbytes``, their total if known; ``local_mem``,
+        the memory type of our ranges (VRAM: registered GPU memory).
         """
-        return self._post("READ", peer, local, remote, notif, checked, nbytes)
+        return self._post("READ", peer, local, remote, notif, checked, nbytes, local_mem)
 
     def write(self, peer: str, local: RangeList, remote: RangeList, *, notif: bytes = b"", checked: bool = False,
-              nbytes: int | None = None) -> Transfer:
-        """One-sided WRITE: copy each ``local[i]`` into ``remote[i]`` of ``peer`` (``checked``, ``nbytes``: as for read)."""
-        return self._post("WRITE", peer, local, remote, notif, checked, nbytes)
+              nbytes: int | None = None, local_mem: str = "DRAM") -> Transfer:
+        """One-sided WRITE: copy each ``local[i]`` into ``remote[i]`` of ``peer`` (``checked``, ``nbytes``,
+        ``local_mem``: as for read)."""
+        return self._post("WRITE", peer, local, remote, notif, checked, nbytes, local_mem)
 
     # -- notifications --------------------------------------------------------------
     def get_notifs(self) -> dict[str, list[bytes]]:
