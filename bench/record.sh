@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Record benchmark results under bench/results/ (JSON, PNG, Markdown table).
+# Record benchmark results under bench/results/SET/ (JSON, PNG, Markdown table), one set per
+# machine class: SET defaults to cpu-<N>vcpu (N: this machine's CPUs); then regenerate
+# docs/benchmarks.md's tables from the files (python bench/results_doc.py).
 #
 #   bench/record.sh            quick run only (< 60 s)
 #   bench/record.sh full       quick run, then the full sweep (several minutes)
@@ -13,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 [ -x .venv/bin/python ] && PY=${PYTHON:-.venv/bin/python}
-OUT=bench/results
+OUT=bench/results/${SET:-cpu-$(nproc)vcpu}
 mkdir -p "$OUT"
 "$PY" -m transfer.cli.bench quick --json "$OUT/quick.json" --plot "$OUT/quick.png" --markdown "$OUT/quick.md"
 if [ "${1:-}" = "full" ]; then

@@ -1,10 +1,11 @@
-"""Redraw the plot and the Markdown table from a recorded JSON file.
+"""Redraw the plot and the Markdown table of a recorded `transfer-bench --json` file.
 
-    python bench/replot.py bench/results/full.json [out.png] [out.md]
+    python bench/replot.py bench/results/cpu-2vcpu/quick.json [--png out.png] [--md out.md]
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -14,9 +15,14 @@ from transfer._bench import report  # noqa: E402
 
 
 def main() -> None:
-    src = Path(sys.argv[1])
-    png = sys.argv[2] if len(sys.argv) > 2 else str(src.with_suffix(".png"))
-    md = sys.argv[3] if len(sys.argv) > 3 else str(src.with_suffix(".md"))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("json", type=Path, help="a transfer-bench --json file")
+    ap.add_argument("--png", type=Path, help="the plot (default: beside the JSON)")
+    ap.add_argument("--md", type=Path, help="the Markdown table (default: beside the JSON)")
+    a = ap.parse_args()
+    src = a.json
+    png = str(a.png or src.with_suffix(".png"))
+    md = str(a.md or src.with_suffix(".md"))
     doc, results, limits = report.load_json(str(src))
     m, c = doc["machine"], doc.get("config", {})
     title = (f"transfer-bench {c.get('preset', '')}: {m['cpu']}, {m['cores']} cores, "

@@ -8,9 +8,13 @@ in one shared segment) over each path:
 
 Paths: `ring` (Client(ring=True): the library's API), `ring-raw` (descriptors pushed
 on the session's ring by hand: what the daemon itself adds to the ring's own cost),
-`zmq` (Client(): one frame per request, or one frame per batch).
+`zmq` (Client(ring=False): one frame per request, or one frame per batch).
 
-    .venv/bin/python bench/ring_daemon.py [--n 20000] [--batches 300] [--json FILE]
+`--idle S`: then S seconds with two sessions' rings open and nothing to do, and the CPU
+seconds the daemon (its ring workers, event loop and pump) used meanwhile: an idle daemon
+should use next to none (its workers sleep on the ring's futex, its loop on the doorbell).
+
+    .venv/bin/python bench/ring_daemon.py [--n 20000] [--batches 300] [--idle 2] [--json FILE]
 """
 
 from __future__ import annotations
@@ -111,10 +115,34 @@ def _raw_paths(client: transfer.Client, seg: Any, n: int, batches: int) -> dict[
             "batch_p50_us": round(float(np.percentile(bt, 50)) * 1e6, 1)}
 
 
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _idle_cpu(daemon: Any, seconds: float) -> dict[str, Any]:
+    """Two sessions with rings (their workers started by a request each), then `seconds` of
+    nothing: the daemon's CPU seconds meanwhile (after a moment past the workers' spin)."""
+    with transfer.connect(daemon.endpoint, ring=True) as a, transfer.connect(daemon.endpoint, ring=True) as b:
+        for c in (a, b):
+            s = c.segment(4096)
+            c.copy(s.at(64), s.at(0), 64).result()
+        time.sleep(0.3)
+        before = _cpu_seconds(daemon.pid)
+        time.sleep(seconds)
+        used = _cpu_seconds(daemon.pid) - before
+        for c in (a, b):  # and it still answers at once
+            s = c.segment(4096)
+            c.copy(s.at(64), s.at(0), 64).result(5)
+    return {"seconds": seconds, "rings": 2, "cpu_s": round(used, 4)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=20000, help="round trips per path")
     ap.add_argument("--batches", type=int, default=300, help=f"batches of {BATCH} per path")
+    ap.add_argument("--idle", type=float, default=0.0, metavar="S",
+                    help="then S seconds of two open rings and nothing to do: the daemon's CPU meanwhile")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args(argv)
     results: dict[str, Any] = {}
@@ -129,9 +157,10 @@ def main(argv: list[str] | None = None) -> int:
             results["ring"] = _client_paths(c, seg, args.n, args.batches)
             results["ring-raw"] = _raw_paths(c, seg, args.n, args.batches)
             ok = bytes(seg.buffer[1 << 16 : (1 << 16) + BATCH * SIZE]) == bytes(seg.buffer[: BATCH * SIZE])
-        with transfer.connect(daemon.endpoint) as c:
+        with transfer.connect(daemon.endpoint, ring=False) as c:  # (the default client takes the ring)
             seg = c.segment(1 << 20)
             results["zmq"] = _client_paths(c, seg, max(1, args.n // 4), max(1, args.batches // 2))
+        idle = _idle_cpu(daemon, args.idle) if args.idle > 0 else None
     if not ok:
         print("copies did not land: results are void", file=sys.stderr)
         return 1
@@ -153,9 +182,12 @@ def main(argv: list[str] | None = None) -> int:
                  "batched_vs_zmq": round(r["batched_requests_per_s"] / z["batched_requests_per_s"], 2)}
              for k, r in results.items() if k != "zmq"}
     print("speedup over zmq:", ratio)
+    if idle is not None:
+        print(f"idle: the daemon used {idle['cpu_s']:.3f} s of CPU in {idle['seconds']:.1f} s with {idle['rings']} rings open")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"meta": meta, "results": results, "vs_zmq": ratio}, indent=2) + "\n")
+        doc = {"meta": meta, "results": results, "vs_zmq": ratio, **({"idle": idle} if idle is not None else {})}
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
     return 0
 
 

@@ -25,6 +25,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
 
+import time  # noqa: E402
+
+import zmq  # noqa: E402
+
+import transfer  # noqa: E402
+from transfer import protocol as P  # noqa: E402
 from transfer.testing import DaemonProcess, start_daemon  # noqa: E402
 
 FAST = ["--heartbeat", "0.2", "--session-timeout", "2.0", "--backend", "numpy"]
@@ -128,3 +134,23 @@ def backend_daemon(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
             assert (leftovers if graceful else segment_files)(shm) == [], "files left behind"
         finally:
             shutil.rmtree(shm, ignore_errors=True)
+
+
+def draining(endpoint: str, timeout: float = 30.0) -> None:
+    """Return once the daemon refuses a new hello with ShuttingDown: its drain has begun."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = zmq.Context.instance().socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        try:
+            s.connect(endpoint)
+            s.send(P.encode_requests([P.Hello(1, P.VERSION, "probe", 0, b"")]))
+            if not s.poll(5000):
+                continue
+            (r,) = P.decode_replies(s.recv())
+            if isinstance(r.error, transfer.ShuttingDown):
+                return
+            s.send(P.encode_requests([P.Close(2)]))
+        finally:
+            s.close(0)
+    raise AssertionError("the daemon never began to drain")

@@ -17,7 +17,7 @@ import zmq
 
 import _workers
 import transfer
-from conftest import segment_files
+from conftest import draining, segment_files
 from transfer import protocol as P
 from transfer.testing import memfds, stop_process
 
@@ -39,7 +39,8 @@ def test_killed_client_is_reclaimed_and_others_unaffected(daemon, shm_dir: Path,
         seg.buffer[:] = 42
         buf = survivor.alloc(1 << 20)
         _workers.wait_for_file(ready)
-        time.sleep(0.2)  # let it stream
+        base = survivor.stats()["daemon"]["requests"]
+        wait_until(lambda: survivor.stats()["daemon"]["requests"] >= base + 100, 30, "the victim to stream")
         assert survivor.stats()["daemon"]["sessions"] == 2
         os.kill(victim.pid, signal.SIGKILL)
         victim.join()
@@ -151,8 +152,7 @@ def test_sigterm_finishes_in_flight_work_then_exits_zero(daemon, shm_dir: Path) 
     seg.buffer[::4096] = 1
     pend = [c.copy(buf, seg) for _ in range(4)]  # a second or so of memcpy
     cks = c.checksum(buf)
-    time.sleep(0.05)
-    daemon.proc.send_signal(signal.SIGTERM)
+    daemon.proc.send_signal(signal.SIGTERM)  # (whenever it lands, what was sent before it is done)
     for p in pend:
         assert p.result(timeout=30) is None
     assert cks.result(timeout=30) == transfer.checksum64(seg.buffer)
@@ -171,10 +171,9 @@ def test_a_second_sigterm_during_the_drain_changes_nothing(daemon, shm_dir: Path
     seg = c.segment(n)
     buf = c.alloc(n)
     seg.buffer[::4096] = 1
-    pend = [c.copy(buf, seg) for _ in range(8)]  # 2 GiB of memcpy: the drain outlasts 0.1 s
-    time.sleep(0.05)
+    pend = [c.copy(buf, seg) for _ in range(8)]  # 2 GiB of memcpy: the drain takes a while
     daemon.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.1)
+    draining(daemon.endpoint)  # (a new hello is refused: the drain has begun)
     daemon.proc.send_signal(signal.SIGTERM)
     daemon.proc.send_signal(signal.SIGINT)
     for p in pend:

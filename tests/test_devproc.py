@@ -39,6 +39,26 @@ def device_processes(d: DaemonProcess) -> set[int]:
     return found
 
 
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def wait_busy(d: DaemonProcess) -> int:
+    """Until the CPU device's process is running what it was sent: it exists and its CPU time
+    grows (three clock ticks past when this looked first). Its pid."""
+    deadline = time.monotonic() + 60
+    while not device_processes(d):
+        assert time.monotonic() < deadline, "no device process started"
+        time.sleep(0.005)
+    (pid,) = device_processes(d)
+    start = _cpu_ticks(pid)
+    while _cpu_ticks(pid) < start + 3:
+        assert time.monotonic() < deadline, "the device process never ran what it was sent"
+        time.sleep(0.005)
+    return pid
+
+
 def scale_add(c: transfer.Client, seg: transfer.HostSegment, out: transfer.HostSegment, n: int, a: float) -> transfer.Pending:
     return c.compute("scale_add", [seg.tensor(n, np.float32)], [out.tensor(n, np.float32)], {"a": a, "b": 1.0})
 
@@ -60,7 +80,7 @@ def test_a_killed_device_process_fails_its_request_and_the_next_one_starts_again
         big = c.segment(3 * m * m * 4)
         running = c.compute("matmul", [big.tensor((m, m), np.float32), big.tensor((m, m), np.float32, offset=m * m * 4)],
                             [big.tensor((m, m), np.float32, offset=2 * m * m * 4)])
-        time.sleep(0.2)  # the matmul runs in the process by now (it takes seconds on one core)
+        assert wait_busy(daemon) == first  # the matmul runs in the process (it takes seconds on one core)
         os.kill(first, signal.SIGKILL)
         with pytest.raises(E.BackendError, match="killed by signal 9"):
             running.result()
@@ -139,7 +159,7 @@ def test_the_loop_never_waits_behind_a_busy_device_process(daemon: DaemonProcess
         m.ndarray((2, n, n), np.float32)[:] = 1
         big = a.compute("matmul", [m.tensor((n, n), np.float32), m.tensor((n, n), np.float32, offset=n * n * 4)],
                         [m.tensor((n, n), np.float32, offset=2 * n * n * 4)])
-        time.sleep(0.2)  # A's matmul is in the process by now (it takes seconds on one core)
+        wait_busy(daemon)  # A's matmul runs in the process (it takes seconds on one core)
         bs, bo = b.segment(256), b.segment(256)
         small = scale_add(b, bs, bo, 64, 2.0)
         cs, co = c.segment(64), c.segment(64)
@@ -336,7 +356,7 @@ def test_a_daemon_stopped_while_its_device_process_computes_exits_cleanly(daemon
         running = c.compute("matmul", [big.tensor((m, m), np.float32), big.tensor((m, m), np.float32, offset=m * m * 4)],
                             [big.tensor((m, m), np.float32, offset=2 * m * m * 4)])
         behind = [scale_add(c, seg, out, 64, 3.0) for _ in range(8)]
-        time.sleep(0.2)  # the matmul runs in the process by now
+        assert wait_busy(d) == proc  # the matmul runs in the process
         d.proc.send_signal(signal.SIGTERM)
         assert d.proc.wait(30) == 0
         for p in [running, *behind]:  # each answered: done, or cut off by the shutdown

@@ -44,3 +44,28 @@ def test_readme_producer_snippet_runs() -> None:
                 del os.environ["TRANSFER_ENDPOINT"]
             else:
                 os.environ["TRANSFER_ENDPOINT"] = old
+
+
+def test_benchmark_tables_are_generated_from_the_recorded_results() -> None:
+    """docs/benchmarks.md's tables are what bench/results_doc.py makes of bench/results/ (so
+    they cannot drift from the files), the page stays a reference of about 300 lines, and
+    every result file it names exists."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "results_doc.py"), "--check"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert len(page.splitlines()) <= 320
+    for rel in re.findall(r"bench/results/[\w./{},*-]+", page):
+        name = re.sub(r"\{([^}]*)\}", lambda m: m.group(1).split(",")[0], rel).rstrip(".,)`")
+        assert list(ROOT.glob(name)), name
+
+
+def test_no_doc_narrates_how_it_was_built() -> None:
+    """Reference pages describe the product as it is: no work sessions, no issue numbers,
+    no file outside the repository."""
+    for doc in (ROOT / "docs").glob("*.md"):
+        text = doc.read_text()
+        assert not re.search(r"\bsession \d{2}\b|\bissue \d+\b|\.\./shared/", text, re.I), doc.name

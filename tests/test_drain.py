@@ -5,7 +5,6 @@ as on the socket. Real daemons, real signals, real rings."""
 from __future__ import annotations
 
 import signal
-import time
 
 import numpy as np
 import pytest
@@ -14,28 +13,10 @@ import zmq
 import transfer
 from transfer import protocol as P
 
+from conftest import draining
+
 MiB = 1 << 20
 WORKERS = [pytest.param((), id="native-workers"), pytest.param(("--no-ring-workers",), id="event-loop")]
-
-
-def draining(endpoint: str, timeout: float = 30.0) -> None:
-    """Return once the daemon refuses a new hello with ShuttingDown: its drain has begun."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = zmq.Context.instance().socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        try:
-            s.connect(endpoint)
-            s.send(P.encode_requests([P.Hello(1, P.VERSION, "probe", 0, b"")]))
-            if not s.poll(5000):
-                continue
-            (r,) = P.decode_replies(s.recv())
-            if isinstance(r.error, transfer.ShuttingDown):
-                return
-            s.send(P.encode_requests([P.Close(2)]))
-        finally:
-            s.close(0)
-    raise AssertionError("the daemon never began to drain")
 
 
 @pytest.mark.parametrize("extra", WORKERS)

@@ -8,7 +8,6 @@ These tests would hang (and fail on their deadline) if a message could sit unsee
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -39,11 +38,10 @@ def _peer(endpoint: str, n: int, window: int, got: list[bytes]) -> None:
         ctx.term()
 
 
-def _echo(tmp_path: Path, n: int, window: int, idle_s: float = 0.0) -> tuple[list[bytes], float]:
+def _echo(tmp_path: Path, n: int, window: int) -> tuple[list[bytes], None]:
     """A pump on a ROUTER answering a peer's `n` requests from a second task, each reply sent
-    after a checkpoint, so while the pump is parked (as the daemon's session tasks send theirs);
-    then `idle_s` seconds with nothing to do. Returns the replies the peer got, and the CPU
-    time the pump's thread used while idle."""
+    after a checkpoint, so while the pump is parked (as the daemon's session tasks send theirs).
+    Returns the replies the peer got."""
     endpoint = f"ipc://{tmp_path}/pump.sock"
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -52,7 +50,7 @@ def _echo(tmp_path: Path, n: int, window: int, idle_s: float = 0.0) -> tuple[lis
     got: list[bytes] = []
     peer = threading.Thread(target=_peer, args=(endpoint, n, window, got), daemon=True)
 
-    async def main() -> float:
+    async def main() -> None:
         pump = SocketPump(sock)
         to_answer, answers = trio.open_memory_channel[list[bytes]](n)
 
@@ -69,19 +67,15 @@ def _echo(tmp_path: Path, n: int, window: int, idle_s: float = 0.0) -> tuple[lis
                 while peer.is_alive():
                     await trio.sleep(0.01)
                 await pump.wait_drained()
-            cpu = time.thread_time()
-            await trio.sleep(idle_s)
-            used = time.thread_time() - cpu
             nursery.cancel_scope.cancel()
-        return used
 
     try:
-        used = trio.run(main)
+        trio.run(main)
         peer.join(5)
     finally:
         sock.close()
         ctx.term()
-    return got, used
+    return got, None
 
 
 @pytest.mark.parametrize("window", [1, 8])
@@ -90,11 +84,3 @@ def test_replies_sent_from_another_task_never_strand_a_request(tmp_path: Path, w
     n = 3000
     got, _ = _echo(tmp_path, n, window)
     assert sorted(got, key=int) == [b"%d" % i for i in range(n)]
-
-
-def test_an_idle_pump_sleeps(tmp_path: Path) -> None:
-    """After traffic (its FD signalled, its bell rung), the parked pump's thread uses no CPU:
-    nothing left readable in its epoll set wakes it again and again."""
-    got, used = _echo(tmp_path, 50, 4, idle_s=1.0)
-    assert len(got) == 50
-    assert used < 0.05, f"an idle pump used {used:.3f} s of CPU in 1 s"

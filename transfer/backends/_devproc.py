@@ -5,7 +5,7 @@ Why: a CPU kernel is NumPy calls with Python between them. On a worker thread of
 daemon's interpreter, every one of those Python steps waits for the GIL while the loop
 receives, plans and answers, and the loop waits for the worker's. An MLP graph ran
 at 0.70x the same math in-process that way, and at 0.93-0.97x with its kernels in a process
-of their own (`bench/compute_process.py`).
+of their own.
 
 **Memory.** Every byte a kernel may touch is a memfd the daemon made: host segments
 (`ShmFile`) and the CPU backend's own allocations (device buffers, graph intermediates,

@@ -10,7 +10,7 @@ Three sources, one exposition (docs/operations.md lists every family):
   plain Python numbers in slots bound on first use of each label (one dict
   lookup, one or two integer adds, a `bisect` for histograms).
   prometheus_client's own ``Counter.labels(...).inc()`` takes a lock per call
-  and costs several times more (bench/metrics_cost.py measures both).
+  and costs several times more.
 * **The daemon's Stats counters** (`set_source`) are read when someone
   scrapes and exported under the names in `STATS_FAMILIES`: counters as
   counters ending in `_total`, levels as gauges, units in the names. A Stats

@@ -11,7 +11,7 @@ when anything is ready for it. A message can therefore never sit unseen.
 The task parks on one epoll set holding the socket's FD and that bell (an
 eventfd): ringing it is a write, where cancelling a wait (the other way to
 wake a trio task) costs a cancel scope per wait and an exception per wake,
-~20 us of the loop's thread per message on a 2-core VM (`bench/pump_cost.py`).
+~20 us of the loop's thread per message on a 2-core VM.
 Linux only, as the rest of the package.
 """
 
