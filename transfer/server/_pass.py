@@ -40,7 +40,7 @@ from ._batch import Batch, joins, one_lane, plan_batch
 from ._pipeline import Pipeline
 from ._planner import Planner
 from ._rings import Rings
-from ._session import Session
+from ._session import Phase, Session
 from ._waves import assign_waves, run_inline, run_waves
 
 __all__ = ["Pass"]
@@ -299,6 +299,8 @@ class Pass:
         self.accounting.passed(session, b.ops, len(b.waves), codes, b.control)
         if session.worker is not None:
             self.rings.settle(session)  # the ring goes back to its worker once the session is idle
+        if session.phase is Phase.DRAINING:
+            session.wake.set()  # (its task, idle, waits for these last answers to end the session)
         if peer_lost and session.running:
             self.on_peer_lost(session)  # the producer's NIXL agent is gone: its session goes too
 
