@@ -86,7 +86,7 @@ from transfer import protocol as P
 from transfer.testing import DaemonProcess, start_daemon
 
 MiB = 1 << 20
-#: Attacks that find a bug not fixed yet (tests/test_hostile_soak.py DISABLED says which, and
+#: Attacks that find a bug not fixed yet (tests/integration/test_hostile_soak.py DISABLED says which, and
 #: why): left out of a run unless named, or `--attacks all`.
 BREAKING: tuple[str, ...] = ()
 DAEMON_ARGS = [

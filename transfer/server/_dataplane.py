@@ -21,7 +21,7 @@ it serves a ring without a worker, errors and all, and gives the ring back
 (`resume`) once the session is idle again. One implementation of each
 request's meaning stays in Python; the worker is the fast path for the
 requests it can prove valid, and the equivalence is tested descriptor by
-descriptor (tests/test_dataplane.py).
+descriptor (tests/integration/test_dataplane.py).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Three sources, one exposition (docs/operations.md lists every family):
   scrapes and exported under the names in `STATS_FAMILIES`: counters as
   counters ending in `_total`, levels as gauges, units in the names. A Stats
   key that is neither there nor in `STATS_NOT_EXPORTED` is not exported
-  (tests/test_metrics.py fails on it), so a new counter cannot slip out
+  (tests/integration/test_metrics.py fails on it), so a new counter cannot slip out
   under an unconventional name.
 * **Per-client series** (`_metrics_series.SessionSeries`): bounded cardinality,
   folded from the sessions' own counters at scrape time; the request path pays

@@ -148,6 +148,7 @@ class Pass:
         """Answer everything queued with `err` (socket replies; completions for ring requests)."""
         b = Batch(session)
         q = session.queue
+        session.queue_taken += len(q)
         while q:
             req, route = q.popleft()
             b.count(req, route)
@@ -174,20 +175,20 @@ class Pass:
                     break  # a barrier: it runs once what came before it has completed
                 if t is P.RegisterRemote:
                     if not taken:
-                        q.popleft()
+                        _pop(session)
                         b.count(req, route)
                         b.remote = req
                         b.inline = False
                         b.control.append(t)
                     break
-                q.popleft()
+                _pop(session)
                 taken += 1
                 b.count(req, route)
                 b.control.append(t)
                 b.replies.append((req.id, route, self.control.execute(session, req)))
                 running = session.running  # a Close stops the take here
                 continue
-            q.popleft()
+            _pop(session)
             taken += 1
             b.count(req, route)
             if t is P.BadRequest:
@@ -206,7 +207,7 @@ class Pass:
             # Closed in this pass (a Close, or reclaimed): what was queued behind it is answered now.
             err = E.SessionClosed("the session closed before this request ran")
             while q:
-                req, route = q.popleft()
+                req, route = _pop(session)
                 b.count(req, route)
                 if type(req) is P.Wait:  # the marker of the frame that closed: nothing to run, no failure
                     b.replies.append((req.id, route, P.Reply(req.id)))
@@ -307,3 +308,9 @@ class Pass:
 
 def _result(value: Any) -> int:
     return int(value) if isinstance(value, (int, np.integer)) else 0
+
+
+def _pop(session: Session) -> tuple[Any, int]:
+    """The request at the head of the session's queue, taken (counted: `Session.queue_taken`)."""
+    session.queue_taken += 1
+    return session.queue.popleft()

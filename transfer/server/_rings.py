@@ -297,9 +297,11 @@ class Rings:
         self.accounting.received(session, owed)
         session.ring_pending += owed
         waits = session.waiting_frames
-        for k, (number, at) in enumerate(waits):
+        for k, (number, begins) in enumerate(waits):
             if number > fence:
                 queue = session.queue
+                # (its index now: requests taken from the head since it arrived moved it forward)
+                at = min(max(0, begins - session.queue_taken), len(queue))
                 queue.rotate(-at)
                 queue.extendleft(reversed(items))
                 queue.rotate(at)
@@ -318,7 +320,7 @@ class Rings:
             if tail is not None:
                 session.ring_wait = tail if session.ring_wait is None else max(session.ring_wait, tail)
         if session.ring_wait is not None:  # this frame's requests begin here (`_queue` places ahead of them)
-            session.waiting_frames.append((session.frames_seen + 1, len(session.queue)))
+            session.waiting_frames.append((session.frames_seen + 1, session.queue_taken + len(session.queue)))
 
     def after_frame(self, session: Session) -> None:
         """A frame was counted: what its ring held for it goes into the queue, and the loop

@@ -129,9 +129,13 @@ class Session:
     #: A socket frame arrived while the worker still had this request index to go: the
     #: socket requests wait (`Rings.catch_up`) until it has, so the ring's go first.
     ring_wait: int | None = None
-    #: The frames queued while `ring_wait` is set: (frame number, where its requests begin in
-    #: `queue`). What the worker hands over is placed ahead of the frames sent after it.
+    #: The frames queued while `ring_wait` is set: (frame number, where its requests begin, as
+    #: a count of requests ever queued: `queue_taken` + the index in `queue`). What the worker
+    #: hands over is placed ahead of the frames sent after it.
     waiting_frames: list[tuple[int, int]] = field(default_factory=list)
+    #: Requests taken from the head of `queue` so far (the pass's): turns a waiting frame's
+    #: count into an index in `queue`, however much was taken since it arrived.
+    queue_taken: int = 0
     #: Set when the worker rings the bell for this session (a watched index, a handover).
     ring_moved: trio.Event = field(default_factory=trio.Event)
     #: The daemon is draining: the request index its client had published when the drain
