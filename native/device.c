@@ -158,6 +158,21 @@ static CUresult tdp_dev_flush(tdp_worker_t *w)
     return tdp_dev_issue(w, TDP_COPY, w->mg.dst, w->mg.src, n, 0, w->mg.ordinal);
 }
 
+/* Queue the copy held for merging, if any, in its own device's context (before an event or a
+ * graph run goes on the stream behind it); a failure is the current flight's. 0, or a CUresult. */
+static CUresult tdp_dev_flush_held(tdp_worker_t *w)
+{
+    tdp_flight_t *f = &w->fl[w->cf];
+    if (!w->mg.n)
+        return 0;
+    CUresult r = w->sticky ? w->sticky : f->fault ? f->fault : tdp_cuda_use(w->mg.ordinal);
+    r = r ? r : tdp_dev_flush(w);
+    w->mg.n = 0;
+    if (r != 0 && !f->fault)
+        f->fault = r;
+    return r;
+}
+
 /* A graph run's device work (the runner's, on this worker's thread): the worker's stream on
  * `ordinal` for it to queue on, the device marked used by the run being served. 0, or a CUresult. */
 CUresult tdp_dev_run_stream(tdp_worker_t *w, int ordinal, CUstream *out)
@@ -165,12 +180,7 @@ CUresult tdp_dev_run_stream(tdp_worker_t *w, int ordinal, CUstream *out)
     if (ordinal < 0 || ordinal >= tdp_cuda_devices())
         return 101;
     CUresult r = w->sticky ? w->sticky : w->fl[w->cf].fault;
-    if (r == 0 && w->mg.n) { /* a copy before the run, still held for merging: queued first */
-        r = tdp_cuda_use(w->mg.ordinal);
-        r = r ? r : tdp_dev_flush(w);
-        if (r != 0 && !w->fl[w->cf].fault)
-            w->fl[w->cf].fault = r;
-    }
+    r = r ? r : tdp_dev_flush_held(w); /* (a copy before the run goes first) */
     r = r ? r : tdp_stream(w, ordinal);
     r = r ? r : tdp_flight_start(w, ordinal);
     if (r == 0) {
@@ -304,14 +314,8 @@ static CUresult tdp_event_wait(tdp_worker_t *w, CUevent e)
 /* Record the flight's events on the streams it used (those not recorded yet). */
 static void tdp_flight_record(tdp_worker_t *w, tdp_flight_t *f)
 {
-    if (w->mg.n && f == &w->fl[w->cf]) { /* (the merged copy is the current flight's) */
-        CUresult r = w->sticky ? w->sticky : f->fault ? f->fault : tdp_cuda_use(w->mg.ordinal);
-        if (r == 0)
-            r = tdp_dev_flush(w);
-        w->mg.n = 0;
-        if (r != 0 && !f->fault)
-            f->fault = r;
-    }
+    if (f == &w->fl[w->cf])
+        tdp_dev_flush_held(w); /* (the merged copy is the current flight's) */
     for (int d = 0; d < TDP_CUDA_MAX_DEVICES; d++) {
         uint32_t bit = 1u << d;
         if (!(f->dused & bit) || (f->recorded & bit))
