@@ -144,17 +144,24 @@ def test_restarted_daemon_does_not_know_old_sessions(daemon) -> None:
     c.close()
 
 
-def test_sigterm_finishes_in_flight_work_then_exits_zero(daemon_factory, shm_dir: Path) -> None:
-    """What was sent before SIGTERM is done, and the daemon exits 0 as soon as it is: not when
-    its grace (here 60 s, past the wait below) runs out, as it did when the last answers came
-    from a pass the session's idle task did not hear of."""
-    daemon = daemon_factory("--shutdown-grace", "60")
+def _streaming_client(daemon) -> tuple:  # type: ignore[no-untyped-def]
+    """A client with a 256 MiB segment (every page written) and a device buffer its size,
+    already defined: the copies a test sends next are on the ring, published before any signal."""
     c = transfer.connect(daemon.endpoint)
     n = 256 << 20
     seg = c.segment(n)
     buf = c.alloc(n)
     seg.buffer[::4096] = 1
-    c.copy(buf, seg, 4096).result()  # (the buffer defined: what follows is on the ring, published before the signal)
+    c.copy(buf, seg, 4096).result()
+    return c, seg, buf
+
+
+def test_sigterm_finishes_in_flight_work_then_exits_zero(daemon_factory, shm_dir: Path) -> None:
+    """What was sent before SIGTERM is done, and the daemon exits 0 as soon as it is: not when
+    its grace (here 60 s, past the wait below) runs out, as it did when the last answers came
+    from a pass the session's idle task did not hear of."""
+    daemon = daemon_factory("--shutdown-grace", "60")
+    c, seg, buf = _streaming_client(daemon)
     pend = [c.copy(buf, seg) for _ in range(4)]  # a second or so of memcpy
     cks = c.checksum(buf)
     daemon.proc.send_signal(signal.SIGTERM)  # (whenever it lands, what was sent before it is done)
@@ -171,12 +178,7 @@ def test_a_second_sigterm_during_the_drain_changes_nothing(daemon, shm_dir: Path
     """An impatient operator's second SIGTERM (or SIGINT) while the daemon drains: the drain
     and the cleanup go on, and it exits 0 with nothing left behind (trio's receiver used to
     re-deliver it into the default action once it closed, before the cleanup)."""
-    c = transfer.connect(daemon.endpoint)
-    n = 256 << 20
-    seg = c.segment(n)
-    buf = c.alloc(n)
-    seg.buffer[::4096] = 1
-    c.copy(buf, seg, 4096).result()  # (the buffer defined: what follows is on the ring, published before the signal)
+    c, seg, buf = _streaming_client(daemon)
     pend = [c.copy(buf, seg) for _ in range(8)]  # 2 GiB of memcpy: the drain takes a while
     daemon.proc.send_signal(signal.SIGTERM)
     draining(daemon.endpoint)  # (a new hello is refused: the drain has begun)
