@@ -33,17 +33,6 @@ from .common import fmt_size
 SIZES = (1 << 20, 64 << 20, 1 << 30, 4 << 30)
 
 
-def available() -> tuple[bool, str]:
-    try:
-        from ..transport import _nixl
-
-        if not _nixl.available():
-            return False, "registration: NIXL not importable (pip install --no-deps nixl-cu12, see docs/rdma.md)"
-    except Exception as e:  # noqa: BLE001
-        return False, f"registration: NIXL wrapper unavailable ({type(e).__name__}: {e})"
-    return True, ""
-
-
 def _us(fn: Callable[[], Any]) -> tuple[float, Any]:
     t0 = time.perf_counter()
     out = fn()

@@ -47,21 +47,18 @@ def mode_available(mode: str) -> tuple[bool, str]:
         from .gpu import available
 
         return available()
-    if mode == "registration":
-        from .registration import available
-
-        return available()
-    if mode == "remote":
-        # The producer's own memory read over NIXL (UCX: cma/tcp on one host, RDMA
+    if mode in ("remote", "registration"):
+        # remote: the producer's own memory read over NIXL (UCX: cma/tcp on one host, RDMA
         # across hosts); the daemon stays the embedded ipc one, the data plane is NIXL's.
+        # registration: a producer's memory registered with NIXL, and with the daemon.
         try:
             from transfer.transport import _nixl
 
             if not _nixl.available():
-                return False, ("remote: NIXL not importable "
+                return False, (f"{mode}: NIXL not importable "
                                "(pip install --no-deps nixl-cu12, see docs/rdma.md)")
         except Exception as e:  # noqa: BLE001
-            return False, f"remote: NIXL wrapper unavailable ({type(e).__name__}: {e})"
+            return False, f"{mode}: NIXL wrapper unavailable ({type(e).__name__}: {e})"
         return True, ""
     return False, f"unknown mode {mode!r}"
 
