@@ -34,6 +34,9 @@ from transfer import protocol as P  # noqa: E402
 from transfer.testing import DaemonProcess, start_daemon  # noqa: E402
 
 FAST = ["--heartbeat", "0.2", "--session-timeout", "2.0", "--backend", "numpy"]
+#: Added to FAST for the tests that let a session idle past the timeout: each waits it out.
+BRISK = ["--heartbeat", "0.1", "--session-timeout", "1.0"]
+BRISK_TIMEOUT_S = 1.0
 
 
 def segment_files(shm_dir: Path) -> list[str]:
@@ -68,6 +71,19 @@ def daemon(shm_dir: Path, tmp_path: Path) -> Iterator[DaemonProcess]:
         graceful = d.stop() == 0
     # A killed daemon leaves its lock and fd socket to the next one's sweep, never memory.
     assert (leftovers if graceful else segment_files)(shm_dir) == [], "files left behind"
+
+
+@pytest.fixture
+def brisk_daemon(shm_dir: Path, tmp_path: Path) -> Iterator[DaemonProcess]:
+    """A daemon of its own that reclaims a session silent for BRISK_TIMEOUT_S."""
+    wd = tmp_path / "brisk"
+    wd.mkdir(mode=0o700)
+    d = start_daemon([*FAST, *BRISK], workdir=wd, shm_dir=shm_dir)
+    try:
+        yield d
+    finally:
+        assert d.stop() == 0
+    assert leftovers(shm_dir) == [], "files left behind"
 
 
 @pytest.fixture(scope="module")

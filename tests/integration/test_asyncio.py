@@ -17,6 +17,7 @@ import pytest
 
 import transfer
 from transfer.testing import stop_process
+from conftest import BRISK_TIMEOUT_S
 
 
 @pytest.fixture
@@ -148,7 +149,7 @@ def test_daemon_killed_while_a_task_awaits(daemon_factory: Any, how: str) -> Non
     if how == "liveness":
         kw["liveness_timeout"] = 1.0
 
-    async def main() -> float:
+    async def main() -> str:
         async with transfer.open_asyncio_client(d.endpoint, **kw) as c:
             seg = await c.segment(4096)
             await c.fill(seg, 4096, 1)
@@ -157,32 +158,30 @@ def test_daemon_killed_while_a_task_awaits(daemon_factory: Any, how: str) -> Non
             waiter = asyncio.create_task(pend.wait())
             await asyncio.sleep(0.05)
             assert not waiter.done()
-            if how == "liveness":
-                t0 = time.monotonic()  # a stopped daemon keeps its fds open: only its silence tells
-            else:
+            if how != "liveness":  # (a stopped daemon keeps its fds open: only its silence tells)
                 d.kill()
-                t0 = time.monotonic()
-            with pytest.raises(transfer.ConnectionLost):
-                await asyncio.wait_for(waiter, 10)
+            with pytest.raises(transfer.ConnectionLost) as lost:
+                await asyncio.wait_for(waiter, 30)
             with pytest.raises(transfer.ConnectionLost):
                 await c.fill(seg, 4096, 3)  # the session is broken: new requests fail at once
-            return time.monotonic() - t0
+            return str(lost.value)
 
     try:
-        took = run(main)
+        said = run(main)
     finally:
         d.kill()
-    assert took < (4.0 if how == "liveness" else 2.0), took
+    # Told by the way under test, not by a later one (the liveness timeout is the last resort).
+    assert {"pidfd": "exited", "ring-doorbell": "closed the ring's doorbell", "liveness": "has not answered for 1.0s"}[how] in said, said
 
 
-def test_idle_session_survives_on_heartbeats(daemon: Any) -> None:
-    """The daemon ends sessions silent for --session-timeout (2 s here): an idle asyncio
-    client is kept alive by its heartbeat task, with nothing awaiting."""
+def test_idle_session_survives_on_heartbeats(brisk_daemon: Any) -> None:
+    """The daemon ends sessions silent for --session-timeout: an idle asyncio client is kept
+    alive by its heartbeat task, with nothing awaiting."""
 
     async def main() -> None:
-        async with transfer.open_asyncio_client(daemon.endpoint) as c:
+        async with transfer.open_asyncio_client(brisk_daemon.endpoint) as c:
             seg = await c.segment(4096)
-            await asyncio.sleep(3.0)
+            await asyncio.sleep(1.5 * BRISK_TIMEOUT_S)
             await c.fill(seg, 64, 1)
 
     run(main)

@@ -17,7 +17,7 @@ import zmq
 
 import _workers
 import transfer
-from conftest import draining, segment_files
+from conftest import BRISK_TIMEOUT_S, draining, segment_files
 from transfer import protocol as P
 from transfer.testing import memfds, stop_process
 
@@ -192,11 +192,12 @@ def test_a_second_sigterm_during_the_drain_changes_nothing(daemon, shm_dir: Path
     c.close()
 
 
-def test_silent_session_is_reclaimed(daemon, shm_dir: Path) -> None:
+def test_silent_session_is_reclaimed(brisk_daemon, shm_dir: Path) -> None:
+    daemon = brisk_daemon
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.connect(daemon.endpoint)
-    # pid 0: no pid watch, so only the heartbeat timeout (2 s in tests) can reclaim it.
+    # pid 0: no pid watch, so only the session timeout can reclaim it.
     s.send(P.encode_requests([P.Hello(1, P.VERSION, "silent", 0, b""), P.Alloc(2, 1 << 20, -1), P.RegisterHost(3, 4096)]))
     got = []
     while len(got) < 3:
@@ -209,10 +210,10 @@ def test_silent_session_is_reclaimed(daemon, shm_dir: Path) -> None:
     s.close(0)
 
 
-def test_idle_client_keeps_its_session(daemon) -> None:
-    with transfer.connect(daemon.endpoint) as c:
+def test_idle_client_keeps_its_session(brisk_daemon) -> None:
+    with transfer.connect(brisk_daemon.endpoint) as c:
         seg = c.segment(4096)
-        time.sleep(3.0)  # longer than the 2 s session timeout: heartbeats keep it
+        time.sleep(1.5 * BRISK_TIMEOUT_S)  # idle past the session timeout: heartbeats keep it
         assert c.checksum(seg).result() == transfer.checksum64(np.zeros(4096, np.uint8))
 
 

@@ -24,7 +24,7 @@ from transfer import errors as E
 from transfer import _native
 from transfer.testing import DaemonProcess, start_daemon
 
-from conftest import FAST
+from conftest import BRISK, BRISK_TIMEOUT_S, FAST
 
 
 
@@ -342,8 +342,9 @@ def test_a_socket_request_waits_for_the_ring_requests_before_it(daemon: DaemonPr
     with transfer.connect(daemon.endpoint) as c:
         src = c.segment(n)
         a = src.ndarray((n,), np.uint8)
+        pattern = np.resize(np.arange(253, dtype=np.uint8), n)
         for trial in range(3):
-            a[:] = (np.arange(n) + trial) % 253
+            np.add(pattern, np.uint8(trial), out=a)
             dev = c.alloc(n)
             c.copy(dev, src.va, n)  # not awaited: the compute below goes over the socket
             got = c.compute("checksum", [transfer.TensorRef(dev.va, "uint8", (n,))]).result()
@@ -447,16 +448,17 @@ def test_a_worker_that_slept_is_counted(daemon: DaemonProcess) -> None:
         assert slept >= 3, slept
 
 
-def test_ring_only_traffic_keeps_a_session_alive(daemon: DaemonProcess) -> None:
+def test_ring_only_traffic_keeps_a_session_alive(daemon_factory: Any) -> None:
     """A client that only pushes ring descriptors (no pings) for longer than the session
     timeout is busy, not silent: its worker's progress counts as traffic."""
     from transfer.ring import Op
 
+    daemon = daemon_factory("--ring-workers", *BRISK)
     with transfer.connect(daemon.endpoint) as c:
         seg = c.segment(4096)
         c._stop_heartbeat.set()  # no pings from here on: only the ring speaks
         ring = c._ring.ring
-        timeout = 2.0  # FAST's --session-timeout
+        timeout = BRISK_TIMEOUT_S
         t0 = time.monotonic()
         rid = 1 << 40
         while time.monotonic() - t0 < 1.5 * timeout:

@@ -630,15 +630,34 @@ def describe(program: list[tuple]) -> str:
 
 
 # --- the property ----------------------------------------------------------------------------------------------
+def _programs(examples: int) -> settings:
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],  # no "explain": it reruns ~100 times
+    )
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@settings(
-    max_examples=35,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],  # no "explain": it reruns ~100 times
-)
+@_programs(20)
 @given(program=PROGRAM, seed=st.integers(0, 2**32 - 1))
 def test_every_path_gives_the_same_memory_and_replies(paths: list[Path_], program: list[tuple], seed: int) -> None:
+    every_path_agrees(paths, program, seed)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@_programs(100)
+@given(program=PROGRAM, seed=st.integers(0, 2**32 - 1))
+def test_every_path_gives_the_same_memory_and_replies_deep(paths: list[Path_], program: list[tuple], seed: int) -> None:
+    """The same property over five times as many programs (`-m slow`)."""
+    every_path_agrees(paths, program, seed)
+
+
+def every_path_agrees(paths: list[Path_], program: list[tuple], seed: int) -> None:
+    """The program run on every path leaves the model's memory and replies, and each path's
+    exact outcomes (error classes and messages) agree with every other's."""
     rng = np.random.default_rng(seed)
     init = {k: rng.integers(0, 256, n, dtype=np.uint8) for k, n in SIZES.items()}
     ref_out, ref_mem = reference(init, program)

@@ -11,7 +11,9 @@
    a plain-Python model of its memory: the daemon's bytes, checksums and
    error classes must equal the model's.
 
-Run with ``-s`` to see the counts (frames sent, replies, distinct codes).
+Run with ``-s`` to see the counts (frames sent, replies, distinct codes). Each property
+runs at two depths: the default suite's, and a deep run under ``-m slow`` (CI runs both);
+``FUZZ_EXAMPLES`` / ``FUZZ_MACHINES`` set the number of examples / machines of every run.
 """
 
 from __future__ import annotations
@@ -269,8 +271,17 @@ def frames(draw: st.DrawFn, vas: list[int]) -> list[bytes]:
     return [draw(st.sampled_from(PATHOLOGICAL))]
 
 
+#: Examples per property: the default suite's, and the deep run's (`-m slow`).
+DEPTHS = pytest.mark.parametrize("depth", [pytest.param(1, id="default"), pytest.param(4, id="deep", marks=pytest.mark.slow)])
+
+
+def examples(depth: int, per_depth: int = 100, env: str = "FUZZ_EXAMPLES") -> int:
+    return int(os.environ.get(env, per_depth * depth))
+
+
 # --- the frame fuzzer ---------------------------------------------------------------------
-def test_frame_fuzzer(fuzzd, shm_dir: Path) -> None:
+@DEPTHS
+def test_frame_fuzzer(fuzzd, shm_dir: Path, depth: int) -> None:
     victim = transfer.connect(fuzzd.endpoint, name="victim")
     vseg = victim.segment(1 << 16)
     vseg.buffer[:] = np.arange(1 << 16, dtype=np.uint32).view(np.uint8)[: 1 << 16]
@@ -281,7 +292,7 @@ def test_frame_fuzzer(fuzzd, shm_dir: Path) -> None:
     # No shrink phase: each failing try can wait seconds for a reply that never comes, and
     # shrinking would take minutes; the failing example is printed unshrunk.
     @settings(
-        max_examples=int(os.environ.get("FUZZ_EXAMPLES", "200")),
+        max_examples=examples(depth),
         deadline=None,
         suppress_health_check=list(HealthCheck),
         database=None,
@@ -432,12 +443,13 @@ def declared_request(cls: type, vas: list[int]) -> st.SearchStrategy[list[Any]]:
 WIRE = sorted(P._WIRE_TYPES.items())
 
 
-def test_every_declared_field_across_its_range(fuzzd) -> None:
+@DEPTHS
+def test_every_declared_field_across_its_range(fuzzd, depth: int) -> None:
     """Each request type with each field drawn from its declared type, its ends first (a
     hello's pid up to 2**32-1, a stream up to 2**32-1, a u64 at 2**63): every request is
     answered, none with InternalError, and the daemon lives. The strategy is derived from
     the protocol's declarations, so a field added there is fuzzed here without a word."""
-    @settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "200")), deadline=None,
+    @settings(max_examples=examples(depth), deadline=None,
               suppress_health_check=list(HealthCheck), database=None, phases=[Phase.explicit, Phase.generate])
     @given(data=st.data())
     def run(data: st.DataObject) -> None:
@@ -612,7 +624,8 @@ class SessionModel(RuleBasedStateMachine):
                 assert s.shm.array.tobytes() == bytes(s.data), f"segment {s.sid} differs from the model"
 
 
-def test_session_against_model(fuzzd, shm_dir: Path) -> None:
+@DEPTHS
+def test_session_against_model(fuzzd, shm_dir: Path, depth: int) -> None:
     with transfer.connect(fuzzd.endpoint, name="other") as other:
         foreign = other.alloc(4096)
         other.fill(foreign, 4096, 0).result()  # make it exist in the daemon (creation may be deferred)
@@ -623,7 +636,7 @@ def test_session_against_model(fuzzd, shm_dir: Path) -> None:
         run_state_machine_as_test(
             SessionModel,
             settings=settings(
-                max_examples=int(os.environ.get("FUZZ_MACHINES", "30")),
+                max_examples=examples(depth, 20, "FUZZ_MACHINES"),
                 stateful_step_count=40,
                 deadline=None,
                 suppress_health_check=list(HealthCheck),

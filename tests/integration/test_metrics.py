@@ -609,7 +609,7 @@ def test_idle_metrics_connections_cannot_exhaust_the_daemons_descriptors(shm_dir
     port = free_port()
     wd = tmp_path / "run"
     wd.mkdir(mode=0o700)
-    d = start_daemon(["--backend", "numpy", "--metrics-port", str(port)], workdir=wd, shm_dir=shm_dir)
+    d = start_daemon(["--backend", "numpy", "--metrics-port", str(port), "--metrics-timeout", "1"], workdir=wd, shm_dir=shm_dir)
     idle: list[socket.socket] = []
     try:
         # A shell's default limit, set after startup (the daemon raises its soft limit to the hard one).

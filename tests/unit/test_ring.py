@@ -475,7 +475,7 @@ def test_consumer_killed(impl: str, shm_dir: Path) -> None:
 def test_an_idle_consumer_waits_and_wakes_for_a_push(impl: str, shm_dir: Path) -> None:
     p = shm_dir / "idle"
     with RINGS[impl].create(p, 64, role="client") as cli:
-        child = _spawn(impl, "idle", p, 1.0)
+        child = _spawn(impl, "idle", p, 0.3)
         out, err = child.communicate(timeout=30)
         assert child.returncode == 0, err
         r = json.loads(out)

@@ -167,10 +167,25 @@ def test_loop_posts_cut_a_remote_group_by_bytes() -> None:
     assert _loop_posts(big, 1000) == [big]
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data(), st.sampled_from([0, 1 << 30]))
 @pytest.mark.parametrize("backend_name", BACKENDS)
 def test_batched_execution_equals_sequential(backend_name: str, data: st.DataObject, inline_bytes: int) -> None:
+    batched_equals_sequential(backend_name, data, inline_bytes)
+
+
+@pytest.mark.slow
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data(), st.sampled_from([0, 1 << 30]))
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_batched_execution_equals_sequential_deep(backend_name: str, data: st.DataObject, inline_bytes: int) -> None:
+    """The same property, five times as many examples (`-m slow`)."""
+    batched_equals_sequential(backend_name, data, inline_bytes)
+
+
+def batched_equals_sequential(backend_name: str, data: st.DataObject, inline_bytes: int) -> None:
+    """Random requests, run batched (waves, merged copies, vector ops) on the backend, leave the
+    memory and the replies that running them one by one in plain Python gives."""
     n = data.draw(st.integers(1, 40))
     reqs = [data.draw(request(i + 1)) for i in range(n)]
     if data.draw(st.booleans()):  # a burst of plain copies: planned as one vector op, pieces in order

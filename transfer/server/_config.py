@@ -108,6 +108,8 @@ class DaemonConfig:
     metrics_addr: str = "127.0.0.1"
     #: Metrics HTTP connections at once; one more is answered 503 and closed.
     metrics_connections: int = 16
+    #: Seconds a metrics HTTP connection may take before it is closed (a scrape, or a silent peer).
+    metrics_timeout_s: float = 5.0
     #: Client names with per-session series of their own (the rest share one); 0 = no per-session series.
     metrics_sessions: int = 16
 

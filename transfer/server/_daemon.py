@@ -257,7 +257,8 @@ def _curve_router(ctx: zmq.Context[zmq.Socket[bytes]], config: DaemonConfig) -> 
 def _start_metrics(server: Server, config: DaemonConfig, connections: int) -> None:
     """Serve the server's Metrics (it reads its own counters and sessions when scraped)."""
     try:
-        server.metrics_port = server.metrics.start_http(config.metrics_port, config.metrics_addr, max_connections=connections)
+        server.metrics_port = server.metrics.start_http(config.metrics_port, config.metrics_addr, max_connections=connections,
+                                                         timeout_s=config.metrics_timeout_s)
     except OSError as exc:
         raise RuntimeError(
             f"cannot serve metrics on {config.metrics_addr}:{config.metrics_port}: {exc.strerror or exc} "
