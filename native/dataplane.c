@@ -166,7 +166,10 @@ static inline int tdp_push(tdp_worker_t *w, const tdp_comp_t *comps, uint64_t nc
         int64_t pushed = trq_push_from(w->cq, comps, nc, 0);
         if (pushed != (int64_t)nc)
             return TRQ_CORRUPT;  /* the slots were free when counted: only a hostile client gets here */
-        if (trq_ring_doorbell(w->cq->data_waiter) == 1 && w->cbell_fd >= 0) {
+        uint32_t slept = trq_ring_doorbell(w->cq->data_waiter);
+        if (slept)
+            atomic_fetch_add_explicit(&w->n_rouses, 1, memory_order_relaxed);
+        if (slept == 1 && w->cbell_fd >= 0) {
             ssize_t r = write(w->cbell_fd, "", 1);
             (void)r;
         }

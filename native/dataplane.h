@@ -145,6 +145,7 @@ typedef struct {
     /* counters (read by Python at any time; relaxed) */
     _Atomic uint64_t n_copy, n_fill, n_checksum, n_fence, n_bytes, n_batches, n_wakes;
     _Atomic uint64_t n_sleeps;  /* waits for descriptors or completion room that slept on the futex */
+    _Atomic uint64_t n_rouses;  /* completions pushed to a client asleep on them: a FUTEX_WAKE each */
     _Atomic uint64_t handovers[TDP_WHY_COUNT];
     _Atomic int why;
     /* Latency from the peek that took a request to the push of its completion. */

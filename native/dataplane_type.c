@@ -609,10 +609,10 @@ static PyObject *Worker_counters(WorkerObject *self, PyObject *unused)
 {
     tdp_worker_t *w = &self->w;
 #define C(x) (unsigned long long)atomic_load_explicit(&w->x, memory_order_relaxed)
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "copy", C(n_copy), "fill", C(n_fill),
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "copy", C(n_copy), "fill", C(n_fill),
                          "checksum", C(n_checksum), "fused", C(n_fused), "shared", C(n_shared), "fence", C(n_fence),
                          "bytes", C(n_bytes),
-                         "batches", C(n_batches), "wakes", C(n_wakes), "sleeps", C(n_sleeps),
+                         "batches", C(n_batches), "wakes", C(n_wakes), "sleeps", C(n_sleeps), "rouses", C(n_rouses),
                          "handover_opcode", C(handovers[TDP_WHY_OPCODE]),
                          "handover_fields", C(handovers[TDP_WHY_FIELDS]),
                          "handover_address", C(handovers[TDP_WHY_ADDRESS]),

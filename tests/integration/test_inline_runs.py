@@ -25,6 +25,7 @@ from transfer import errors as E
 from transfer.client import _computes
 from transfer.kernels import DONE, FAILED
 from transfer.ring import COMPLETION_DETAIL, REQUEST_DTYPE, Op, Ring
+from transfer.ring._layout import OFF_CQ_DATA_W
 from transfer.server._inline import InlineRuns
 from transfer.testing import DaemonProcess
 
@@ -132,6 +133,31 @@ def test_a_run_the_runner_does_not_keep_is_handed_over(rig: Any) -> None:
     assert worker.counters()["graph"] == 0 and worker.counters()["handover_opcode"] == 3
 
 
+def test_a_completion_for_a_sleeping_client_is_a_counted_wake(rig: Any, tmp_path: Path) -> None:
+    """`rouses` (ring_client_wakes): a completion pushed while the client is asleep on its
+    futex is a wake, counted; one the client takes without sleeping is not."""
+    words = np.memmap(tmp_path / "r", np.uint32, "r", offset=OFF_CQ_DATA_W, shape=(1,))
+
+    def runner(rid: int, graph: int, src: int, dst: int, stream: int) -> int | None:
+        if graph == 0xA:  # answer once the client sleeps on its completions (a bound for a broken build)
+            deadline = time.monotonic() + 30
+            while not words[0] and time.monotonic() < deadline:
+                time.sleep(0.001)
+        return 0
+
+    worker = rig.start(runner)
+    for rid in (1, 2):  # taken without sleeping: polled
+        rig.cli.push_many(_descs(_run(rid, 0xB)))
+        deadline = time.monotonic() + 30
+        while not rig.cli.available() and time.monotonic() < deadline:
+            pass
+        assert rig.cli.pop()[0] == rid
+    assert worker.counters()["rouses"] == 0
+    rig.cli.push_many(_descs(_run(3, 0xA)))
+    assert rig.cli.wait(timeout=30.0, spin=0) >= 1 and rig.cli.pop()[0] == 3
+    assert worker.counters()["rouses"] == 1
+
+
 def test_an_inline_failure_is_answered_with_its_error_from_the_loop() -> None:
     """The runner answers a failing node's error code at once and hands the error to the loop
     (`report`), which sends its message; a run it does not keep is None."""
@@ -221,6 +247,31 @@ def test_a_repeated_ring_run_is_the_workers(client: transfer.Client) -> None:
     assert after[0] == runs + 5 and after[1] == reused
     assert client.stats()["session"]["device_ns"] > 0  # the kernels' time, the session's device time
     assert after[2] - ops <= 1  # (the stats request's own pass at most: no run was an op)
+
+
+def test_a_learned_wait_for_a_run_naps_and_is_never_woken(client: transfer.Client) -> None:
+    """A wait for a run of a graph whose waits the client knows naps with its futex word
+    unset: a run that ends during the nap is taken when the nap ends, with no wake from the
+    worker (`ring_client_wakes`), and the estimate shrinks (it slept too long)."""
+    g, p = _mlp(client, 8)
+    xs, ys = client.segment(8 * 16 * 4), client.segment(8 * 4 * 4)
+    x, y = xs.ndarray((8, 16), np.float32), ys.ndarray((8, 4), np.float32)
+    for _ in range(3):  # (the worker's from the second)
+        x[...] = RNG.standard_normal((8, 16))
+        client.run_graph(g, [xs], [ys]).result()
+    naps = client._naps
+    wakes = client.stats()["daemon"]["ring_client_wakes"]
+    naps.estimate[g.va] = 0.2  # as if its waits took 0.2 s: the next ones nap through the run
+    for k in range(3):
+        x[...] = RNG.standard_normal((8, 16))
+        p_ = client.run_graph(g, [xs], [ys])
+        plan = naps.plan(p_.id)
+        assert plan is not None and plan[1] > 0.1
+        naps.ran(p_.id, g.va)  # (plan() took it: give it back for the wait)
+        p_.result()
+        np.testing.assert_allclose(y, _ref(x, p), rtol=1e-4, atol=1e-4)
+    assert client.stats()["daemon"]["ring_client_wakes"] == wakes
+    assert naps.estimate[g.va] == pytest.approx(0.2 * 0.75 ** 3)
 
 
 def test_a_freed_operand_is_refused_after_the_worker_ran(client: transfer.Client) -> None:

@@ -24,6 +24,9 @@ from ..transport._fds import daemon_pidfd
 from ..transport._zmq import ipc_path, resolve_endpoint
 from .._pending import Pending
 from ..ring import RingLink
+from ._naps import Naps
+from ._resources import Addressable
+from ._deferred import Graph
 from ._session import Op, Session, open_socket
 
 T = TypeVar("T")
@@ -65,6 +68,7 @@ class Client(Session):
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._last_rx = self._last_tx = time.monotonic()
+        self._naps = Naps()
         try:
             try:
                 self._run(self._op_hello(name, deferred, priority), connect_timeout)
@@ -147,10 +151,19 @@ class Client(Session):
     def _link(self, info: R.RingOpened) -> RingLink:
         return RingLink.open(info, self._core.collect, self._core.sub)
 
-    def _ring_wait(self, done: Any, timeout: float | None) -> None:
-        """Spin, then sleep on the completion futex, until done() after a reap; the socket
-        is looked at between sleeps. (The ring's wait returns at once with completions in:
-        the loop reaps only when there is something to reap.)"""
+    def run_graph(self, graph: Graph, inputs: Sequence[Addressable], outputs: Sequence[Addressable], *,
+                  profile: bool = False, stream: int = 0) -> Any:
+        p = super().run_graph(graph, inputs, outputs, profile=profile, stream=stream)
+        self._naps.ran(p.id, graph.va)  # (its wait naps once the graph's waits are known: `_naps`)
+        return p
+
+    run_graph.__doc__ = Session.run_graph.__doc__
+
+    def _ring_wait(self, done: Any, timeout: float | None, spin: float | None = None) -> None:
+        """Spin (`spin` seconds, default the ring's), then sleep on the completion futex,
+        until done() after a reap; the socket is looked at between sleeps. (The ring's wait
+        returns at once with completions in: the loop reaps only when there is something to
+        reap.)"""
         link, core = self._core.ring, self._core
         assert link is not None
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -161,7 +174,7 @@ class Client(Session):
                 if left <= 0:
                     raise E.RequestTimeout(f"no completion within {timeout}s")
                 step = min(core.heartbeat_s, left)
-            if link.ring.wait(timeout=step):
+            if link.ring.wait(timeout=step, spin=spin):
                 core.reap_ring()
                 if done():
                     return
@@ -193,7 +206,15 @@ class Client(Session):
                 if link.ready() and link.reap(self._core.pending, self._core.unobserved) and pending._done:
                     return
                 start = time.monotonic()
-                self._ring_wait(lambda: pending._done or pending.id not in link.outstanding, timeout)
+                plan = self._naps.plan(pending.id)  # (a graph run's: nap, then spin)
+                overslept = False
+                if plan is not None and plan[1] > 0:
+                    time.sleep(plan[1] if timeout is None else min(plan[1], timeout))  # (the futex word unset: no wake)
+                    overslept = link.ready() > 0
+                self._ring_wait(lambda: pending._done or pending.id not in link.outstanding, timeout,
+                                plan[2] if plan is not None and plan[2] > 0 else None)
+                if plan is not None and pending._done:
+                    self._naps.learn(plan[0], time.monotonic() - start, overslept)
                 if pending._done:
                     return
                 if timeout is not None:  # failed on the ring: its error's message is on the socket

@@ -44,6 +44,9 @@ class Accounting:
             # Times a worker found its ring idle past its spin and slept: the submission that
             # woke it paid for the wake-up (tens of microseconds on a VM; docs/ring.md).
             "ring_worker_sleeps": 0,
+            # Completions a worker pushed to a client asleep on them: each a FUTEX_WAKE on the
+            # worker's thread (a blocking client's wait for a graph run naps instead: client/_naps.py).
+            "ring_client_wakes": 0,
             # Ring copies and fills of GPU memory the workers queued through the CUDA driver;
             # those the Python pass served (no driver, a handover, a socket request); of the
             # workers', copies from host memory that was not page-locked (the pin cap); and
@@ -75,6 +78,7 @@ class Accounting:
         c["fused_checksums"] += counts["fused"]
         c["shared_copies"] += counts["shared"]
         c["ring_worker_sleeps"] += counts["sleeps"]
+        c["ring_client_wakes"] += counts["rouses"]
         c["bytes_moved"] += counts["bytes"]
         c["device_native_requests"] += counts["device_copy"] + counts["device_fill"]
         c["device_unpinned_copies"] += counts["device_unpinned"]

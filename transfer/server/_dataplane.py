@@ -45,7 +45,7 @@ __all__ = ["DataPlane", "NATIVE", "PYTHON", "BROKEN"]
 log = logging.getLogger("transfer.server")
 
 NATIVE, PYTHON, BROKEN = 0, 1, 2
-_COUNTED = ("copy", "fill", "checksum", "fused", "shared", "fence", "graph", "bytes", "handovers", "sleeps", "device_ns",
+_COUNTED = ("copy", "fill", "checksum", "fused", "shared", "fence", "graph", "bytes", "handovers", "sleeps", "rouses", "device_ns",
             "device_queue_waits",
             "device_copy", "device_fill", "device_bytes", "device_unpinned", "device_faults", "device_parked")
 #: The CUDA driver the workers load (a test names its fake driver here).

@@ -65,6 +65,7 @@ STATS_FAMILIES: dict[str, tuple[str, str, str]] = {
     "fused_checksums": ("fused_checksums_total", "counter", "Checksums a native worker answered from the sum of the copy that read or wrote their range"),
     "shared_copies": ("shared_copies_total", "counter", "Large copies a native worker shared, chunk by chunk, with the daemon's copy helpers"),
     "ring_worker_sleeps": ("ring_worker_sleeps_total", "counter", "Times a native worker found its ring idle past its spin and slept on the futex"),
+    "ring_client_wakes": ("ring_client_wakes_total", "counter", "Completions a native worker pushed to a client asleep on them (a futex wake each)"),
     "sessions_reaped": ("sessions_reaped_total", "counter", "Sessions the daemon ended: client died, went silent, or broke its ring"),
     "passes": ("passes_total", "counter", "Scheduler passes run"),
     "waves": ("waves_total", "counter", "Hazard-free waves executed"),
