@@ -196,35 +196,35 @@ def project(model: dict[str, Any], nic_gbits: float, engine_gbytes: float, produ
     With RDMA the NIC moves the bytes, so the daemon's CPU per byte is left out (it was
     UCX cma's copy on loopback); its per-request and per-frame costs stay. A session's
     passes run one after another, so one producer moves s*k bytes per (its frame's CPU
-    plus the transfer at line rate). `to_gpu`: remote copies land in host memory (NIXL into
-    GPU memory is not wired up yet), so each batch is two requests: READ into a host
-    segment, then the copy engines' host-to-device copy."""
+    plus the transfer at line rate). `to_gpu`: the batches land in GPU memory, still one
+    READ each (the daemon registers its GPU memory with NIXL as VRAM), their bytes through
+    the GPU's PCIe link (GPUDirect RDMA where the NIC allows it), for which
+    `engine_gbytes`, the host-to-device rate measured, stands."""
     c = model["daemon"]
-    hops = 2 if to_gpu else 1
     line = nic_gbits / 8 * 1e9
     rows = []
     for size, k in PROJECT:
-        cpu = (c["per_request_us"] * k * hops + c["per_frame_us"]) * 1e-6
+        cpu = (c["per_request_us"] * k + c["per_frame_us"]) * 1e-6
         nbytes = size * k
         limits = {
             "control_plane": nbytes / cpu / 1e9,
             "nic": line / 1e9,
-            "copy_engines": engine_gbytes if to_gpu else float("inf"),
+            "gpu_link": engine_gbytes if to_gpu else float("inf"),
             f"{producers}_producers": producers * nbytes / (cpu + nbytes / line) / 1e9,
         }
         bound = min(limits, key=lambda x: limits[x])
         rows.append({"size": size, "k": k, "requests_per_s": limits[bound] * 1e9 / size, "limits_gbytes_per_s": limits, "bound": bound,
-                     "crossover_bytes": line * (c["per_request_us"] * hops + c["per_frame_us"] / k) * 1e-6})
+                     "crossover_bytes": line * (c["per_request_us"] + c["per_frame_us"] / k) * 1e-6})
     return rows
 
 
 def print_projection(rows: list[dict[str, Any]], nic_gbits: float, engine_gbytes: float, producers: int, to_gpu: bool = False) -> None:
-    where = f"on to the GPU (copy engines {engine_gbytes:g} GB/s; 2 requests per batch)" if to_gpu else "into host memory"
+    where = f"into GPU memory (its PCIe link {engine_gbytes:g} GB/s)" if to_gpu else "into host memory"
     print(f"one daemon, NIC {nic_gbits:g} Gb/s, {producers} remote producers, {where} (GB/s per limit)")
-    print(f"{'request':>8} {'k':>3} {'control plane':>13} {'NIC':>6} {'engines':>7} {'producers':>9} {'bound':>14} {'copies/s':>8} {'NIC-bound from':>14}")
+    print(f"{'request':>8} {'k':>3} {'control plane':>13} {'NIC':>6} {'GPU link':>8} {'producers':>9} {'bound':>14} {'copies/s':>8} {'NIC-bound from':>14}")
     for r in rows:
         lim = r["limits_gbytes_per_s"]
-        print(f"{_size(r['size']):>8} {r['k']:3d} {lim['control_plane']:13.2f} {lim['nic']:6.1f} {lim['copy_engines']:7.1f} "
+        print(f"{_size(r['size']):>8} {r['k']:3d} {lim['control_plane']:13.2f} {lim['nic']:6.1f} {lim['gpu_link']:8.1f} "
               f"{lim[f'{producers}_producers']:9.2f} {r['bound']:>14} {r['requests_per_s']:8.0f} {_size(int(r['crossover_bytes'])):>14}")
 
 
@@ -259,9 +259,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--project", type=Path, help="print the cluster projection from this result file, and exit")
     ap.add_argument("--nic-gbits", type=float, default=200.0, help="--project: the NIC's line rate")
-    ap.add_argument("--engine-gbytes", type=float, default=54.7, help="--project: host-to-device copy rate (H100, docs/benchmarks.md)")
+    ap.add_argument("--engine-gbytes", type=float, default=54.7, help="--project: the GPU's PCIe link, as the host-to-device rate measured (H100, docs/benchmarks.md)")
     ap.add_argument("--project-producers", type=int, default=8, help="--project: remote producers feeding the daemon")
-    ap.add_argument("--to-gpu", action="store_true", help="--project: the batches go on to the GPU (two requests each)")
+    ap.add_argument("--to-gpu", action="store_true", help="--project: the batches land in GPU memory")
     ap.add_argument("--markdown", type=Path, help="print the docs' tables from this result file, and exit")
     ap.add_argument("--producers", default="1,2,4", help="producer counts; the first calibrates")
     ap.add_argument("--seconds", type=float, default=3.0, help="per run")
