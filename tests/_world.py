@@ -1,4 +1,4 @@
-"""A planner's world for in-process tests of the pass (tests/unit/test_scheduler.py,
+"""A planner's world for in-process tests of the pass (tests/unit/server/test_scheduler.py,
 tests/integration/test_streamsim.py): two host segments and one device buffer, on NumPy or on
 the stream simulation with a CPU device beside it."""
 

@@ -116,7 +116,7 @@ def test_bad_compute_requests_fail_clearly(client) -> None:
     assert client.compute("checksum", [xt]).result() == transfer.checksum64(x)
 
 
-# --- layers and preprocessing through the daemon (the hypothesis suite: tests/unit/test_kernels.py) ----
+# --- layers and preprocessing through the daemon (the hypothesis suite: tests/unit/kernels/test_kernels.py) ----
 def test_mlp_layers_and_bfloat16_through_the_daemon(client) -> None:
     """linear -> gelu -> layer_norm -> linear -> softmax, each a compute request by VA, in
     float32 and bfloat16 (computed in float32, stored rounded)."""

@@ -5,7 +5,7 @@ a random legal order, poisons host bytes a queued device-to-host copy will
 write, raises on reads before the writing work completed, on overlapping
 device copies, and faults (stickily) on misaligned kernel operands. Each test
 below names the GPU issue item it covers; the scheduler property test
-(tests/unit/test_scheduler.py), tests/integration/test_equivalence.py and the operator suite
+(tests/unit/server/test_scheduler.py), tests/integration/test_equivalence.py and the operator suite
 also run with it.
 """
 

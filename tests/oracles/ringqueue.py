@@ -2,7 +2,7 @@
 
 One single-producer/single-consumer queue of fixed-size slots in a shared
 mapping, with the same constructor, methods and layout as the native one (the
-two interoperate on one ring: tests/unit/test_ring.py). `transfer._ring` picks one
+two interoperate on one ring: tests/unit/ring/test_ring.py). `transfer._ring` picks one
 per ring; this one serves where the extension is not built. The futex goes
 through ctypes, and memory ordering relies on x86-64 TSO (below).
 """
@@ -420,7 +420,7 @@ from transfer.ring import Ring  # noqa: E402  (below the oracle it is made of)
 
 class OracleRing(Ring):
     """A `Ring` whose two queues are this module's PyQueue: the same layout, so one end of a
-    mapping may be this and the other native (tests/unit/test_ring.py's interop and parity)."""
+    mapping may be this and the other native (tests/unit/ring/test_ring.py's interop and parity)."""
 
     Queue = PyQueue
 

@@ -1,5 +1,5 @@
 """A client's submission state in Python: the oracle of transfer._native.Submission
-(native/submission.c), held to it by tests/unit/test_submission.py: the same ids, errors,
+(native/submission.c), held to it by tests/unit/client/test_submission.py: the same ids, errors,
 descriptors, frames, tables and counts.
 
 What routing and credits read and write lives in one object: the next request id, the socket

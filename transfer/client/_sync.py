@@ -154,7 +154,8 @@ class Client(Session):
     def run_graph(self, graph: Graph, inputs: Sequence[Addressable], outputs: Sequence[Addressable], *,
                   profile: bool = False, stream: int = 0) -> Any:
         p = super().run_graph(graph, inputs, outputs, profile=profile, stream=stream)
-        self._naps.ran(p.id, graph.va)  # (its wait naps once the graph's waits are known: `_naps`)
+        if self._core.ring is not None:  # (its wait naps once the graph's waits are known: `_naps`)
+            self._naps.ran(p.id, graph.va)
         return p
 
     run_graph.__doc__ = Session.run_graph.__doc__

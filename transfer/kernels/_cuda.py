@@ -7,7 +7,7 @@ binary per device and on disk).
 
 Every kernel's logic is a `__device__` function in a *preamble*; the CuPy glue
 (`ElementwiseKernel`, `ReductionKernel` bodies) only calls it. That keeps all
-the arithmetic in complete C++ that `tests/unit/test_cuda_sources.py` compiles with
+the arithmetic in complete C++ that `tests/unit/kernels/test_cuda_sources.py` compiles with
 nvcc where there is one, with no GPU.
 
 16-bit floats travel as their bits (`uint16` views): CuPy has no bfloat16, and

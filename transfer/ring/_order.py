@@ -20,8 +20,8 @@ transports are read independently, so three rules keep that order:
 The client's Python (`ClientCore.ring_route`) and the daemon's (`server/_rings.py`) follow
 these functions; the native submission (`native/submission.c`, its `route`) and the native
 workers (`native/dataplane.c`, `TDP_WHY_AFTER`) follow the same rules, and the equivalence
-properties hold them to one answer (tests/unit/test_submission.py, tests/integration/test_ring_daemon.py,
-tests/unit/test_ring_order.py).
+properties hold them to one answer (tests/unit/client/test_submission.py, tests/integration/test_ring_daemon.py,
+tests/unit/ring/test_ring_order.py).
 """
 
 from __future__ import annotations

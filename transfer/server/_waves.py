@@ -8,7 +8,7 @@ wave nothing conflicts, so
 ops may run in any order, on several devices at once, and copies that
 continue one another are merged into one. Waves run one after the other, so
 the bytes end up exactly as one-at-a-time execution in arrival order would
-leave them (tests/unit/test_scheduler.py and tests/integration/test_equivalence.py prove it).
+leave them (tests/unit/server/test_scheduler.py and tests/integration/test_equivalence.py prove it).
 
 Each device's share of a wave ends with the lanes it used synchronized (a
 lane is one of the session's device streams): when a wave returns, its work

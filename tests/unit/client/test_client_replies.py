@@ -28,7 +28,7 @@ import transfer
 from transfer import _results as R
 from transfer import protocol as P
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 from _hostile.fake_daemon import FdServer, pipe_end, ring_memfd, sealed_memfd  # noqa: E402  (the soak's own)
 
 KiB = 1 << 10

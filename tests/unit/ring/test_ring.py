@@ -390,7 +390,7 @@ STRESS_N = {"native": 2_000_000, "python": 200_000}
 
 def _spawn(impl: str, *args: object) -> subprocess.Popen:
     """This file as a script, with `impl`'s ring class (native, or the Python oracle)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE.parents[2]), os.environ.get("PYTHONPATH", "")]))
     return subprocess.Popen([sys.executable, str(HERE), impl, *map(str, args)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -5,7 +5,7 @@ recording stand-in takes its place, so the tests see exactly which kernels are b
 from which source, with which parameters, and how often. nvcc (where installed, as on
 the project's machines) compiles every generated source to PTX with a probe kernel
 that calls each device function, so a typo or a type error in a kernel fails here
-rather than on the first GPU request. Results on a real GPU: tests/unit/test_kernels.py
+rather than on the first GPU request. Results on a real GPU: tests/unit/kernels/test_kernels.py
 (marked gpu).
 """
 
