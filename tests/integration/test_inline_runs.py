@@ -155,6 +155,9 @@ def test_a_completion_for_a_sleeping_client_is_a_counted_wake(rig: Any, tmp_path
     assert worker.counters()["rouses"] == 0
     rig.cli.push_many(_descs(_run(3, 0xA)))
     assert rig.cli.wait(timeout=30.0, spin=0) >= 1 and rig.cli.pop()[0] == 3
+    deadline = time.monotonic() + 30  # (counted just after the wake: the client may look first)
+    while worker.counters()["rouses"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.001)
     assert worker.counters()["rouses"] == 1
 
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from ._layout import FLAG_AFTER
 
-__all__ = ["route", "fences", "first_held", "frame_waits"]
+__all__ = ["route", "fences", "first_held", "frame_waits", "plausible"]
 
 
 def route(pending: int, outstanding: int, unsent: int, frames: int, after: bool) -> int | None:
@@ -60,8 +60,17 @@ def first_held(fence: np.ndarray, frames_seen: int) -> int | None:
     return int(held[0]) if len(held) else None
 
 
+def plausible(tail: int, done: int, capacity: int) -> bool:
+    """Whether a client's published tail can be real, against the worker's done index: at
+    most two rings' worth ahead. One is the requests in flight (the client's credits); the
+    other, those the worker has answered but not yet counted: it pushes a batch's
+    completions before it publishes `done`, and in between the client may take them and
+    push as many again (a frame that read that tail as impossible went ahead of them)."""
+    return 0 <= tail - done <= 2 * capacity
+
+
 def frame_waits(tail: int, done: int, capacity: int) -> int | None:
     """The ring index a socket frame arriving now waits for: the tail the client published,
     when the worker has not done everything before it; None when it has, or when the tail
-    is impossible (further than a ring's capacity ahead: the worker reports that one)."""
-    return tail if 0 < tail - done <= capacity else None
+    is impossible (`plausible`: the worker reports that one)."""
+    return tail if tail != done and plausible(tail, done, capacity) else None

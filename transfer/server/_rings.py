@@ -179,7 +179,7 @@ class Rings:
         try:
             if worker is not None and worker.mode == NATIVE:
                 done, tail = worker.done, worker.tail()
-                session.ring_cut = tail if 0 <= tail - done <= ring.request_capacity else done  # (an impossible tail: the worker reports it)
+                session.ring_cut = tail if order.plausible(tail, done, ring.request_capacity) else done  # (an impossible tail: the worker reports it)
                 worker.limit = session.ring_cut
                 worker.watch(session.ring_cut)  # it rings the bell when it gets there
             else:

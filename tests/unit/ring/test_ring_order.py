@@ -20,6 +20,7 @@ from hypothesis import example, given, settings, strategies as st
 
 from transfer import protocol as P
 from transfer.ring import FLAG_AFTER, REQUEST_DTYPE, Op, Ring
+from transfer.ring import _order as order
 from transfer.server._accounting import Accounting
 from transfer.server._config import DaemonConfig
 from transfer.server._dataplane import NATIVE, PYTHON, DataPlane
@@ -165,3 +166,16 @@ def test_a_fence_never_reached_holds_only_its_own_ring() -> None:
         assert m.session.ring_held is None
     finally:
         m.client.close()
+
+
+def test_a_frame_waits_for_a_tail_past_completions_not_yet_counted() -> None:
+    """The worker pushes a batch's completions before it publishes `done`: in between, its
+    client may take them and push a ring's worth more, and a frame arriving then must wait
+    for all of it (it went ahead of those descriptors, under load, when a tail more than one
+    ring ahead of `done` read as impossible). Past two rings, a tail is impossible."""
+    cap = 2
+    assert order.frame_waits(4, 0, cap) == 4  # two answered but not counted, two pushed since
+    assert order.frame_waits(3, 1, cap) == 3
+    assert order.frame_waits(2, 2, cap) is None  # all done
+    assert order.frame_waits(5, 0, cap) is None and not order.plausible(5, 0, cap)
+    assert not order.plausible(0, 1, cap)  # behind what was done: impossible too
