@@ -9,6 +9,7 @@ are served by native workers and one whose rings the Python pass serves
 from __future__ import annotations
 
 import os
+import tempfile
 import shutil
 import threading
 import time
@@ -131,8 +132,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Any:
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tmp_path_factory.getbasetemp())
     for name, extra in (("native", ["--ring-workers"]), ("python", ["--no-ring-workers"])):
         wd = tmp_path_factory.mktemp(f"dp-{name}")
-        shm = base / f"transfer-test-dp-{name}-{os.getpid()}"
-        shm.mkdir(mode=0o700, exist_ok=True)
+        shm = Path(tempfile.mkdtemp(prefix=f"transfer-test-dp-{name}-", dir=base))  # (a name nobody can guess: mode 0700)
         made.append(start_daemon([*FAST, *extra], workdir=wd, shm_dir=shm))
     rigs = [_Rig(d.endpoint) for d in made]
     yield rigs

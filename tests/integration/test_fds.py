@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -193,8 +194,9 @@ def test_uncollected_memfds_are_bounded_and_released(daemon) -> None:
 
 def test_a_long_shm_dir_still_works(daemon_factory, tmp_path: Path) -> None:
     """sockaddr_un holds 108 bytes; a deeper shm dir is reached through /proc/self/fd."""
-    deep = Path("/dev/shm") / ("transfer-test-deep-" + "d" * 60) / ("e" * 40)
-    deep.mkdir(parents=True, mode=0o700)
+    top = Path(tempfile.mkdtemp(prefix="transfer-test-deep-" + "d" * 40, dir="/dev/shm"))  # (a name nobody can guess)
+    deep = top / ("e" * 40)
+    deep.mkdir(mode=0o700)
     try:
         d = daemon_factory("--shm-dir", str(deep))
         with transfer.connect(d.endpoint, ring=True) as c:

@@ -3,6 +3,7 @@ same operators run one request at a time; every refusal from the wire, with the 
 
 from __future__ import annotations
 
+import tempfile
 import time
 from pathlib import Path
 from typing import Iterator
@@ -29,8 +30,7 @@ RNG = np.random.default_rng(11)
 def gdaemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     """Two CPU devices and a small per-session device quota (for the over-quota refusal)."""
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path_factory.mktemp("shm")
-    shm = base / f"transfer-graphs-{RNG.integers(1 << 30):x}"
-    shm.mkdir(mode=0o700)
+    shm = Path(tempfile.mkdtemp(prefix="transfer-graphs-", dir=base))  # (a name nobody can guess: mode 0700)
     wd = tmp_path_factory.mktemp("run")
     wd.chmod(0o700)
     d = start_daemon([*FAST, "--devices", "2", "--max-device-bytes-per-session", "64M"], workdir=wd, shm_dir=shm)
