@@ -211,7 +211,7 @@ class Client(Session):
                 overslept = False
                 if plan is not None and plan[1] > 0:
                     time.sleep(plan[1] if timeout is None else min(plan[1], timeout))  # (the futex word unset: no wake)
-                    overslept = link.ready() > 0
+                    overslept = pending._done or link.ready() > 0  # (its answer came during the nap)
                 self._ring_wait(lambda: pending._done or pending.id not in link.outstanding, timeout,
                                 plan[2] if plan is not None and plan[2] > 0 else None)
                 if plan is not None and pending._done:
