@@ -647,6 +647,7 @@ def test_every_path_gives_the_same_memory_and_replies(paths: list[Path_], progra
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # (five times the default's programs: minutes on a loaded machine, the module's daemons' stops included)
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @_programs(100)
 @given(program=PROGRAM, seed=st.integers(0, 2**32 - 1))

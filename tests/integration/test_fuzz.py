@@ -272,7 +272,7 @@ def frames(draw: st.DrawFn, vas: list[int]) -> list[bytes]:
 
 
 #: Examples per property: the default suite's, and the deep run's (`-m slow`).
-DEPTHS = pytest.mark.parametrize("depth", [pytest.param(1, id="default"), pytest.param(4, id="deep", marks=pytest.mark.slow)])
+DEPTHS = pytest.mark.parametrize("depth", [pytest.param(1, id="default"), pytest.param(4, id="deep", marks=[pytest.mark.slow, pytest.mark.timeout(600)])])
 
 
 def examples(depth: int, per_depth: int = 100, env: str = "FUZZ_EXAMPLES") -> int:

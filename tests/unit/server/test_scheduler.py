@@ -175,6 +175,7 @@ def test_batched_execution_equals_sequential(backend_name: str, data: st.DataObj
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # (five times the default's examples: minutes on a loaded machine)
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data(), st.sampled_from([0, 1 << 30]))
 @pytest.mark.parametrize("backend_name", BACKENDS)
