@@ -272,10 +272,10 @@ def frames(draw: st.DrawFn, vas: list[int]) -> list[bytes]:
 
 
 #: Examples per property: the default suite's, and the deep run's (`-m slow`).
-DEPTHS = pytest.mark.parametrize("depth", [pytest.param(1, id="default"), pytest.param(4, id="deep", marks=[pytest.mark.slow, pytest.mark.timeout(600)])])
+DEPTHS = pytest.mark.parametrize("depth", [pytest.param(1, id="default"), pytest.param(6, id="deep", marks=[pytest.mark.slow, pytest.mark.timeout(600)])])
 
 
-def examples(depth: int, per_depth: int = 100, env: str = "FUZZ_EXAMPLES") -> int:
+def examples(depth: int, per_depth: int = 60, env: str = "FUZZ_EXAMPLES") -> int:
     return int(os.environ.get(env, per_depth * depth))
 
 
@@ -636,7 +636,7 @@ def test_session_against_model(fuzzd, shm_dir: Path, depth: int) -> None:
         run_state_machine_as_test(
             SessionModel,
             settings=settings(
-                max_examples=examples(depth, 20, "FUZZ_MACHINES"),
+                max_examples=examples(depth, 15, "FUZZ_MACHINES"),
                 stateful_step_count=40,
                 deadline=None,
                 suppress_health_check=list(HealthCheck),

@@ -233,7 +233,8 @@ def test_checksum_many_takes_the_ring_as_one_request(workers: bool, daemon_facto
 def test_hostile_descriptor_chains_fail_alone(ringd) -> None:
     """Chains that mix opcodes, ids or streams are refused as one request each; one left open
     when the session ends goes with it; the daemon keeps serving."""
-    with transfer.connect(ringd.endpoint, ring=True) as c:
+    # (A chain left open holds the Close behind it: the client gives up after its liveness bound.)
+    with transfer.connect(ringd.endpoint, ring=True, liveness_timeout=2.0) as c:
         seg = c.segment(4096)
         ring = _raw(c)
         base = 1 << 60
@@ -289,7 +290,8 @@ def test_verified_chains_fill_the_completion_queue_and_wait(ringd) -> None:
     fills its completion queue to the last slot a whole chain fits in: the rest waits for
     room (a chain answers all its pieces at once), on that ring only, while another session
     is served; taken, every chain is answered whole and in order, round after round."""
-    with transfer.connect(ringd.endpoint, ring=True) as c:
+    # (Past its credits the Close waits behind what is never taken: the client gives up after its liveness bound.)
+    with transfer.connect(ringd.endpoint, ring=True, liveness_timeout=2.0) as c:
         seg = c.segment(1 << 16)
         seg.buffer[:] = np.arange(1 << 16) % 253
         ring = _raw(c)

@@ -167,7 +167,7 @@ def test_loop_posts_cut_a_remote_group_by_bytes() -> None:
     assert _loop_posts(big, 1000) == [big]
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data(), st.sampled_from([0, 1 << 30]))
 @pytest.mark.parametrize("backend_name", BACKENDS)
 def test_batched_execution_equals_sequential(backend_name: str, data: st.DataObject, inline_bytes: int) -> None:
@@ -176,11 +176,11 @@ def test_batched_execution_equals_sequential(backend_name: str, data: st.DataObj
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # (five times the default's examples: minutes on a loaded machine)
-@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=360, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data(), st.sampled_from([0, 1 << 30]))
 @pytest.mark.parametrize("backend_name", BACKENDS)
 def test_batched_execution_equals_sequential_deep(backend_name: str, data: st.DataObject, inline_bytes: int) -> None:
-    """The same property, five times as many examples (`-m slow`)."""
+    """The same property, six times as many examples (`-m slow`)."""
     batched_equals_sequential(backend_name, data, inline_bytes)
 
 
