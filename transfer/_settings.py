@@ -223,7 +223,7 @@ def _defaults() -> tuple[Setting, ...]:
         ("placement", _str, "placement of host-only work: size, least-loaded, round-robin or cost", "--placement", {"choices": tuple(POLICIES)}),
         ("size_threshold", parse_size, "size placement: inputs below this many bytes go to a CPU device", "--size-threshold", {"minimum": 0, "metavar": "BYTES"}),
         ("shutdown_grace_s", _float, "seconds SIGTERM/SIGINT waits for queued work before releasing everything", "--shutdown-grace", {"minimum": 0, "metavar": "SECONDS"}),
-        ("arena_ids", _int, "segment ids in each session's deferred-allocation arena, per device", "--arena-ids", {"minimum": 1, "maximum": 1 << 22}),
+        ("arena_ids", _int, "segment ids in each session's deferred-creation arena, per device (device buffers; remote segments take the home device's)", "--arena-ids", {"minimum": 1, "maximum": 1 << 22}),
         ("allow_remote_tcp", _bool, "bind insecure tcp on non-loopback addresses (with --curve-dir, any address is allowed)", "--allow-remote-tcp", {"boolean": True}),
         ("allow_insecure_tcp", _bool, "serve tcp without CURVE keys (tests on loopback; anyone who can connect gets a session)", "--allow-insecure-tcp", {"boolean": True}),
         ("curve_dir", _str, "CURVE keys from `transferd keygen DIR`: tcp clients must hold an authorized key", "--curve-dir", {"metavar": "DIR"}),

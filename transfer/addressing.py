@@ -258,7 +258,7 @@ class MappingTable(Generic[H]):
             if holder is not None:
                 if holder != owner:
                     raise NotOwner(f"VA {va:#x}: segment {sid} is in another session's arena")
-                raise InvalidAddress(f"VA {va:#x}: a deferred allocation that was never defined (or was freed)")
+                raise InvalidAddress(f"VA {va:#x}: segment {sid} of this session's arena is not defined (never defined, or freed)")
             if 0 < sid <= self._last_id and (self._wrapped or sid < self._cursor):
                 raise SegmentFreed(f"VA {va:#x}: segment {sid} has been freed")
             raise UnknownSegment(f"VA {va:#x}: no segment {sid}")

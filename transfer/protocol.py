@@ -224,11 +224,18 @@ class RegisterRemote(Request, tag=14):
     `descs` the buffer's descriptor list in the strict `encode_descs` layout (one
     range of exactly `nbytes` bytes). Both are untrusted: the daemon parses them
     strictly and only ever touches the declared range.
+
+    `va` 0: the daemon chooses the VA. Otherwise a segment VA of one of the session's
+    arenas, chosen by the client: a deferred registration, sent ahead of the first
+    request that names it (then `site`, where the client's code registered it, names
+    it in errors).
     """
 
     metadata: NixlMetadata
     descs: NixlDescs
     nbytes: U64
+    va: U64 = 0
+    site: Str256 = ""
 
 
 class Share(Request, tag=16):

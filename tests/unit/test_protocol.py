@@ -49,7 +49,7 @@ requests = st.one_of(
     st.builds(P.Unregister, rid, u64),
     st.builds(P.Alloc, rid, u64, st.integers(-(2**31), 2**31 - 1)),
     st.builds(P.Free, rid, u64),
-    st.builds(P.RegisterRemote, rid, st.binary(max_size=64), st.binary(max_size=64), u64),
+    st.builds(P.RegisterRemote, rid, st.binary(max_size=64), st.binary(max_size=64), u64, u64, st.text(max_size=64)),
     st.builds(P.Share, rid, u64),
     st.builds(P.Attach, rid, st.binary(max_size=64)),
     st.builds(P.Copy, rid, u64, u64, u64, u32),

@@ -7,7 +7,9 @@ allocation's definition (size, device, and where in the user's code it was
 created) travels inside the first frame that touches its VA; frees travel
 with the next frame. Tensor descriptors and operator plans work the same
 way: created and changed here, defined on the daemon at first use, re-sent
-with a new version when changed after use, never used stale.
+with a new version when changed after use, never used stale. A remote
+segment's registration takes an id of the home arena the same way
+(`client._remote`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -34,10 +36,20 @@ __all__ = ["Arena", "DeferredBuffer", "Tensor", "Plan", "Graph", "DeferredState"
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+_OURS: dict[str, bool] = {}  # a code file -> whether it is this package's
+
+
+def _ours(filename: str) -> bool:
+    ours = _OURS.get(filename)
+    if ours is None:
+        ours = _OURS[filename] = os.path.abspath(filename).startswith(_PKG_DIR)
+    return ours
+
+
 def creation_site() -> str:
     """file:line of the first frame outside this package (where the user created the resource)."""
     f: FrameType | None = sys._getframe(1)
-    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_PKG_DIR):
+    while f is not None and _ours(f.f_code.co_filename):
         f = f.f_back
     if f is None:
         return "<unknown>"
@@ -81,6 +93,10 @@ class DeferredBuffer(Addressed):
         self.site = site
         self.defined = False  # the daemon has (been sent) its definition
         self.freed = False
+
+    def define(self, new: Callable[..., P.Request]) -> P.Request:
+        """Its definition, sent ahead of the first request that names it."""
+        return new(P.Define, P.DEF_ALLOC, 0, 0, [self.va, self.nbytes, self.device], self.site)
 
     def __repr__(self) -> str:
         return f"<DeferredBuffer va={self.va:#x} nbytes={self.nbytes} device={self.device} {'defined' if self.defined else 'pending'}>"
@@ -246,7 +262,11 @@ class Graph:
 
 
 class DeferredState:
-    """Arenas, pending definitions and frees: what the next frame must carry first."""
+    """Arenas, pending definitions and frees: what the next frame must carry first.
+
+    `buffers` holds what the daemon has not been sent yet, by segment id: device buffers,
+    and anything else with `defined`, `freed` and `define(new)` (a remote segment's
+    registration, `client._remote`)."""
 
     def __init__(self, arenas: Iterable[R.Arena], home_device: int = -1) -> None:
         self.arenas = {a.device: Arena(a.device, a.first_id, a.count, a.quota) for a in arenas}
@@ -284,6 +304,30 @@ class DeferredState:
         self.buffers[sid] = buf
         return buf
 
+    def name(self, entry: Any, site: str) -> int:
+        """A VA of the home arena for `entry`, which the daemon makes itself from
+        `entry.define(new)` (a remote segment's registration): sent ahead of the first request
+        naming it. It takes an id, not bytes, of the arena; `forget` gives the id back."""
+        arena = self.arenas.get(self.home_device) or next(iter(self.arenas.values()), None)
+        if arena is None:
+            raise E.SessionError("the daemon granted no arena (deferred registration unavailable)")
+        sid = arena.take()
+        if sid is None:
+            raise E.QuotaExceeded(
+                f"registration at {site}: this session already names {arena.count} buffers and segments from its "
+                "arena, the most one session may (the daemon's --arena-ids). Free what you no longer need "
+                "(client.free), or ask the operator to raise --arena-ids"
+            )
+        self.buffers[sid] = entry
+        return sid << OFFSET_BITS
+
+    def forget(self, va: int) -> None:
+        """An id `name` gave out is free again (the daemon never had it, or has let it go)."""
+        self.buffers.pop(va >> OFFSET_BITS, None)
+        sid = va >> OFFSET_BITS
+        arena = next(a for a in self.arenas.values() if a.first_id <= sid < a.first_id + a.count)
+        arena.free_ids.append(sid)
+
     def reserve(self, nbytes: int, device: int, site: str) -> DeferredBuffer:
         """An arena id and bytes for memory the daemon fills in itself (a graph's): no alloc
         definition travels for it; the graph's definition allocates it."""
@@ -317,10 +361,13 @@ class DeferredState:
             out.extend(new(P.Define, P.DEF_FREE, 0, 0, va, "") for va in self.frees)
             self.frees.clear()  # (the same list: the submission state watches it)
         for va in vas:
-            buf = self.buffers.pop(va >> OFFSET_BITS, None)
-            if buf is not None and not buf.defined and not buf.freed:
+            buf = self.buffers.get(va >> OFFSET_BITS)
+            if buf is None:
+                continue
+            if not buf.defined and not buf.freed:
+                out.append(buf.define(new))  # (first: a definition that cannot be made stays pending)
                 buf.defined = True
-                out.append(new(P.Define, P.DEF_ALLOC, 0, 0, [buf.va, buf.nbytes, buf.device], buf.site))
+            del self.buffers[va >> OFFSET_BITS]
         for obj in objects:
             if isinstance(obj, Graph) and obj.sent_version != obj.version:
                 out.extend(self.definitions_for(obj.weight_vas(), (), new))  # weights before the graph reads them

@@ -12,6 +12,14 @@ the daemon drops the segment and acknowledges *before* the producer
 deregisters or frees the memory. `RemoteSegment.free()` / `Client.free()`
 does exactly that.
 
+Registration is deferred, as allocation is (`client._deferred`): `register_remote` registers
+the memory with our agent, names it with a VA of the session's arena, and returns; the
+RegisterRemote (with that VA, the partial metadata of this one registration and where the
+user's code registered it) travels ahead of the first request that names the segment. So a
+registration costs about what NIXL's own does, and a failure (the daemon refusing the
+metadata, a quota) is the error of that first request, naming the line that registered.
+A client without arenas (`deferred=False`) waits for the daemon's answer instead.
+
 Registering the same memory again (the same address and size, while a registration of it is
 live) is reused: the new `RemoteSegment` names the same daemon segment and NIXL registration,
 at the cost of a lookup. Each is freed on its own; the last free lets the memory go.
@@ -27,6 +35,7 @@ import numpy as np
 
 from .. import errors as E
 from .. import protocol as P
+from ._deferred import creation_site
 from ._resources import Addressed
 
 __all__ = ["RemoteSegment", "RemoteAgent"]
@@ -35,12 +44,30 @@ __all__ = ["RemoteSegment", "RemoteAgent"]
 class _Registered:
     """Memory registered with our agent and mapped by the daemon as one remote segment: what
     every `RemoteSegment` of that memory shares (a registration of the same memory again is
-    reused, counted by `refs`; the last free lets it go)."""
+    reused, counted by `refs`; the last free lets it go).
 
-    __slots__ = ("va", "reg", "refs", "array")
+    Deferred (`ep` set): the daemon has not been sent it until `defined`; its `define(new)`
+    is the RegisterRemote that goes ahead of the first request naming `va`."""
 
-    def __init__(self, va: int, reg: Any, array: np.ndarray) -> None:
+    __slots__ = ("va", "reg", "refs", "array", "ep", "site", "defined", "freed")
+
+    def __init__(self, va: int, reg: Any, array: np.ndarray, ep: Any = None, site: str = "") -> None:
         self.va, self.reg, self.refs, self.array = va, reg, 1, array
+        self.ep, self.site = ep, site
+        self.defined = ep is None  # (eager: the daemon answered before we got here)
+        self.freed = False
+
+    @property
+    def deferred(self) -> bool:
+        """Named with a VA of the session's arena (the daemon maps it on first use)."""
+        return self.ep is not None
+
+    def define(self, new: Callable[..., P.Request]) -> P.Request:
+        """The RegisterRemote naming `va` (DeferredState calls it, once): the metadata of this
+        one registration, with our connection info (the first may not have reached the
+        daemon), taken after registering (it carries the buffer's remote key)."""
+        metadata = self.ep.registration_metadata([self.reg], include_conn=True)
+        return new(P.RegisterRemote, metadata, self.reg.descs_bytes, int(self.array.nbytes), self.va, self.site)
 
 
 class RemoteAgent:
@@ -121,9 +148,11 @@ class RemoteSegment(Addressed):
         return f"<RemoteSegment va={self.va:#x} nbytes={self.nbytes}{' freed' if self.freed else ''}>"
 
 
-def register(client: Any, agent: RemoteAgent, array: np.ndarray, call: Callable[..., Generator[Any, None, Any]]) -> Generator[Any, None, RemoteSegment]:
+def register(client: Any, agent: RemoteAgent, array: np.ndarray, call: Callable[..., Generator[Any, None, Any]],
+             deferred: Any = None, lock: Any = None) -> Generator[Any, None, RemoteSegment]:
     """Register `array` with our agent, then with the daemon: an operation (see client._session)
-    whose `call(cls, *args)` is the client's own request-and-wait operation."""
+    whose `call(cls, *args)` is the client's own request-and-wait operation. `deferred`: the
+    session's `DeferredState`, when it has arenas, and `lock` the client's lock that guards it."""
     if not isinstance(array, np.ndarray):
         raise TypeError(f"register_remote takes a NumPy array, got {type(array).__name__}")
     if not array.flags.c_contiguous or not array.flags.writeable or array.nbytes == 0:
@@ -133,12 +162,19 @@ def register(client: Any, agent: RemoteAgent, array: np.ndarray, call: Callable[
     if shared is not None:  # the same memory again: its registration and segment, reused
         shared.refs += 1
         return RemoteSegment(client, array, shared)
-    reg = agent.ep.register(array)
+    reg = agent.ep.register_address(key[0], key[1], owner=array)  # (checked above: NIXL's own register, less its checks)
     try:
-        # Metadata is taken after registering: it carries the new buffer's remote key.
-        info = yield from call(P.RegisterRemote, agent.ep.metadata, reg.descs_bytes, int(array.nbytes))
+        if deferred is not None:
+            shared = _Registered(0, reg, array, agent.ep, creation_site())
+            with lock:
+                shared.va = deferred.name(shared, shared.site)
+        else:
+            # (Metadata is taken after registering: it carries the buffer's remote key.)
+            metadata = agent.ep.registration_metadata([reg], include_conn=True)
+            info = yield from call(P.RegisterRemote, metadata, reg.descs_bytes, int(array.nbytes))
+            shared = _Registered(info.va, reg, array)
     except BaseException:
         agent.ep.deregister(reg)
         raise
-    shared = agent.live[key] = _Registered(info.va, reg, array)
+    agent.live[key] = shared
     return RemoteSegment(client, array, shared)

@@ -227,13 +227,31 @@ class Session:
                 with self._lock:
                     core.deferred.free(resource.memory)  # its intermediates go with the next frame
         elif isinstance(resource, RemoteSegment):
+            shared = resource._shared
             if resource._release():  # (the last handle of its memory: the daemon lets go first, then we deregister)
-                yield from self._op_call(P.Unregister, resource.va)
+                yield from self._op_free_remote(shared)
                 resource._deregister(core.remote)
         else:
             raise TypeError(f"cannot free {type(resource).__name__}")
 
     free = operation(_op_free)
+
+    def _op_free_remote(self, shared: Any) -> Op[None]:
+        """The daemon lets go of a registration's segment (if it was ever sent it); a deferred
+        one's arena id is free again after."""
+        state = self._core.deferred
+        with self._lock:
+            shared.freed = True
+            sent = shared.defined
+        if sent:
+            try:
+                yield from self._op_call(P.Unregister, shared.va)
+            except E.InvalidAddress:
+                if not shared.deferred:
+                    raise  # (else a deferred registration the daemon refused: its first use had that error)
+        if shared.deferred and state is not None:
+            with self._lock:
+                state.forget(shared.va)
 
     def _op_register_remote(self, array: np.ndarray) -> Op[RemoteSegment]:
         """Register `array` (this process's memory) with NIXL and map it in the daemon as a
@@ -242,7 +260,8 @@ class Session:
             if self._core.remote is None:
                 self._core.remote = RemoteAgent(self._core.session_id)
             agent = self._core.remote
-        return (yield from register_remote(self, agent, array, self._op_call))
+            state = self._core.deferred
+        return (yield from register_remote(self, agent, array, self._op_call, state, self._lock))
 
     register_remote = operation(_op_register_remote)
 

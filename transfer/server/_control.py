@@ -51,15 +51,29 @@ class Control:
             log.exception("internal error on %s", type(req).__name__)
             return P.Reply(req.id, error=E.InternalError(f"{type(exc).__name__}: {exc}"))
 
+    def register_remote_now(self, session: Session, req: P.RegisterRemote) -> P.Reply | None:
+        """RegisterRemote answered on the loop, or None: it waits on a thread (`execute_async`)."""
+        try:
+            value = self.resources.register_remote_now(session, req)
+            return None if value is None else P.Reply(req.id, value)
+        except Exception as exc:
+            return self._remote_failed(req, exc)
+
     async def execute_async(self, session: Session, req: P.RegisterRemote) -> P.Reply:
         """RegisterRemote waits on a worker thread (the NIXL agent's first start takes ~0.6 s)."""
         try:
             return P.Reply(req.id, await self.resources.register_remote(session, req))
-        except E.TransferError as exc:
-            return P.Reply(req.id, error=exc)
-        except Exception as exc:  # a bug: fail this request, keep serving
+        except Exception as exc:
+            return self._remote_failed(req, exc)
+
+    @staticmethod
+    def _remote_failed(req: P.RegisterRemote, exc: Exception) -> P.Reply:
+        if not isinstance(exc, E.TransferError):  # a bug: fail this request, keep serving
             log.exception("internal error on RegisterRemote")
             return P.Reply(req.id, error=E.InternalError(f"{type(exc).__name__}: {exc}"))
+        if req.site:  # a deferred registration: named by where the client's code made it
+            exc = type(exc)(f"remote segment registered at {req.site}: {exc.message}")
+        return P.Reply(req.id, error=exc)
 
     def answer_after(self, session: Session, reqs: list[Any]) -> list[P.Reply]:
         """Fences, pings, waits and stats, once what came before them is done: the counters

@@ -66,10 +66,7 @@ def define(resources: Resources, session: Session, req: P.Define) -> Any:
 
 def _alloc(resources: Resources, session: Session, va: int, nbytes: int, device: int, what: str, where: str) -> R.Allocated:
     """Materialize an arena allocation at `va` (a buffer's, or a graph's memory)."""
-    sid = va >> OFFSET_BITS
-    if va & ((1 << OFFSET_BITS) - 1) or not any(first <= sid < first + n for first, n in session.arenas.values()):
-        raise E.InvalidAddress(f"{what}{where}: VA {va:#x} is not a segment of this session's arenas")
-    arena_dev = next(dev for dev, (first, n) in session.arenas.items() if first <= sid < first + n)
+    sid, arena_dev = resources.arena_slot(session, va, f"{what}{where}")
     if device not in (-1, arena_dev):
         raise E.InvalidField(f"{what}{where}: VA {va:#x} belongs to the arena of device {arena_dev}, not {device}")
     try:

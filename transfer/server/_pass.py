@@ -174,13 +174,21 @@ class Pass:
                 if b.data or b.after:
                     break  # a barrier: it runs once what came before it has completed
                 if t is P.RegisterRemote:
-                    if not taken:
-                        _pop(session)
-                        b.count(req, route)
-                        b.remote = req
-                        b.inline = False
-                        b.control.append(t)
-                    break
+                    reply = self.control.register_remote_now(session, req)
+                    if reply is None:  # it waits on a thread: a pass of its own
+                        if not taken:
+                            _pop(session)
+                            b.count(req, route)
+                            b.remote = req
+                            b.inline = False
+                            b.control.append(t)
+                        break
+                    _pop(session)
+                    taken += 1
+                    b.count(req, route)
+                    b.control.append(t)
+                    b.replies.append((req.id, route, reply))
+                    continue
                 _pop(session)
                 taken += 1
                 b.count(req, route)

@@ -104,9 +104,14 @@ class RemotePlane:
             self._by_session.clear()
 
     # --- peers and segments ------------------------------------------------------------------
-    def add_segment(self, session: int, metadata: bytes, descs: bytes, nbytes: int) -> RemoteHandle:
+    def add_segment(self, session: int, metadata: bytes, descs: bytes, nbytes: int, *, blocking: bool = True) -> RemoteHandle | None:
         """Load a producer's metadata (first time: its agent becomes this session's peer) and
-        declare one remote buffer. Blocking (loads metadata): call it on a worker thread."""
+        declare one remote buffer.
+
+        Blocking (the agent's first start takes ~0.6 s, and a post holds the agent while a
+        same-host READ copies): call it on a worker thread. With `blocking=False` it is a
+        few microseconds, for the event loop: None when the agent has not started or is held
+        (then call it blocking, on a thread). Bad input raises either way."""
         declared = N.decode_descs(descs)  # strict; never pickle
         if declared.mem_type != "DRAM":
             raise E.InvalidField(f"remote segments must be host memory (DRAM), got {declared.mem_type}")
@@ -116,26 +121,34 @@ class RemotePlane:
         if length != nbytes:
             raise E.InvalidField(f"descriptor length {length} != nbytes {nbytes}")
         name = N.peek_agent_name(metadata)
-        ep = self.ensure_started()
+        ep = self.ensure_started() if blocking else self.ep
+        if ep is None or not self._lock.acquire(blocking=blocking):
+            return None
+        try:
+            return self._declare(ep, session, name, metadata, addr, length)
+        finally:
+            self._lock.release()
+
+    def _declare(self, ep: N.NixlEndpoint, session: int, name: str, metadata: bytes, addr: int, length: int) -> RemoteHandle:
+        """`add_segment`'s part under the agent's lock."""
         self.plans.clear()  # (the peer's metadata is loaded again: no request made from the old is kept)
-        with self._lock:
-            known = self._by_session.get(session)
-            if known is not None and name != known:
-                raise E.InvalidField(f"this session's NIXL agent is {known!r}; metadata names {name!r}")
-            other = self._peers.get(name)
-            if known is None and (other is not None or name == self.name):
-                raise E.InvalidField(f"NIXL agent name {name!r} is already in use: choose a unique name")
-            try:
-                # Re-loading our own session's agent merges the new registrations.
-                loaded = ep.add_peer(metadata, expected_name=name) if known else ep.add_peer(metadata)
-            except E.NixlError as exc:
-                raise E.InvalidField(f"unusable NIXL metadata: {exc}") from None
-            peer = self._peers.get(loaded)
-            if peer is None:
-                peer = self._peers[loaded] = _Peer(loaded, session)
-                self._by_session[session] = loaded
-                self.counters["nixl_peers"] += 1
-            peer.declared[(addr, length)] += 1
+        known = self._by_session.get(session)
+        if known is not None and name != known:
+            raise E.InvalidField(f"this session's NIXL agent is {known!r}; metadata names {name!r}")
+        other = self._peers.get(name)
+        if known is None and (other is not None or name == self.name):
+            raise E.InvalidField(f"NIXL agent name {name!r} is already in use: choose a unique name")
+        try:
+            # Re-loading our own session's agent merges the new registrations.
+            loaded = ep.add_peer(metadata, expected_name=name) if known else ep.add_peer(metadata)
+        except E.NixlError as exc:
+            raise E.InvalidField(f"unusable NIXL metadata: {exc}") from None
+        peer = self._peers.get(loaded)
+        if peer is None:
+            peer = self._peers[loaded] = _Peer(loaded, session)
+            self._by_session[session] = loaded
+            self.counters["nixl_peers"] += 1
+        peer.declared[(addr, length)] += 1
         return RemoteHandle(loaded, addr, length, session)
 
     def drop_segment(self, handle: RemoteHandle) -> None:

@@ -18,7 +18,7 @@ from .. import _results as R
 from .. import errors as E
 from .. import protocol as P
 from .._units import fmt_bytes
-from ..addressing import MAX_SEGMENT_BYTES, MappingTable, Segment, SegmentKind
+from ..addressing import MAX_SEGMENT_BYTES, OFFSET_BITS, MappingTable, Segment, SegmentKind
 from ..backends import Backend
 from ..memory import ShmFile
 from ..memory._shm import PREFIX
@@ -177,8 +177,6 @@ class Resources:
             device = session.home_device
         if not 0 <= device < ndev:
             raise E.InvalidField(f"device {device} does not exist (this daemon has {ndev})")
-        if segment_id is not None and self.table.get(segment_id) is not None:
-            raise E.InvalidAddress(f"segment {segment_id} is already allocated (defined twice?)")
         vdev = self.devices[device]
         try:
             mem = vdev.backend.alloc(nbytes, vdev.local_id)
@@ -204,24 +202,60 @@ class Resources:
         vdev.info["bytes"] = vdev.info.get("bytes", 0) + nbytes
         return R.Allocated(seg.va, nbytes, device)
 
+    def register_remote_now(self, session: Session, req: P.RegisterRemote) -> R.RemoteRegistered | None:
+        """RegisterRemote on the event loop, a few microseconds, while the NIXL agent runs and
+        no post holds it; None when it needs a thread (`register_remote`)."""
+        sid = self._remote_admissible(session, req)
+        handle = self.remote.add_segment(session.id, req.metadata, req.descs, req.nbytes, blocking=False)
+        return None if handle is None else self._map_remote(session, req, sid, handle)
+
     async def register_remote(self, session: Session, req: P.RegisterRemote) -> R.RemoteRegistered:
         """Map a producer's NIXL-registered buffer as a remote segment (agent start and
         metadata loading run on a worker thread: the first one takes ~0.6 s)."""
+        sid = self._remote_admissible(session, req)
+        async with self._remote_start:
+            handle = await trio.to_thread.run_sync(self.remote.add_segment, session.id, req.metadata, req.descs, req.nbytes)
+        assert handle is not None
+        if not session.running:
+            self.remote.drop_segment(handle)
+            raise E.SessionClosed("the session is closing")
+        return self._map_remote(session, req, sid, handle)
+
+    def _remote_admissible(self, session: Session, req: P.RegisterRemote) -> int | None:
+        """RegisterRemote's checks before NIXL is touched; the arena id it names (`va`), if any."""
         self.check_quota(session, req.nbytes, SegmentKind.REMOTE)
         if not self.remote.available():
             raise E.InvalidField(
                 "remote segments need NIXL in the daemon (pip install --no-deps nixl-cu12==1.5.1)"
                 if self.remote.enabled else "remote segments are disabled in this daemon"
             )
-        async with self._remote_start:
-            handle = await trio.to_thread.run_sync(self.remote.add_segment, session.id, req.metadata, req.descs, req.nbytes)
-        if not session.running:
+        if not req.va:
+            return None
+        sid, _device = self.arena_slot(session, req.va, "remote segment")
+        return sid
+
+    def _map_remote(self, session: Session, req: P.RegisterRemote, sid: int | None, handle: Any) -> R.RemoteRegistered:
+        try:
+            if sid is None:
+                seg = self.table.add(SegmentKind.REMOTE, req.nbytes, session.id, handle)
+            else:
+                seg = self.table.add_reserved(sid, SegmentKind.REMOTE, req.nbytes, session.id, handle)
+        except BaseException:
             self.remote.drop_segment(handle)
-            raise E.SessionClosed("the session is closing")
-        seg = self.table.add(SegmentKind.REMOTE, req.nbytes, session.id, handle)
+            raise
         session.segments.add(seg.id)
-        log.info("session %d: remote segment %d of %d bytes from agent %r", session.id, seg.id, req.nbytes, handle.peer)
+        log.debug("session %d: remote segment %d of %d bytes from agent %r", session.id, seg.id, req.nbytes, handle.peer)
         return R.RemoteRegistered(seg.va, req.nbytes, self.remote.name)
+
+    def arena_slot(self, session: Session, va: int, what: str) -> tuple[int, int]:
+        """The (segment id, device) of one of `session`'s arena ids, free to define at `va`."""
+        sid = va >> OFFSET_BITS
+        arena = next((dev for dev, (first, n) in session.arenas.items() if first <= sid < first + n), None)
+        if va & ((1 << OFFSET_BITS) - 1) or arena is None:
+            raise E.InvalidAddress(f"{what}: VA {va:#x} is not a segment of this session's arenas")
+        if self.table.get(sid) is not None:
+            raise E.InvalidAddress(f"{what}: segment {sid} is already defined (defined twice?)")
+        return sid, arena
 
     # --- sharing -------------------------------------------------------------------------------
     def share(self, session: Session, va: int) -> R.Shared:

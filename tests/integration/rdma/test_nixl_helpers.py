@@ -220,3 +220,19 @@ def test_range_faults_name_the_first_bad_range_at_any_length(n: int) -> None:
         over[n - 1, 1] = 0
         with pytest.raises(InvalidField, match=f"range {n - 1} has length 0"):
             check_ranges_within(reg, over)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, U64), st.integers(0, U64)), max_size=6))
+def test_a_list_of_ranges_is_checked_as_an_array_of_them_is(pairs: list[tuple[int, int]]) -> None:
+    """A few pairs are checked in Python, an array in NumPy: the same ranges pass, and the same
+    ones fail."""
+    from transfer.transport._nixl import _as_ranges
+
+    def outcome(ranges: object) -> object:
+        try:
+            return _as_ranges(ranges, "r").tolist()  # type: ignore[arg-type]
+        except InvalidField:
+            return InvalidField
+
+    assert outcome(pairs) == outcome(np.array(pairs, dtype=np.uint64).reshape(-1, 2))

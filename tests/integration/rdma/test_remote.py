@@ -154,8 +154,8 @@ def test_a_repeated_vector_is_checked_against_the_table_each_time(tcp_daemon: tu
         with pytest.raises(transfer.NotOwner):
             client.copy_many(*into_shared, checksum=True).result()
         other.free(shm)
-    client.free(seg)  # the remote segment goes: the vector that named it is refused
-    with pytest.raises(transfer.SegmentFreed):
+    client.free(seg)  # the remote segment goes: the vector that named it is refused (its VA was of the arena)
+    with pytest.raises(transfer.InvalidAddress, match="freed"):
         client.copy_many(*vec, checksum=True).result()
     seg2 = client.register_remote(arr)  # a new one: new VAs, the same bytes
     assert client.copy_many(buf.va + offs, seg2.va + offs, sizes, checksum=True).result().tolist() == want()
@@ -278,7 +278,7 @@ def test_freed_remote_segment_is_dead(client: transfer.Client) -> None:
     buf = client.alloc(4096)
     va = seg.va
     client.free(seg)
-    with pytest.raises(transfer.SegmentFreed):
+    with pytest.raises(transfer.InvalidAddress, match="freed"):  # (its VA was of the session's arena)
         client.copy(buf, va, 16).result()
     client.free(buf)
 
@@ -314,19 +314,81 @@ def test_registering_the_same_memory_again_reuses_its_registration(client: trans
     c = client.register_remote(arr.reshape(1024, 1024))  # (the same bytes, another view)
     part = client.register_remote(arr[: 1 << 19])
     assert a.va == b.va == c.va and a._reg is b._reg is c._reg and part.va != a.va
-    assert client.stats()["session"]["segments"] == segs_before + 2
     buf = client.alloc(arr.nbytes)
+    client.copy(buf, a, 16).result(), client.copy(buf, part, 16).result()  # (each defined with its first use)
+    assert client.stats()["session"]["segments"] == segs_before + 3  # (a, part, buf)
     client.free(a)
     client.copy(buf, b).result()  # still mapped: b and c hold it
     assert client.checksum(buf).result() == transfer.checksum64(arr)
     client.free(c)
     client.free(b)
-    with pytest.raises(transfer.SegmentFreed):
+    with pytest.raises(transfer.InvalidAddress, match="freed"):
         client.copy(buf, b.va, 16).result()
     d = client.register_remote(arr)  # registered afresh, now that none is live
-    assert d.va != a.va and client.stats()["session"]["segments"] == segs_before + 3  # (d, part, buf)
+    client.copy(buf, d, 16).result()
+    assert d._reg is not a._reg and client.stats()["session"]["segments"] == segs_before + 3  # (d, part, buf)
     for s in (d, part, buf):
         client.free(s)
+
+
+def test_a_registration_travels_with_its_first_use(client: transfer.Client) -> None:
+    """register_remote sends nothing: the daemon maps the segment when the first request
+    naming it arrives (the RegisterRemote goes ahead of it in the same frame); a registration
+    freed before any use never reaches the daemon, and its VA is the arena's again."""
+    arr = np.random.default_rng(6).integers(0, 256, 1 << 16, dtype=np.uint8)
+    buf = client.alloc(arr.nbytes)
+    client.fill(buf, 16, 0).result()  # (buf defined)
+    before = client.stats()
+    per_stats = client.stats()["session"]["requests"] - before["session"]["requests"]  # (what a stats() call counts)
+    seg = client.register_remote(arr)
+    unused = client.register_remote(np.zeros(4096, np.uint8))
+    after = client.stats()
+    assert after["session"]["requests"] - before["session"]["requests"] == 2 * per_stats  # nothing else went
+    assert after["session"]["segments"] == before["session"]["segments"]
+    client.copy(buf, seg).result()
+    assert client.checksum(buf).result() == transfer.checksum64(arr)
+    assert client.stats()["session"]["segments"] == before["session"]["segments"] + 1
+    freed_va = unused.va
+    client.free(unused)  # never sent: nothing to tell the daemon
+    again = client.register_remote(np.zeros(8192, np.uint8))
+    assert again.va == freed_va  # (the arena's id, given back)
+    client.copy(again, buf, 8192).result()
+    assert np.array_equal(again.buffer, arr[:8192])
+    for s in (seg, again, buf):
+        client.free(s)
+
+
+def test_a_refused_deferred_registration_fails_its_first_use_naming_where_it_was_made() -> None:
+    """A daemon that serves no remote segments: the registration still returns at once; the
+    first request naming it fails with the daemon's reason and the file and line that
+    registered, the session serves on, and the handle frees cleanly."""
+    for _d, endpoint in _daemon(["--allow-insecure-tcp", "--no-rdma"]):
+        with transfer.connect(endpoint, name="rdma-refused") as c:
+            arr = np.ones(4096, np.uint8)
+            seg = c.register_remote(arr); line = sys._getframe().f_lineno  # noqa: E702
+            buf = c.alloc(4096)
+            with pytest.raises(transfer.InvalidField, match=rf"registered at test_remote.py:{line}: remote segments are disabled"):
+                c.copy(buf, seg).result()
+            c.fill(buf, 4096, 7).result()
+            assert c.checksum(buf).result() == transfer.checksum64(b"\x07" * 4096)
+            c.free(seg)
+            c.free(buf)
+        with transfer.connect(endpoint, name="rdma-eager", deferred=False) as c:  # eager: the answer at once
+            with pytest.raises(transfer.InvalidField, match="remote segments are disabled"):
+                c.register_remote(np.ones(4096, np.uint8))
+
+
+def test_an_eager_registration_is_answered_before_it_returns(tcp_daemon: tuple[DaemonProcess, str]) -> None:
+    with transfer.connect(tcp_daemon[1], name="rdma-eager", deferred=False) as c:
+        before = c.stats()["session"]["segments"]
+        arr = np.arange(4096, dtype=np.uint8)
+        seg = c.register_remote(arr)
+        assert c.stats()["session"]["segments"] == before + 1
+        buf = c.alloc(4096)
+        c.copy(buf, seg).result()
+        assert c.checksum(buf).result() == transfer.checksum64(arr)
+        c.free(seg)
+        c.free(buf)
 
 
 @pytest.mark.parametrize("verified", [False, True], ids=["copies", "verified-copies"])
@@ -462,7 +524,7 @@ def test_trio_client_remote_segments(tcp_daemon: tuple[DaemonProcess, str]) -> N
             await out.free()
             await c.free(seg)
             assert seg.freed and out.freed
-            with pytest.raises(transfer.SegmentFreed):
+            with pytest.raises(transfer.InvalidAddress, match="freed"):
                 await c.copy(buf, seg.va, 16)
             await c.free(buf)
 
