@@ -314,9 +314,9 @@ class DeferredState:
         sid = arena.take()
         if sid is None:
             raise E.QuotaExceeded(
-                f"registration at {site}: this session already names {arena.count} buffers and segments from its "
-                "arena, the most one session may (the daemon's --arena-ids). Free what you no longer need "
-                "(client.free), or ask the operator to raise --arena-ids"
+                f"registration at {site}: this session already names {arena.count} "
+                "buffers and segments from its arena, the most one session may (the daemon's --arena-ids). "
+                "Free what you no longer need (client.free), or ask the operator to raise --arena-ids"
             )
         self.buffers[sid] = entry
         return sid << OFFSET_BITS

@@ -378,6 +378,25 @@ def test_a_refused_deferred_registration_fails_its_first_use_naming_where_it_was
                 c.register_remote(np.ones(4096, np.uint8))
 
 
+def test_registrations_take_ids_of_the_arena_and_give_them_back() -> None:
+    """Remote segments are named from the home arena: past its ids a registration is refused
+    at once (naming the flag), and a freed one's id serves the next."""
+    for _d, endpoint in _daemon(["--allow-insecure-tcp", "--arena-ids", "2"]):
+        with transfer.connect(endpoint, name="rdma-arena") as c:
+            a, b = c.register_remote(np.zeros(4096, np.uint8)), c.register_remote(np.zeros(4096, np.uint8))
+            with pytest.raises(transfer.QuotaExceeded, match=r"already names 2 buffers and segments from its arena.*--arena-ids"):
+                c.register_remote(np.zeros(4096, np.uint8))
+            c.free(a)
+            d = c.register_remote(np.ones(4096, np.uint8))
+            assert d.va == a.va
+            c.free(b)  # (never used: nothing to send)
+            buf = c.alloc(4096)  # (a device buffer takes an id of the same arena)
+            c.copy(buf, d).result()
+            assert c.checksum(buf).result() == transfer.checksum64(b"\x01" * 4096)
+            c.free(d)
+            c.free(buf)
+
+
 def test_an_eager_registration_is_answered_before_it_returns(tcp_daemon: tuple[DaemonProcess, str]) -> None:
     with transfer.connect(tcp_daemon[1], name="rdma-eager", deferred=False) as c:
         before = c.stats()["session"]["segments"]
