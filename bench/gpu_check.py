@@ -2,6 +2,7 @@
 timeout) and its verdict: the targets of the GPU data-plane and compute work, met or not.
 
     python bench/gpu_check.py bench   --out bench/results/gpu-DATE.json    # transfer-bench's gpu mode
+    python bench/gpu_check.py remote  --out bench/results/gpu-DATE.json    # remote producers into GPU memory
     python bench/gpu_check.py fake    --out bench/results/device-fake.json # the same questions on a CPU,
                                                                            # through the fake CUDA driver
     python bench/gpu_check.py targets --out bench/results/gpu-DATE.json [--graphs G.json]
@@ -12,7 +13,10 @@ normalizing, and 64 B round trips; it writes the JSON as soon as it has it. `fak
 rehearsal: a daemon on the stream simulation whose device memory is tests/fakecuda's, 64 B
 host-to-device round trips against host-to-host ones on the same daemon, and 100,000 device
 copies through the ring with the event loop's device requests and the daemon's CPU counted.
-`targets` adds {"targets": {name: {"value", "target", "met"}}, "gpu": name} to the JSON.
+`remote` has a producer on loopback tcp whose batch the daemon READs straight into device
+memory, checksummed, against a raw NIXL agent READing into device memory of its own (skipped,
+and said so, where NIXL is not installed). `targets` adds {"targets": {name: {"value",
+"target", "met"}}, "gpu": name} to the JSON.
 """
 
 from __future__ import annotations
@@ -61,6 +65,82 @@ def share(out: Path, tenants: int, reps: int, rep_s: float) -> None:
     result = share_mode.run(tenants, reps=reps, rep_s=rep_s, line=lambda s: print(s, flush=True))
     doc = _load(out)
     doc["share"] = result
+    _write(out, doc)
+
+
+# --- remote producers into device memory ------------------------------------------------------
+def remote(out: Path, backend: str, sizes: list[int], reps: int) -> None:
+    """A producer on loopback tcp whose batch the daemon READs straight into a device buffer
+    (registered with NIXL as VRAM on a GPU; the stream simulation's host-backed device memory
+    as DRAM on a CPU), checksummed, against a raw NIXL agent READing the same bytes into device
+    memory of its own, alternated in one run."""
+    from transfer.transport import _nixl as N
+
+    doc = _load(out)
+    if not N.available():
+        doc["remote"] = {"skipped": "NIXL is not installed (carry its wheel: pip download --no-deps nixl-cu12==1.5.1)"}
+        _write(out, doc)
+        print(doc["remote"]["skipped"], flush=True)
+        return
+    import numpy as np
+
+    import transfer
+    from transfer.testing import loopback_endpoint, run_daemon
+
+    xp: Any = np
+    if backend == "cupy":
+        import cupy as xp
+    biggest = max(sizes)
+    src = np.random.default_rng(0).integers(0, 256, biggest, dtype=np.uint8)
+    endpoint = loopback_endpoint()
+    rows: list[dict[str, Any]] = []
+    with run_daemon(["--endpoint", endpoint, "--allow-insecure-tcp", "--backend", backend]), \
+            transfer.connect(endpoint, name="gpu-check-remote") as c:
+        seg, dev = c.register_remote(src), c.alloc(biggest)
+        kind = c.stats()["daemon"]["devices"][dev.device]["kind"]
+        c.copy(dev, seg).result()
+        assert c.checksum(dev).result() == transfer.checksum64(src), "a remote READ into device memory landed wrong"
+        raw = N.NixlEndpoint("gpu-check-raw", progress="none")
+        try:
+            peer = raw.add_peer(c._remote.ep.metadata)
+            dst = xp.ones(biggest, dtype=xp.uint8)
+            if backend == "cupy":
+                reg = raw.register_address(int(dst.data.ptr), biggest, owner=dst, mem="VRAM", dev_id=int(dst.device.id))
+            else:
+                reg = raw.register(dst)
+            src_addr = int(src.ctypes.data)
+
+            def raw_read(size: int) -> float:
+                t0 = time.perf_counter()
+                x = raw.read(peer, [(reg.addr, size)], [(src_addr, size)], local_mem=reg.mem_type)
+                x.wait(30)
+                x.release()
+                return time.perf_counter() - t0
+
+            def ours(size: int) -> float:
+                t0 = time.perf_counter()
+                c.copy(dev, seg, size).result()
+                return time.perf_counter() - t0
+
+            raw_read(biggest)
+            got = bytes(xp.asnumpy(dst)) if backend == "cupy" else dst.tobytes()
+            assert transfer.checksum64(got) == transfer.checksum64(src), "the raw READ into device memory landed wrong"
+            for size in sizes:
+                t_ours, t_raw = [], []
+                for _ in range(reps):  # (alternated: both see the same machine)
+                    t_ours.append(ours(size))
+                    t_raw.append(raw_read(size))
+                a, b = statistics.median(t_ours), statistics.median(t_raw)
+                rows.append({"size": size, "transfer_gbps": round(size / a / 1e9, 3), "raw_gbps": round(size / b / 1e9, 3),
+                             "vs_raw": round(b / a, 3), "reps": reps})
+                print(f"remote READ into {kind} memory, {size >> 10} KiB: transfer {rows[-1]['transfer_gbps']} GB/s, "
+                      f"raw NIXL {rows[-1]['raw_gbps']} GB/s ({rows[-1]['vs_raw']}x)", flush=True)
+        finally:
+            raw.close()
+        c.free(dev)
+        c.free(seg)
+    doc["remote"] = {"backend": backend, "device_kind": kind, "checksummed": True, "rows": rows,
+                     "command": f"python bench/gpu_check.py remote --backend {backend} --sizes {','.join(map(str, sizes))} --reps {reps}"}
     _write(out, doc)
 
 
@@ -197,6 +277,9 @@ def targets(out: Path, graphs: Path | None) -> None:
     add("share mode fairness index", tr and tr["fairness"], ">= 0.95", tr and tr["fairness"] >= 0.95)
     p99 = share and share["latency"]["beside_bulk"]["p99_us"]
     add("latency tenant 64 B p99 us beside 256 MiB copies", p99 and round(p99, 1), "<= 150", p99 and p99 <= 150)
+    rem = doc.get("remote") or {}
+    for r in rem.get("rows", []) if rem.get("backend") == "cupy" else []:
+        add(f"remote READ into GPU memory {r['size'] >> 10} KiB vs raw NIXL", r["vs_raw"], ">= 1.0", r["vs_raw"] >= 1.0)
     doc["targets"] = t
     _write(out, doc)
     met = sum(v["met"] for v in t.values())
@@ -207,7 +290,7 @@ def targets(out: Path, graphs: Path | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("part", choices=("bench", "share", "fake", "targets"))
+    ap.add_argument("part", choices=("bench", "share", "remote", "fake", "targets"))
     ap.add_argument("--out", type=Path, required=True, help="the JSON to write (or add to)")
     ap.add_argument("--sizes", default=",".join(str(s) for s in (64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20)))
     ap.add_argument("--reps", type=int, default=5)
@@ -215,11 +298,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5000, help="fake: 64 B round trips per repetition")
     ap.add_argument("--copies", type=int, default=100_000, help="fake: device copies streamed")
     ap.add_argument("--graphs", type=Path, help="targets: bench/graphs.py's JSON (the MLP targets)")
+    ap.add_argument("--backend", default="cupy", help="remote: the daemon's backend (cupy on a GPU, streamsim to rehearse on a CPU)")
     args = ap.parse_args(argv)
     if args.part == "bench":
         bench(args.out, [int(s) for s in args.sizes.split(",")], args.reps, args.rep_seconds)
     elif args.part == "share":
         share(args.out, 4, args.reps, max(args.rep_seconds, 1.0))
+    elif args.part == "remote":
+        remote(args.out, args.backend, [int(s) for s in args.sizes.split(",")], args.reps)
     elif args.part == "fake":
         fake(args.out, args.rounds, args.copies)
     else:

@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # The prepared GPU check: on a machine with an NVIDIA GPU and nothing prepared, install what
-# the package needs from wheels handed to it, build, and record in at most about 8.5 minutes:
+# the package needs from wheels handed to it, build, and record in at most about 9 minutes:
 #   bench/results/gpu-DATE-tests.log   pytest -m gpu
 #   bench/results/gpu-DATE.{json,log}  transfer-bench's gpu mode (native device workers, and a
 #                                      daemon with them off, against CuPy), its share mode (4
-#                                      tenants), bench/graphs.py's MLP, and the targets met or
-#                                      missed ("targets" in the JSON)
+#                                      tenants), a remote producer READ into GPU memory against
+#                                      raw NIXL (where NIXL's wheel came along), bench/graphs.py's
+#                                      MLP, and the targets met or missed ("targets" in the JSON)
 # Each part runs under its own timeout and writes as it goes; a part that fails or times out
 # leaves the others' results.
 #
 #   bench/gpu_check.sh [WHEEL_DIR]     (default: .whl; `pip download` them where a registry is
-#                                       reachable: trio outcome sniffio pyzmq msgspec, for the
-#                                       GPU machine's Python; keep them out of git)
+#                                       reachable: trio outcome sniffio pyzmq msgspec, and
+#                                       nixl-cu12==1.5.1 with --no-deps for the remote part, for
+#                                       the GPU machine's Python; keep them out of git)
 # Results are written to $OUT too when it is set (the device tool's folder).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -46,6 +48,9 @@ timeout 170 "$PY" bench/gpu_check.py bench --out "$BASE.json" 2>&1 | grep -v "tr
 
 step "share mode (4 tenants)"
 timeout 60 "$PY" bench/gpu_check.py share --reps 3 --out "$BASE.json" 2>&1 | grep -v "transfer.daemon.startup" | tee -a "$LOG"
+
+step "remote producer into GPU memory (NIXL)"
+timeout 45 "$PY" bench/gpu_check.py remote --sizes 65536,1048576,67108864 --reps 3 --out "$BASE.json" 2>&1 | grep -v "transfer.daemon.startup" | tee -a "$LOG"
 
 step "graphs (MLP, CuPy)"
 timeout 70 "$PY" bench/graphs.py --backend cupy --batches 1,16,64,256 --seconds 0.4 --reps 2 --latency 1000 \

@@ -204,6 +204,21 @@ def test_gpu_check_rehearses_on_a_cpu(tmp_path: Path) -> None:
     assert "share mode fairness index" in doc["targets"]
 
 
+def test_gpu_check_rehearses_remote_producers_into_device_memory_on_a_cpu(tmp_path: Path) -> None:
+    """The GPU check's remote part on the stream simulation: the daemon READs a producer's
+    batch straight into a (host-backed) device buffer, checksummed, beside raw NIXL."""
+    from transfer.transport import _nixl
+
+    if not _nixl.available():
+        pytest.skip("the remote part needs NIXL (pip install --no-deps nixl-cu12==1.5.1)")
+    out = tmp_path / "gpu.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "remote", "--backend", "streamsim",
+                        "--sizes", "65536,1048576", "--reps", "2", "--out", str(out)], capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    rem = json.loads(out.read_text())["remote"]
+    assert rem["device_kind"] == "gpu" and rem["checksummed"] and [row["size"] for row in rem["rows"]] == [65536, 1048576]
+
+
 def test_replot_redraws_a_recorded_run(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="the plot needs matplotlib")
     png, md = tmp_path / "q.png", tmp_path / "q.md"
