@@ -13,7 +13,10 @@
 #   bench/gpu_check.sh [WHEEL_DIR]     (default: .whl; `pip download` them where a registry is
 #                                       reachable: trio outcome sniffio pyzmq msgspec, and
 #                                       nixl-cu12==1.5.1 with --no-deps for the remote part, for
-#                                       the GPU machine's Python; keep them out of git)
+#                                       the GPU machine's Python; keep them out of git. NIXL's
+#                                       wheel (69 MB) passes the device tool's 64 MiB only without
+#                                       its nixl_ep_cu12/ torch extensions, which nothing here
+#                                       loads: drop those entries and their RECORD lines, 31 MB)
 # Results are written to $OUT too when it is set (the device tool's folder).
 set -uo pipefail
 cd "$(dirname "$0")/.."
