@@ -20,6 +20,10 @@ Two figures per size (median of --reps; 1 GB = 1e9 B):
   and fenced (the daemon posts them as ONE transfer), against the raw initiator
   posting the same burst as one READ transfer per copy, each waited.
 
+And one 64 B request at a time over the same tcp control socket (a copy between two daemon
+buffers, and a 64 B READ of the producer's memory), against pyzmq's own REQ/REP round trip
+of 64 B to an echoing process on loopback tcp, alternated in one run: p50 and p99.
+
 UCX_TLS is inherited (unset: `cma` for same-host RMA). Prints a table and
 writes JSON.
 """
@@ -36,6 +40,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -79,6 +84,33 @@ def raw_initiator(conn, metadata: bytes, descs: bytes, sizes: list[int], reps: i
     conn.send(out)
     conn.recv()
     ep.close()
+
+
+def reqrep_echo(port: int, ready: Any) -> None:
+    import zmq
+
+    s = zmq.Context.instance().socket(zmq.REP)
+    s.bind(f"tcp://127.0.0.1:{port}")
+    ready.set()
+    while True:
+        msg = s.recv()
+        s.send(msg)
+        if msg == b"q":
+            break
+    s.close(0)
+
+
+def round_trips(one: Any, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        one()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _p(samples: list[float], q: float) -> float:
+    return round(float(np.percentile(np.asarray(samples) * 1e6, q)), 1)
 
 
 def main() -> None:
@@ -145,6 +177,46 @@ def main() -> None:
                 "stream_ratio": r["stream_s"] / stream,
             }
         stats = c.stats()["daemon"]
+
+        # 64 B round trips: transfer's control socket against pyzmq's REQ/REP, alternated.
+        import zmq
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            zport = s.getsockname()[1]
+        ready = ctx.Event()
+        echo = ctx.Process(target=reqrep_echo, args=(zport, ready), daemon=True)
+        echo.start()
+        ready.wait(30)
+        req = zmq.Context.instance().socket(zmq.REQ)
+        req.connect(f"tcp://127.0.0.1:{zport}")
+        payload = bytes(64)
+        other = c.alloc(4096)
+
+        def zmq_one() -> None:
+            req.send(payload)
+            req.recv()
+
+        def copy_one() -> None:
+            c.copy(other, dev, 64).result()
+
+        def read_one() -> None:
+            c.copy(other, seg, 64).result()
+
+        rt: dict[str, list[float]] = {"transfer_copy": [], "transfer_read": [], "pyzmq_reqrep": []}
+        for fn in (zmq_one, copy_one, read_one):
+            round_trips(fn, 200)  # (warm)
+        for _ in range(5):
+            rt["pyzmq_reqrep"] += round_trips(zmq_one, 400)
+            rt["transfer_copy"] += round_trips(copy_one, 400)
+            rt["transfer_read"] += round_trips(read_one, 400)
+        req.send(b"q")
+        req.recv()
+        req.close(0)
+        echo.join(10)
+        round_trip = {k: {"p50_us": _p(v, 50), "p99_us": _p(v, 99), "rounds": len(v)} for k, v in rt.items()}
+        round_trip["copy_vs_pyzmq"] = round(round_trip["pyzmq_reqrep"]["p50_us"] / round_trip["transfer_copy"]["p50_us"], 3)
+        c.free(other)
         c.free(dev)
         c.free(seg)
 
@@ -156,6 +228,9 @@ def main() -> None:
             f"{r['burst']:5d} {r['transfer_stream_gbps']:13.2f} {r['raw_stream_gbps']:9.2f} {r['stream_ratio']:6.2f}"
         )
     print(f"daemon NIXL posts during the measured part: {stats['nixl_posts'] - posts0}")
+    print("64 B, one at a time (p50 / p99 us): " + ", ".join(f"{k} {v['p50_us']} / {v['p99_us']}" for k, v in round_trip.items()
+                                                            if isinstance(v, dict))
+          + f"; pyzmq REQ/REP p50 / transfer's copy p50: {round_trip['copy_vs_pyzmq']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     doc = {
         "bench": "remote",
@@ -166,6 +241,7 @@ def main() -> None:
         "command": "python bench/remote.py " + " ".join(sys.argv[1:]),
         "ratio_is": "raw time / transfer time (1.0 = as fast as raw NIXL)",
         "results": list(results.values()),
+        "round_trip_64B": round_trip,
     }
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {args.out}")

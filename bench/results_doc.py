@@ -152,6 +152,25 @@ def _graphs(rel: str) -> str:
     return "\n".join(out)
 
 
+def remote() -> str:
+    rel = "cpu-2vcpu/remote.json"
+    doc = _load(rel)
+    rows = [[fmt_size(r["size"]), f"{r['transfer_latency_us']:,.0f} µs", f"{r['raw_latency_us']:,.0f} µs", f"{r['latency_ratio']:.2f}x",
+             str(r["burst"]), f"{r['transfer_stream_gbps']:.2f}", f"{r['raw_stream_gbps']:.2f}", f"{r['stream_ratio']:.2f}x"]
+            for r in doc["results"]]
+    out = [f"`{doc['command'].strip()}` (tcp control on loopback, NIXL READs by the daemon, `UCX_TLS` "
+           f"{doc.get('ucx_tls') or 'unset: cma'}; median of {doc['reps']}; ratio: raw time / transfer time; file "
+           f"`bench/results/{rel}`): one copy at a time, and a burst of copies in one frame (raw: one READ per copy).", "",
+           _table(["size", "transfer, one copy", "raw READ", "ratio", "burst", "transfer GB/s", "raw GB/s", "ratio"], rows)]
+    rt = doc.get("round_trip_64B")
+    if rt:
+        out += ["", "64 B, one request at a time over the control socket, against pyzmq's own REQ/REP on loopback tcp (µs):", "",
+                _table(["request", "p50", "p99"], [[name, f"{rt[k]['p50_us']:.1f}", f"{rt[k]['p99_us']:.1f}"] for k, name in (
+                    ("transfer_copy", "transfer: a copy between daemon buffers"), ("transfer_read", "transfer: a READ of the producer's 64 B"),
+                    ("pyzmq_reqrep", "pyzmq REQ/REP echo"))])]
+    return "\n".join(out)
+
+
 def gpu_h100() -> str:
     return _gpu("gpu-h100/gpu-mode.json") + "\n\n" + _graphs("gpu-h100/graphs.json")
 
@@ -161,7 +180,7 @@ def gpu_h200() -> str:
 
 
 SECTIONS: dict[str, Callable[[], str]] = {
-    "quick": quick, "graphs-cpu": graphs_cpu, "sharing": sharing, "gpu-h100": gpu_h100, "gpu-h200": gpu_h200,
+    "quick": quick, "graphs-cpu": graphs_cpu, "sharing": sharing, "remote": remote, "gpu-h100": gpu_h100, "gpu-h200": gpu_h200,
 }
 
 
