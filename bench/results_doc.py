@@ -158,16 +158,17 @@ def remote() -> str:
     rows = [[fmt_size(r["size"]), f"{r['transfer_latency_us']:,.0f} µs", f"{r['raw_latency_us']:,.0f} µs", f"{r['latency_ratio']:.2f}x",
              str(r["burst"]), f"{r['transfer_stream_gbps']:.2f}", f"{r['raw_stream_gbps']:.2f}", f"{r['stream_ratio']:.2f}x"]
             for r in doc["results"]]
-    out = [f"`{doc['command'].strip()}` (tcp control on loopback, NIXL READs by the daemon, `UCX_TLS` "
+    out = [f"Remote copies against raw NIXL, `{doc['command'].strip()}` (tcp control on loopback, NIXL READs by the daemon, `UCX_TLS` "
            f"{doc.get('ucx_tls') or 'unset: cma'}; median of {doc['reps']}; ratio: raw time / transfer time; file "
            f"`bench/results/{rel}`): one copy at a time, and a burst of copies in one frame (raw: one READ per copy).", "",
            _table(["size", "transfer, one copy", "raw READ", "ratio", "burst", "transfer GB/s", "raw GB/s", "ratio"], rows)]
     rt = doc.get("round_trip_64B")
     if rt:
-        out += ["", "64 B, one request at a time over the control socket, against pyzmq's own REQ/REP on loopback tcp (µs):", "",
-                _table(["request", "p50", "p99"], [[name, f"{rt[k]['p50_us']:.1f}", f"{rt[k]['p99_us']:.1f}"] for k, name in (
-                    ("transfer_copy", "transfer: a copy between daemon buffers"), ("transfer_read", "transfer: a READ of the producer's 64 B"),
-                    ("pyzmq_reqrep", "pyzmq REQ/REP echo"))])]
+        def pp(k: str) -> str:
+            return f"p50 {rt[k]['p50_us']:.1f} µs, p99 {rt[k]['p99_us']:.1f} µs"
+        out += ["", f"64 B, one request at a time over the control socket: a copy between daemon buffers {pp('transfer_copy')}; "
+                    f"a READ of the producer's 64 B {pp('transfer_read')}; pyzmq's own REQ/REP echo on loopback tcp, same run, "
+                    f"{pp('pyzmq_reqrep')}."]
     return "\n".join(out)
 
 
