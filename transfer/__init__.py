@@ -6,6 +6,8 @@ Producers and the daemon share a mapping table of segments addressed by
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from ._version import __version__ as __version__
 
 try:  # the native core: every part of the package needs it, so its absence is said at once
@@ -20,7 +22,7 @@ except ImportError as _exc:
 
 from ._checksum import checksum64
 from .addressing import make_va, split_va
-from .client import AsyncioClient, Client, DeviceBuffer, HostSegment, Pending, TrioClient, connect, open_asyncio_client, open_client
+from .client import Client, DeviceBuffer, HostSegment, Pending, TrioClient, connect, open_client
 from .client._deferred import Graph
 from .kernels import OPERATORS, TensorRef
 from .server import DeviceView, serve_in_process
@@ -47,3 +49,15 @@ __all__ = [
     "split_va",
     *_errors_all,
 ]
+
+if TYPE_CHECKING:
+    from .client import AsyncioClient, open_asyncio_client
+
+
+def __getattr__(name: str) -> Any:
+    """The asyncio client, loaded on first use (see transfer.client)."""
+    if name in ("AsyncioClient", "open_asyncio_client"):
+        from . import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
