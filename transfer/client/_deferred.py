@@ -308,7 +308,7 @@ class DeferredState:
         """A VA of the home arena for `entry`, which the daemon makes itself from
         `entry.define(new)` (a remote segment's registration): sent ahead of the first request
         naming it. It takes an id, not bytes, of the arena; `forget` gives the id back."""
-        arena = self.arenas.get(self.home_device) or next(iter(self.arenas.values()), None)
+        arena = self._home_arena()
         if arena is None:
             raise E.SessionError("the daemon granted no arena (deferred registration unavailable)")
         sid = arena.take()
@@ -323,10 +323,15 @@ class DeferredState:
 
     def forget(self, va: int) -> None:
         """An id `name` gave out is free again (the daemon never had it, or has let it go)."""
-        self.buffers.pop(va >> OFFSET_BITS, None)
         sid = va >> OFFSET_BITS
-        arena = next(a for a in self.arenas.values() if a.first_id <= sid < a.first_id + a.count)
+        self.buffers.pop(sid, None)
+        arena = self._home_arena()
+        assert arena is not None  # (`name` gave the id out of it)
         arena.free_ids.append(sid)
+
+    def _home_arena(self) -> Arena | None:
+        """Where `name` takes ids: the home device's arena (any, where it has none)."""
+        return self.arenas.get(self.home_device) or next(iter(self.arenas.values()), None)
 
     def reserve(self, nbytes: int, device: int, site: str) -> DeferredBuffer:
         """An arena id and bytes for memory the daemon fills in itself (a graph's): no alloc
