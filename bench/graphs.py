@@ -245,12 +245,13 @@ def summarize(rates: dict[str, list[float]], base: str, per: float = 1.0) -> dic
 # --- the MLP ----------------------------------------------------------------------------------
 def kernels_mlp(batch: int, ws: list[np.ndarray]) -> Callable[[np.ndarray, np.ndarray], None]:
     """The daemon's own kernels (chosen by dtype as the daemon chooses them), run here on
-    NumPy arrays with preallocated intermediates: the graph's work without the service.
-    Returns run(x, y): y = the MLP of x."""
+    NumPy arrays with preallocated intermediates laid out as the daemon lays them out (a
+    linear and its relu share one block: `parse_graph`): the graph's work without the
+    service. Returns run(x, y): y = the MLP of x."""
     f = "float32"
     lin = REGISTRY.lookup("linear", (f, f, f, f), "cpu")
     relu = REGISTRY.lookup("relu", (f, f), "cpu")
-    mids = [np.empty((batch, n), np.float32) for n in SIZES[1:-1] for _ in range(2)]
+    mids = [np.empty((batch, n), np.float32) for n in SIZES[1:-1]]
 
     def run(x: np.ndarray, y: np.ndarray) -> None:
         h = x
@@ -258,9 +259,9 @@ def kernels_mlp(batch: int, ws: list[np.ndarray]) -> Callable[[np.ndarray, np.nd
             if k + 2 == len(ws):
                 lin.run([h, ws[k], ws[k + 1]], [y], {}, np)
                 return
-            pre, act = mids[k], mids[k + 1]
-            lin.run([h, ws[k], ws[k + 1]], [pre], {}, np)
-            relu.run([pre], [act], {}, np)
+            act = mids[k // 2]
+            lin.run([h, ws[k], ws[k + 1]], [act], {}, np)
+            relu.run([act], [act], {}, np)
             h = act
 
     return run

@@ -274,8 +274,9 @@ def test_graph_equals_its_operators_one_by_one(client: transfer.Client, chain, r
         name = g.output("y", (rows, cols), dtype) if k == len(chain) - 1 else g.tensor(f"t{k}", (rows, cols), dtype)
         g.op(op, [prev], name, params)
         prev = name
-    ys = client.segment(nb)
-    client.run_graph(g, [xs], [ys]).result()
+    ys, again = client.segment(nb), client.segment(nb)
+    client.run_graph(g, [xs], [ys]).result()  # planned (in place where a node can be: `parse_graph`)
+    client.run_graph(g, [xs], [again]).result()  # kept, and on a ring its worker's
     # The same operators, each its own compute request, intermediates in client buffers.
     bufs = [client.alloc(nb) for _ in chain]
     src = xs.tensor((rows, cols), dtype)
@@ -286,10 +287,11 @@ def test_graph_equals_its_operators_one_by_one(client: transfer.Client, chain, r
     zs = client.segment(nb)
     client.copy(zs, bufs[-1], nb).result()
     assert ys.ndarray((rows, cols), dtype).tobytes() == zs.ndarray((rows, cols), dtype).tobytes()
+    assert again.ndarray((rows, cols), dtype).tobytes() == zs.ndarray((rows, cols), dtype).tobytes()
     for b in bufs:
         client.free(b)
     client.free(g)
-    for s in (xs, ys, zs):
+    for s in (xs, ys, zs, again):
         client.free(s)
 
 
@@ -417,6 +419,35 @@ def test_parse_graph_is_pure_and_lays_out_intermediates() -> None:
                              [("matmul", ("x", "w"), ("h",), {}), ("relu", ("h",), ("y",), {})]))
     assert spec.offsets == {"h": 0} and spec.scratch_nbytes == 256
     assert spec.deps == ((), (0,)) and spec.param_bytes() == 64
+
+
+def _mid(name: str, dtype: str = "float32") -> tuple[str, str, list[int], None]:
+    return (name, dtype, [4, 4], None)
+
+
+def test_an_in_place_node_shares_its_input_s_memory_when_nothing_else_reads_it() -> None:
+    w, b = ("w", "float32", [4, 4], 1 << 40), ("b", "float32", [4], (1 << 40) + 64)
+    lin = ("linear", ("x", "w", "b"), ("h",), {})
+    # linear -> h -> relu -> a -> gelu -> g -> linear -> y: h, a and g are one block
+    spec = parse_graph(_wire([_X, _Y, w, b, _mid("h"), _mid("a"), _mid("g")],
+                             [lin, ("relu", ("h",), ("a",), {}), ("gelu", ("a",), ("g",), {}),
+                              ("linear", ("g", "w", "b"), ("y",), {})]))
+    assert spec.offsets == {"g": 0, "h": 0, "a": 0} and spec.scratch_nbytes == 256
+    assert spec.param_bytes() == 80
+    # Each its own block: h is read twice; the relu writes a graph output; the dtypes differ;
+    # the two nodes are placed differently.
+    apart = [
+        ([_X, _Y, w, b, _mid("h"), _mid("a")], [lin, ("relu", ("h",), ("a",), {}), ("linear", ("h", "w", "b"), ("a2",), {}),
+                                                 ("linear", ("a", "w", "b"), ("y",), {})], [_mid("a2")]),
+        ([_X, _Y, w, b, _mid("h")], [lin, ("relu", ("h",), ("y",), {})], []),
+        ([_X, _Y, _mid("h", "float64"), _mid("a")],
+         [("cast", ("x",), ("h",), {}), ("scale_add", ("h",), ("a",), {"a": 2.0}), ("relu", ("a",), ("y",), {})], []),
+        ([_X, _Y, w, b, _mid("h"), _mid("a")], [lin, ("relu", ("h",), ("a",), {}, 0, "cost"),
+                                                 ("linear", ("a", "w", "b"), ("y",), {})], []),
+    ]
+    for tensors, nodes, more in apart:
+        spec = parse_graph(_wire(tensors + more, nodes))
+        assert len(set(spec.offsets.values())) == len(spec.offsets), spec.offsets
 
 
 def test_cost_placement() -> None:

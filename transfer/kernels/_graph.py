@@ -95,7 +95,8 @@ class GraphSpec:
     outputs: tuple[str, ...]
     device: int
     placement: str
-    #: intermediate name -> byte offset in the graph's memory
+    #: intermediate name -> byte offset in the graph's memory (an in-place node's input may
+    #: share its output's: `_shared_in_place`)
     offsets: dict[str, int]
     scratch_nbytes: int
     #: node index -> indices of the nodes whose outputs it reads
@@ -233,16 +234,48 @@ def parse_graph(d: Any, where: str = "graph") -> GraphSpec:
     for n in outputs:
         if n not in writer:
             raise E.InvalidField(f"{where}: output {n!r} is written by no node")
+    shared = _shared_in_place(tensors, nodes, outputs, writer)
     offsets: dict[str, int] = {}
     end = 0
     for n in writer:
-        if n in outputs:
+        if n in outputs or n in shared:
             continue
         offsets[n] = end
         end += -(-max(tensor_nbytes(tensors[n]), 1) // GRAPH_ALIGN) * GRAPH_ALIGN
+    for n, into in shared.items():
+        offsets[n] = offsets[into]
     externals, layout = _lay_out(tensors, nodes, offsets, outputs)
     return GraphSpec(tensors, tuple(nodes), inputs, outputs, device, placement, offsets, max(end, GRAPH_ALIGN), tuple(deps),
                      externals, layout)
+
+
+def _shared_in_place(tensors: dict[str, TensorRef], nodes: Sequence[GraphNode], outputs: Sequence[str],
+                     writer: dict[str, int]) -> dict[str, str]:
+    """Intermediates that share the memory of the intermediate an in-place node makes of them
+    (name -> the last of the chain's names): the node's first input, read by no other node
+    and by it once, with its output's dtype and shape, written by a node placed as it is. The
+    writer then writes where the in-place node runs (a linear and the relu after it touch one
+    block, not two: half the memory, twice the cache hits), and the values are the same.
+    Graph outputs keep their own memory: what the run's VAs name is written as before."""
+    readers: dict[str, list[int]] = {}
+    for j, node in enumerate(nodes):
+        for n in node.inputs:
+            readers.setdefault(n, []).append(j)
+    into: dict[str, str] = {}
+    for j, node in enumerate(nodes):
+        if not OPERATORS[node.op].in_place or len(node.outputs) != 1:
+            continue
+        t, u = node.inputs[0], node.outputs[0]
+        src, dst = tensors[t], tensors[u]
+        if (t in writer and t not in outputs and u not in outputs and readers[t] == [j]
+                and (src.dtype, src.shape) == (dst.dtype, dst.shape)
+                and (nodes[writer[t]].device, nodes[writer[t]].placement) == (node.device, node.placement)):
+            into[t] = u
+    for t, u in into.items():
+        while u in into:
+            u = into[u]
+        into[t] = u
+    return into
 
 
 def _lay_out(tensors: dict[str, TensorRef], nodes: Sequence[GraphNode], offsets: dict[str, int],

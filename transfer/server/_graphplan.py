@@ -60,19 +60,20 @@ class GraphPlan:
     def __init__(self, spec: GraphSpec, seg: Segment[Any], site: str) -> None:
         self.spec, self.site = spec, site
         n_ext = len(spec.externals)
-        slot_of = {off: n_ext + k for k, off in enumerate(spec.offsets.values())}
+        blocks = dict.fromkeys(spec.offsets.values())  # (names that share memory share a slot)
+        slot_of = {off: n_ext + k for k, off in enumerate(blocks)}
         self.n_slots = (n_ext, len(slot_of))
         #: Per slot: span and hazard range (None for the externals, which each run fills). The
         #: segment itself is not kept: its info holds this plan, and a cycle would keep its
         #: memory until the cyclic collector ran.
         self.spans: list[Any] = [None] * n_ext
         self.ranges: list[Any] = [None] * n_ext
-        extent = {off: 0 for off in spec.offsets.values()}
+        extent = dict.fromkeys(blocks, 0)
         for lay in spec.layout:
             for ext, off, _, nbytes in lay.operands:
                 if ext < 0:
                     extent[off] = nbytes
-        for off in spec.offsets.values():
+        for off in blocks:
             self.spans.append(Span(seg.kind, seg.handle, off, extent[off]))
             self.ranges.append((seg.id, off, off + extent[off]))
         nodes = []
