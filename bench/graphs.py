@@ -74,7 +74,7 @@ import numpy as np
 
 import transfer
 from transfer._bench import latency as latency_bench
-from transfer.kernels import REGISTRY
+from transfer.kernels import REGISTRY, fuse_steps, run_steps
 from transfer.testing import run_daemon
 
 from _examples import load as load_example  # (bench/ is the script's directory: on sys.path)
@@ -245,24 +245,35 @@ def summarize(rates: dict[str, list[float]], base: str, per: float = 1.0) -> dic
 # --- the MLP ----------------------------------------------------------------------------------
 def kernels_mlp(batch: int, ws: list[np.ndarray]) -> Callable[[np.ndarray, np.ndarray], None]:
     """The daemon's own kernels (chosen by dtype as the daemon chooses them), run here on
-    NumPy arrays with preallocated intermediates laid out as the daemon lays them out (a
-    linear and its relu share one block: `parse_graph`): the graph's work without the
-    service. Returns run(x, y): y = the MLP of x."""
+    NumPy arrays as the daemon's ring worker runs a kept run: intermediates laid out as the
+    daemon lays them out (a linear and its relu share one block: `parse_graph`), the steps
+    fused as it fuses them (`fuse_steps`), run by the same loop (`run_steps`). The graph's
+    work without the service. Returns run(x, y): y = the MLP of x."""
     f = "float32"
     lin = REGISTRY.lookup("linear", (f, f, f, f), "cpu")
     relu = REGISTRY.lookup("relu", (f, f), "cpu")
-    mids = [np.empty((batch, n), np.float32) for n in SIZES[1:-1]]
+    acts = [np.empty((batch, w.shape[0]), np.float32) for w in ws[0:-2:2]]
+    bound: dict[tuple[int, int], list[Any]] = {}  # (input, output) -> its steps, bound once as a kept run's are
 
-    def run(x: np.ndarray, y: np.ndarray) -> None:
+    def steps(x: np.ndarray, y: np.ndarray) -> list[Any]:
+        out: list[Any] = []
         h = x
         for k in range(0, len(ws), 2):
-            if k + 2 == len(ws):
-                lin.run([h, ws[k], ws[k + 1]], [y], {}, np)
-                return
-            act = mids[k // 2]
-            lin.run([h, ws[k], ws[k + 1]], [act], {}, np)
-            relu.run([act], [act], {}, np)
-            h = act
+            dst = y if k + 2 == len(ws) else acts[k // 2]
+            out.append((len(out), lin, [h, ws[k], ws[k + 1]], [dst], {}, (len(out) - 1,) if out else (), None))
+            if dst is not y:
+                out.append((len(out), relu, [dst], [dst], {}, (len(out) - 1,), None))
+            h = dst
+        return fuse_steps(out)
+
+    def compute(kernel: Any, ins: Any, outs: Any, params: Any) -> Any:
+        return kernel.run(ins, outs, params, np)
+
+    def run(x: np.ndarray, y: np.ndarray) -> None:
+        ready = bound.get((id(x), id(y)))
+        if ready is None:
+            ready = bound[(id(x), id(y))] = steps(x, y)
+        run_steps(ready, set(), compute)
 
     return run
 

@@ -175,6 +175,8 @@ static PyMethodDef module_methods[] = {
     {"cuda_host_dispatcher", cuda_host_dispatcher_native, METH_O, "cuda_host_dispatcher(fn): what host calls call"},
     {"checksum64", checksum64_native, METH_O,
      "checksum64(buffer) -> int: checksum64 of a C-contiguous buffer (transfer/_checksum.py)"},
+    {"bias_relu_f32", (PyCFunction)(void (*)(void))bias_relu_f32_native, METH_FASTCALL,
+     "bias_relu_f32(out, bias): out = max(out + bias, 0) in place, one pass (float32, C-contiguous)"},
     {NULL}};
 
 static struct PyModuleDef moduledef = {

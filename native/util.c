@@ -1,7 +1,8 @@
 /*
  * util.c: what the rest of the package asks of the extension besides the ring: checksum64,
- * the submission's integer check, a vector's per-segment bounds, and the uint64 operand
- * helpers the packing shares.
+ * the submission's integer check, a vector's per-segment bounds, the uint64 operand
+ * helpers the packing shares, and the one CPU kernel NumPy has no single pass for
+ * (bias_relu_f32: a linear's bias and the relu after it).
  */
 #include "binding.h"
 
@@ -203,3 +204,66 @@ done:
     return out;
 }
 
+
+/* A writable (or read-only) C-contiguous float32 buffer: native-order "f". */
+static int f32_buffer(PyObject *o, Py_buffer *b, int flags, const char *name)
+{
+    if (PyObject_GetBuffer(o, b, flags | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    const char *f = b->format ? b->format : "B";
+    if (*f == '@' || *f == '=' || (*f == '<' && PY_LITTLE_ENDIAN) || (*f == '>' && !PY_LITTLE_ENDIAN))
+        f++;
+    if (b->itemsize != 4 || strcmp(f, "f") != 0) {
+        PyErr_Format(PyExc_TypeError, "bias_relu_f32: %s must be C-contiguous float32", name);
+        PyBuffer_Release(b);
+        return -1;
+    }
+    return 0;
+}
+
+#define BIAS_RELU_NOGIL_BYTES (64u << 10)
+
+static void bias_relu_rows(float *restrict y, const float *restrict bias, size_t rows, size_t cols)
+{
+    for (size_t r = 0; r < rows; r++) {
+        float *restrict row = y + r * cols;
+        for (size_t c = 0; c < cols; c++) {
+            float v = row[c] + bias[c];
+            row[c] = (v > 0.0f || v != v) ? v : 0.0f; /* NumPy's maximum(v, 0): NaN stays, -0.0 is 0.0 */
+        }
+    }
+}
+
+/* bias_relu_f32(out, bias): out = max(out + bias, 0) in place, bias added to each row (the
+ * last axis of out is bias's length): one pass where NumPy takes two (add, then maximum). */
+PyObject *bias_relu_f32_native(PyObject *mod, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "bias_relu_f32(out, bias) takes 2 arguments");
+        return NULL;
+    }
+    Py_buffer y, b;
+    if (f32_buffer(args[0], &y, PyBUF_WRITABLE, "out") < 0)
+        return NULL;
+    if (f32_buffer(args[1], &b, PyBUF_SIMPLE, "bias") < 0) {
+        PyBuffer_Release(&y);
+        return NULL;
+    }
+    size_t cols = (size_t)b.len / 4, n = (size_t)y.len / 4;
+    if (cols == 0 || y.ndim < 1 || (size_t)y.shape[y.ndim - 1] != cols) {
+        PyErr_Format(PyExc_ValueError, "bias_relu_f32: out's last axis must be the bias's length (%zu)", cols);
+        PyBuffer_Release(&y);
+        PyBuffer_Release(&b);
+        return NULL;
+    }
+    if ((size_t)y.len >= BIAS_RELU_NOGIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        bias_relu_rows((float *)y.buf, (const float *)b.buf, n / cols, cols);
+        Py_END_ALLOW_THREADS
+    } else {
+        bias_relu_rows((float *)y.buf, (const float *)b.buf, n / cols, cols);
+    }
+    PyBuffer_Release(&y);
+    PyBuffer_Release(&b);
+    Py_RETURN_NONE;
+}

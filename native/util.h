@@ -16,6 +16,7 @@ int u64_format(const Py_buffer *b);
 int vec_arg(PyObject *o, const char *name, Py_ssize_t *k, vec_arg_t *a);
 uint64_t vec_at(const vec_arg_t *a, Py_ssize_t i);
 PyObject *checksum64_native(PyObject *mod, PyObject *obj);
+PyObject *bias_relu_f32_native(PyObject *mod, PyObject *const *args, Py_ssize_t nargs);
 PyObject *ints_within(PyObject *mod, PyObject *const *a, Py_ssize_t n);
 PyObject *segment_stats(PyObject *mod, PyObject *const *a, Py_ssize_t n);
 

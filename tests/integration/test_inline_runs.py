@@ -252,6 +252,32 @@ def test_a_repeated_ring_run_is_the_workers(client: transfer.Client) -> None:
     assert after[2] - ops <= 1  # (the stats request's own pass at most: no run was an op)
 
 
+def test_the_worker_s_fused_run_leaves_the_bytes_of_its_operators_one_by_one(client: transfer.Client) -> None:
+    """On the worker, the linear and the relu that shares its block run as one step (the bias
+    and the relu in one native pass: `kernels.fuse_steps`); its output is, byte for byte, the
+    three operators' run as compute requests (NaN included)."""
+    g, p = _mlp(client, 8)
+    xs, ys, zs = client.segment(8 * 16 * 4), client.segment(8 * 4 * 4), client.segment(8 * 4 * 4)
+    h, a = client.segment(8 * 12 * 4), client.segment(8 * 12 * 4)
+    wseg = client.segment(sum(w.nbytes for w in p))
+    refs, off = [], 0
+    for w in p:
+        wseg.ndarray(w.shape, np.float32, offset=off)[...] = w
+        refs.append(wseg.tensor(w.shape, np.float32, offset=off))
+        off += w.nbytes
+    x = xs.ndarray((8, 16), np.float32)
+    client.run_graph(g, [xs], [ys]).result()  # (planned: later runs are the worker's)
+    for values in (RNG.standard_normal((8, 16)), np.where(RNG.random((8, 16)) < 0.5, -0.0, np.nan)):
+        x[...] = values
+        runs = client.stats()["daemon"]["native_graph_runs"]
+        client.run_graph(g, [xs], [ys]).result()
+        assert client.stats()["daemon"]["native_graph_runs"] == runs + 1
+        client.compute("linear", [xs.tensor((8, 16), np.float32), refs[0], refs[1]], [h.tensor((8, 12), np.float32)])
+        client.compute("relu", [h.tensor((8, 12), np.float32)], [a.tensor((8, 12), np.float32)])
+        client.compute("linear", [a.tensor((8, 12), np.float32), refs[2], refs[3]], [zs.tensor((8, 4), np.float32)]).result()
+        assert ys.ndarray((8, 4), np.float32).tobytes() == zs.ndarray((8, 4), np.float32).tobytes()
+
+
 def test_a_learned_wait_for_a_run_naps_and_is_never_woken(client: transfer.Client) -> None:
     """A wait for a run of a graph whose waits the client knows naps with its futex word
     unset: a run that ends during the nap is taken when the nap ends, with no wake from the

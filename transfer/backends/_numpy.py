@@ -20,7 +20,7 @@ import numpy as np
 
 from .._checksum import checksum64
 from ..addressing import SegmentKind
-from ..kernels import DTYPES, FAILED, run_steps
+from ..kernels import DTYPES, FAILED, fuse_steps, run_steps
 from ..memory._shm import new_memfd
 from ._base import Answer, Backend, Span, Then, host_bytes
 from ._devproc import DeviceProcess, SharedIndex
@@ -107,12 +107,13 @@ class NumpyBackend(Backend):
         (each view keeps its mapping: memory freed meanwhile stays mapped until the views go,
         so a run never touches unmapped pages), after the device work the worker queued
         before it (a copy from a GPU into its input). The same kernels the device's process
-        runs."""
+        runs, but a linear and the relu that rectifies its output in place run as one
+        (`kernels.fuse_steps`: the bias and the relu in one pass)."""
         def bound(pairs: Any) -> list[np.ndarray]:
             return [np.ndarray(t.shape, DTYPES[t.dtype], s.mem.array if s.kind is SegmentKind.HOST else s.mem, s.offset, t.strides)
                     for t, s in pairs]
 
-        ready = [(i, kernel, bound(ins), bound(outs), params, deps, name) for i, kernel, ins, outs, params, deps, name in steps]
+        ready = fuse_steps([(i, kernel, bound(ins), bound(outs), params, deps, name) for i, kernel, ins, outs, params, deps, name in steps])
 
         def run(worker: Any) -> list[Any]:
             worker.device_wait()

@@ -10,17 +10,19 @@ row-reduction steps of 16-bit and 32/64-bit floats are `_cuda` kernels.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from .. import _native
 from . import _cuda
 from ._basic import register_both
 from ._checks import fail, param_axis, param_choice, param_float, param_pair, same_shape
 from ._registry import REGISTRY, Operator, Sig
+from ._steps import Step
 from ._tensors import FLOATS, TensorRef, acc_dtype, dtype_name
 
-__all__ = ["MAX_SCRATCH_ELEMENTS", "broadcast_shapes"]
+__all__ = ["MAX_SCRATCH_ELEMENTS", "broadcast_shapes", "fuse_steps"]
 
 #: The most elements a kernel's temporary (conv2d's im2col matrix) may hold: a request
 #: whose every tensor fits its segment could otherwise ask for kh*kw times its input.
@@ -196,6 +198,56 @@ REGISTRY.operator(Operator("relu", 1, 1, in_place=True, check=_check_unary("relu
 REGISTRY.operator(Operator("gelu", 1, 1, in_place=True, check=_check_unary("gelu"), doc="out = x * Phi(x); approximate: none (erf) | tanh"))
 register_both("relu", [(d, d) for d in FLOATS], _relu, _relu_cuda)
 register_both("gelu", [(d, d) for d in FLOATS], _gelu, _gelu_cuda)
+
+
+# --- a linear and its relu, one pass over the output -------------------------------------------
+class _LinearRelu:
+    """A float32 linear on NumPy arrays whose output a relu then rectifies in place: the matmul,
+    then the bias and the relu in one native pass (`_native.bias_relu_f32`) where NumPy's
+    add and maximum take two. The bytes are the two kernels' (the same float32 add, and
+    maximum's answers for NaN and -0.0)."""
+
+    op, sig = "linear", ("float32",) * 4
+
+    def run(self, ins: list[Any], outs: list[Any], params: Mapping[str, Any], xp: Any) -> None:
+        np.matmul(ins[0], ins[1].T, out=outs[0])
+        _native.bias_relu_f32(outs[0], ins[2])
+
+
+class _RanBefore:
+    """The relu of a `_LinearRelu`: done when the linear was."""
+
+    op, sig = "relu", ("float32",) * 2
+
+    def run(self, ins: list[Any], outs: list[Any], params: Mapping[str, Any], xp: Any) -> None:
+        return None
+
+
+_LINEAR_RELU, _RAN_BEFORE = _LinearRelu(), _RanBefore()
+
+
+def _one_block(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.ctypes.data == b.ctypes.data and a.shape == b.shape and a.strides == b.strides
+
+
+def fuse_steps(steps: Sequence[Step]) -> list[Step]:
+    """`steps` (bound to NumPy arrays) with each float32 linear whose output only a relu reads,
+    in place (a graph's in-place sharing: `parse_graph`), run as one step: the linear's step
+    does both, the relu's reports done. Safe to run the relu early: no step between them
+    touches that block (it is read by the relu alone, and written by the relu alone after)."""
+    out = list(steps)
+    where = {s[0]: k for k, s in enumerate(out)}
+    for k, (j, kernel, ins, outs, params, deps, name) in enumerate(out):
+        if kernel.op != "relu" or kernel.sig != _RAN_BEFORE.sig or len(deps) != 1 or deps[0] not in where:
+            continue
+        i, lin, lins, louts, lparams, ldeps, lname = out[where[deps[0]]]
+        y = louts[0]
+        if (lin.op == "linear" and lin.sig == _LINEAR_RELU.sig and y.ndim == 2 and lins[0].ndim == 2
+                and y.flags.c_contiguous and lins[2].flags.c_contiguous
+                and _one_block(y, ins[0]) and _one_block(y, outs[0])):
+            out[where[i]] = (i, _LINEAR_RELU, lins, louts, lparams, ldeps, lname)
+            out[k] = (j, _RAN_BEFORE, ins, outs, params, deps, name)
+    return out
 
 
 # --- softmax, layer norm ------------------------------------------------------------------------
