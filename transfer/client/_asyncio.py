@@ -32,7 +32,7 @@ from ..transport._zmq_asyncio import AsyncioPump
 from ._evloop import BELL, IDLE, YIELD, LoopSession
 from .._pending import AwaitablePending, Pending
 from ..ring import RingLink
-from ._session import open_socket
+from ._socket import open_socket
 
 log = logging.getLogger("transfer.client")
 

@@ -27,7 +27,8 @@ from ..ring import RingLink
 from ._naps import Naps
 from ._resources import Addressable
 from ._deferred import Graph
-from ._session import Op, Session, open_socket
+from ._session import Op, Session
+from ._socket import open_socket
 
 T = TypeVar("T")
 

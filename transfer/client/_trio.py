@@ -28,7 +28,7 @@ from ..transport._zmq import SocketPump, ipc_path, resolve_endpoint
 from ._evloop import BELL, IDLE, YIELD, LoopSession
 from .._pending import AwaitablePending, Pending
 from ..ring import RingLink
-from ._session import open_socket
+from ._socket import open_socket
 
 __all__ = ["TrioClient", "open_client", "TrioPending"]
 
