@@ -23,7 +23,6 @@ import transfer
 from transfer import _native
 from transfer import errors as E
 from transfer.client import _computes
-from transfer.kernels import DONE, FAILED
 from transfer.ring import COMPLETION_DETAIL, REQUEST_DTYPE, Op, Ring
 from transfer.ring._layout import OFF_CQ_DATA_W
 from transfer.server._inline import InlineRuns
@@ -174,8 +173,8 @@ def test_an_inline_failure_is_answered_with_its_error_from_the_loop() -> None:
 
     session = Session()
     bad = E.InvalidField("node 1 (relu): no")
-    runs.keep(9, 0xA, 1, 2, lambda worker: [(DONE, None, 0.25), (FAILED, bad, 0.0)])
-    runs.keep(9, 0xB, 1, 2, lambda worker: [(DONE, None, 0.5)])
+    runs.keep(9, 0xA, 1, 2, lambda worker: (0.25, bad))
+    runs.keep(9, 0xB, 1, 2, lambda worker: (0.5, None))
 
     async def main() -> list[Any]:
         run = runs.runner(session)
@@ -189,6 +188,39 @@ def test_an_inline_failure_is_answered_with_its_error_from_the_loop() -> None:
     assert session.stats.device_ns == 750_000_000  # the kernels' time: the session's device time
     runs.clear()
     assert runs.kept == {} and runs.runner(session) is None  # (outside a trio run: no runner)
+
+
+def test_a_cpu_run_whose_node_fails_is_run_again_node_by_node_for_its_error() -> None:
+    """The NumPy backend's bound run calls its kernels straight through; when one raises, it
+    runs the stretch again through `run_steps`, which names the node and skips what read it."""
+    from transfer.addressing import SegmentKind
+    from transfer.backends import Span
+    from transfer.backends._numpy import NumpyBackend
+    from transfer.kernels import REGISTRY, TensorRef
+
+    mem = bytearray(64)
+    t = TensorRef(0, "float32", (4,))
+    x, h, y = (Span(SegmentKind.DEVICE, mem, off, 16) for off in (0, 16, 32))
+    np.frombuffer(mem, np.float32, 4)[:] = [-1, 2, -3, 4]
+    relu = REGISTRY.lookup("relu", ("float32", "float32"), "cpu")
+    calls = []
+
+    class Flaky:
+        op, sig = "relu", ("float32", "float32")
+
+        def run(self, ins: Any, outs: Any, params: Any, xp: Any) -> None:
+            calls.append(1)
+            raise MemoryError("no room")
+
+    steps = [(0, relu, [(t, x)], [(t, h)], {}, (), "relu"), (1, Flaky(), [(t, h)], [(t, y)], {}, (0,), "flaky"),
+             (2, relu, [(t, y)], [(t, x)], {}, (1,), "relu")]
+    worker = SimpleNamespace(device_wait=lambda: None)
+    bound = NumpyBackend.inline_steps(None, steps, 0, {})  # type: ignore[arg-type]  (it uses nothing of the backend)
+    seconds, err = bound(worker)
+    assert isinstance(err, E.TransferError) and "no room" in str(err) and seconds >= 0
+    assert len(calls) == 2  # once straight through, once node by node
+    assert np.frombuffer(mem, np.float32, 4, 16).tolist() == [0, 2, 0, 4]  # the first node ran
+    assert np.frombuffer(mem, np.float32, 4, 0).tolist() == [-1, 2, -3, 4]  # the third, skipped, did not
 
 
 # --- a daemon ----------------------------------------------------------------------------------

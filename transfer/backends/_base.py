@@ -224,10 +224,11 @@ class Backend(abc.ABC):
         backend whose kernels run elsewhere (the CPU devices' processes) only queues them."""
         return Answer.ready(run_steps(steps, failed, lambda kernel, ins, outs, params: self.compute(kernel, ins, outs, params, device)))
 
-    def inline_steps(self, steps: Sequence[Any], device: int, counters: dict[str, int]) -> Callable[[Any], list[Any]] | None:
+    def inline_steps(self, steps: Sequence[Any], device: int, counters: dict[str, int]) -> Callable[[Any], tuple[float, Any]] | None:
         """A graph run's stretch as a call a ring's worker makes on its thread (`server._inline`):
-        `call(worker)` runs it (its operands bound once) and returns the nodes' outcomes known
-        at once; None where this backend cannot."""
+        `call(worker)` runs it (its operands bound once) and returns what is known at once: its
+        kernels' seconds and the run's error (`kernels.first_error`), or None; None where this
+        backend cannot."""
         return None
 
     def read_answers_with(self, adopt: Callable[[Any], bool]) -> None:

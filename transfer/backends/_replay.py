@@ -85,7 +85,7 @@ class Replay:
         if backend.host_kernels:  # the kernels are host functions: keys, and a marker that ends each launch
             self.keys = [host_key(c) for c in calls] + [host_key(self._launch_done)]
 
-    def __call__(self, worker: Any) -> list[Any]:
+    def __call__(self, worker: Any) -> tuple[float, None]:
         stream = worker.device_stream(self.ordinal)
         c = self.counters
         if self.exec is None and not self.eager:
@@ -99,7 +99,7 @@ class Replay:
         else:
             self.backend._eager(self, stream)
             c["graph_eager_runs"] += 1
-        return []  # (no outcome known here: the device answers through the worker's event)
+        return 0.0, None  # (nothing known here: the device answers through the worker's event)
 
     def _capture(self, stream: int) -> Any:
         enabled = gc.isenabled()

@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 from .. import errors as E
 
-__all__ = ["Step", "run_steps", "DONE", "FAILED", "SKIPPED"]
+__all__ = ["Step", "run_steps", "first_error", "DONE", "FAILED", "SKIPPED"]
 
 #: (node index, kernel, inputs, outputs, params, indices of the nodes it reads, name or None)
 Step = tuple[int, Any, Any, Any, Any, tuple[int, ...], "str | None"]
@@ -49,3 +49,12 @@ def run_steps(steps: Sequence[Step], failed: set[int], compute: Callable[[Any, A
             failed.add(i)
             out.append((FAILED, err, clock() - t0))
     return out
+
+
+def first_error(outcomes: Sequence[tuple[int, Any, float]]) -> E.TransferError | None:
+    """A run's answer from its steps' outcomes: the first failure in node order (a skipped
+    node's is the error of the node it read), or None."""
+    errors: list[E.TransferError | None] = []
+    for state, value, _ in outcomes:
+        errors.append(value if state == FAILED else errors[value] if state == SKIPPED else None)
+    return next((e for e in errors if e is not None), None)

@@ -29,7 +29,6 @@ from typing import Any, Callable
 import trio
 
 from .. import errors as E
-from ..kernels import FAILED, SKIPPED
 
 __all__ = ["InlineRuns"]
 
@@ -37,8 +36,10 @@ __all__ = ["InlineRuns"]
 KEPT = 1024
 
 #: A bound stretch: called with the session's worker, it runs (a CPU device) or queues (a GPU:
-#: `backends._replay`) the run; the outcomes known at once.
-Bound = Callable[[Any], list[tuple[int, Any, float]]]
+#: `backends._replay`) the run; what is known at once: the seconds its kernels took (the
+#: session's device time; 0 for queued work, which the worker's events time) and the run's
+#: error (None: none, or none yet).
+Bound = Callable[[Any], tuple[float, "E.TransferError | None"]]
 
 
 class InlineRuns:
@@ -82,10 +83,9 @@ class InlineRuns:
             for seg in holds:
                 if not worker.hold(seg):
                     return None  # (a segment the native table does not have: the Python pass serves it)
-            outcomes = bound(worker)
-            if outcomes:  # (a CPU device's run: its kernels' time is the session's device time)
-                stats.device_ns += int(sum(o[2] for o in outcomes) * 1e9)
-            err = _first_error(outcomes)
+            seconds, err = bound(worker)
+            if seconds:  # (a CPU device's run: its kernels' time is the session's device time)
+                stats.device_ns += int(seconds * 1e9)
             if err is None:
                 return 0
             try:
@@ -96,10 +96,3 @@ class InlineRuns:
 
         return run
 
-
-def _first_error(outcomes: list[tuple[int, Any, float]]) -> E.TransferError | None:
-    """The run's answer, as `_graphrun._GraphRun.answer` gives it: the first failure in node order."""
-    errors: list[E.TransferError | None] = []
-    for state, value, _ in outcomes:
-        errors.append(value if state == FAILED else errors[value] if state == SKIPPED else None)
-    return next((e for e in errors if e is not None), None)
