@@ -102,14 +102,16 @@ def sharing() -> str:
     reg = doc.get("registration")
     if reg:
         rows = [[fmt_size(r["size"]), f"{r['raw_register_us']:,.0f}", f"{r['raw_deregister_us']:,.0f}", f"{r['register_us']:,.0f}",
-                 f"{r['free_us']:,.0f}", f"{r['register_vs_raw']:.2f}x", f"{r['again_us']:.1f}", f"{r['again_free_us']:.1f}",
+                 f"{r['free_us']:,.0f}", f"{r['freed_us']:,.0f}" if "freed_us" in r else "–", f"{r['register_vs_raw']:.2f}x",
+                 f"{r['again_us']:.1f}", f"{r['again_free_us']:.1f}",
                  f"{r['first_copy_us']:,.0f}" if "first_copy_us" in r else "–", f"{r['copy_us']:,.0f}" if "copy_us" in r else "–"]
                 for r in reg["rows"]]
         out += ["", "`transfer-bench --modes registration` (median µs, tcp loopback): a producer's memory made a remote "
-                "segment and let go, against NIXL's own registration; `again`: the same memory registered while it is; "
+                "segment and let go, against NIXL's own registration; `free` returns once the Unregister is sent, "
+                "`freed` is until the daemon's answer is read and the registration goes; `again`: the same memory registered while it is; "
                 "`first copy`: a 4 KiB copy out of the new segment, which the daemon maps on its way (the registration "
                 "travels with it), and `copy` the same copy again.", "",
-                _table(["size", "NIXL register", "NIXL deregister", "register_remote", "free", "vs NIXL", "again", "again free",
+                _table(["size", "NIXL register", "NIXL deregister", "register_remote", "free", "freed", "vs NIXL", "again", "again free",
                         "first copy", "copy"], rows)]
     return "\n".join(out) + "\n\nFile: `bench/results/cpu-2vcpu/sharing.json`."
 

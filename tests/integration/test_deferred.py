@@ -79,9 +79,19 @@ def test_errors_name_the_resource_and_where_it_was_created(daemon_factory) -> No
         big = c.alloc(512 << 10)  # within this session's quota: the client cannot know
         with pytest.raises(transfer.OutOfDeviceMemory, match=r"alloc of 512 KiB created at test_deferred.py:\d+"):
             c.fill(big, 16, 0).result()
-        # The session stays usable.
+        # The session stays usable, and freeing what the daemon refused frees nothing: neither the
+        # request its free travels with nor a fence fails for it.
         seg = c.segment(4096)
         assert c.checksum(seg).result() == transfer.checksum64(bytes(4096))
+        c.free(big)
+        assert c.checksum(seg).result() == transfer.checksum64(bytes(4096))
+        c.fence()
+        # A free naming anything else is still refused: a VA nothing holds outside the session's
+        # arenas, and a host segment's.
+        with pytest.raises(transfer.InvalidAddress, match="not a segment of this session's arenas"):
+            c._call(transfer.protocol.Define, transfer.protocol.DEF_FREE, 0, 0, 12345 << 40, "")
+        with pytest.raises(transfer.InvalidAddress, match="not a device buffer's or remote segment's base VA"):
+            c._call(transfer.protocol.Define, transfer.protocol.DEF_FREE, 0, 0, seg.va, "")
     with transfer.connect(d.endpoint) as c:
         with pytest.raises(transfer.QuotaExceeded, match=r"alloc of 64 GiB created at test_deferred.py:\d+ exceeds the device memory this session may hold, 1 MiB"):
             c.alloc(64 << 30)

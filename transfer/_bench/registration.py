@@ -9,8 +9,9 @@ of address ranges), `reps` times, alternating the methods:
 * `transfer`: `Client.register_remote(buffer)` (the NIXL registration and its partial
   metadata; the daemon maps it when the first request naming it arrives, so that cost is
   shown as `first copy`: a 4 KiB copy out of the new segment, the RegisterRemote ahead of it
-  in its frame, beside `copy`, the same copy again) and `Client.free(segment)` (the daemon
-  lets go, then the registration goes);
+  in its frame, beside `copy`, the same copy again) and `Client.free(segment)` (it sends
+  the Unregister and returns; `freed`: until the daemon's answer is read and the
+  registration goes, the free and a fence);
 * `transfer-again`: `register_remote` of the same buffer while a registration of it is
   live, and the free of that handle: reused, no registration and no round trip.
 
@@ -64,8 +65,8 @@ def run(sizes: list[int] | None = None, *, reps: int = 5, line: Callable[[str], 
             c.free(warm)
             for size in sizes:
                 buf = np.empty(size, np.uint8)  # (never touched: no page is ever made)
-                t: dict[str, list[float]] = {k: [] for k in ("raw_register", "raw_deregister", "register", "free", "again", "again_free",
-                                                             "first_copy", "copy")}
+                t: dict[str, list[float]] = {k: [] for k in ("raw_register", "raw_deregister", "register", "free", "freed", "again",
+                                                             "again_free", "first_copy", "copy")}
                 for _ in range(reps):
                     us, reg = _us(lambda: raw.register(buf))  # noqa: B023
                     t["raw_register"].append(us)
@@ -77,7 +78,9 @@ def run(sizes: list[int] | None = None, *, reps: int = 5, line: Callable[[str], 
                     t["again_free"].append(_us(lambda: c.free(again))[0])  # noqa: B023
                     t["first_copy"].append(_us(lambda: c.copy(dst, seg, 4096).result())[0])  # noqa: B023
                     t["copy"].append(_us(lambda: c.copy(dst, seg, 4096).result())[0])  # noqa: B023
-                    t["free"].append(_us(lambda: c.free(seg))[0])  # noqa: B023
+                    us, _ = _us(lambda: c.free(seg))  # noqa: B023
+                    t["free"].append(us)
+                    t["freed"].append(us + _us(c.fence)[0])  # (deregistered: the next register is a fresh one)
                 med = {k: round(statistics.median(v), 1) for k, v in t.items()}
                 row = {"size": size, **{f"{k}_us": v for k, v in med.items()},
                        "register_vs_raw": round(med["register"] / med["raw_register"], 2) if med["raw_register"] else None,
@@ -85,7 +88,8 @@ def run(sizes: list[int] | None = None, *, reps: int = 5, line: Callable[[str], 
                        "reps": reps}
                 rows.append(row)
                 line(f"registration {fmt_size(size):>8}: nixl-raw {med['raw_register']:.0f}/{med['raw_deregister']:.0f} us, "
-                     f"transfer {med['register']:.0f}/{med['free']:.0f} us ({row['register_vs_raw']}x/{row['free_vs_raw']}x), "
+                     f"transfer {med['register']:.0f}/{med['free']:.0f} us ({row['register_vs_raw']}x/{row['free_vs_raw']}x; "
+                     f"freed in {med['freed']:.0f} us), "
                      f"again {med['again']:.1f}/{med['again_free']:.1f} us, first copy {med['first_copy']:.0f} us (then {med['copy']:.0f})")
                 del buf
     finally:
@@ -100,10 +104,11 @@ def render(result: dict[str, Any]) -> Any:
 
     t = Table(title="registration mode: a producer's memory as a remote segment, register / free, median us (tcp loopback)")
     for col in ("size", "nixl-raw register", "nixl-raw deregister", "transfer register", "transfer free", "vs raw",
-                "again register", "again free", "first copy", "copy"):
+                "freed", "again register", "again free", "first copy", "copy"):
         t.add_column(col, justify="right")
     for r in result["rows"]:
         t.add_row(fmt_size(r["size"]), f"{r['raw_register_us']:,.0f}", f"{r['raw_deregister_us']:,.0f}", f"{r['register_us']:,.0f}",
-                  f"{r['free_us']:,.0f}", f"{r['register_vs_raw']:.2f}x / {r['free_vs_raw']:.2f}x", f"{r['again_us']:,.1f}",
+                  f"{r['free_us']:,.0f}", f"{r['register_vs_raw']:.2f}x / {r['free_vs_raw']:.2f}x", f"{r['freed_us']:,.0f}",
+                  f"{r['again_us']:,.1f}",
                   f"{r['again_free_us']:,.1f}", f"{r['first_copy_us']:,.0f}", f"{r['copy_us']:,.0f}")
     return t

@@ -57,6 +57,9 @@ class ClientCore:
         self._holds: list[Any] = []
         #: Failed requests; fence() raises the first one nobody called result() on.
         self.unobserved: list[Pending] = []
+        #: What to do once a request is answered (or failed with the session), by request id:
+        #: called with it, when its reply is read (a remote registration's free deregisters).
+        self.after: dict[int, Callable[[Pending], None]] = {}
         self.limits = P.Limits()
         self.broken: E.TransferError | None = None
         self.pid = os.getpid()
@@ -99,6 +102,8 @@ class ClientCore:
         # travel with their first use. deferred=False sends each at once (for debugging).
         self.home_device = info.home_device
         self.deferred = DeferredState(info.arenas, self.home_device) if deferred and info.arenas else None
+        if self.deferred is not None:
+            self.deferred.after = self.after
         self._watch()
 
     def hold_while(self, held: Any) -> None:
@@ -143,7 +148,8 @@ class ClientCore:
         pending = self.pending[rid] = self._pending_cls(rid, self._waiter)
         if defs:
             reqs = [*defs, req]
-            pending._deps = [self.pending[d.id] for d in defs if d.id in self.pending]
+            # (a free rides along; it is no definition of this request: its failure is not this one's)
+            pending._deps = [self.pending[d.id] for d in defs if d.id in self.pending and not _is_free(d)]
         else:
             reqs = [req]
         if blocking:
@@ -303,6 +309,10 @@ class ClientCore:
             p._finish(result, error)
             if error is not None:
                 self.unobserved.append(p)
+            if self.after:
+                then = self.after.pop(r.id, None)
+                if then is not None:
+                    then(p)
 
     def session_gone(self, cause: E.TransferError) -> E.TransferError:
         """What requests of a session the daemon no longer knows raise (not NoSession, which
@@ -321,8 +331,13 @@ class ClientCore:
         self.valued.clear()
         pending = list(self.pending.values())
         self.pending.clear()  # (the one table: the submission state holds it too)
+        after = dict(self.after)
+        self.after.clear()  # (the same dict: the deferred state files frees' into it)
         for p in pending:
             p._finish(None, err)
+            then = after.pop(p.id, None)
+            if then is not None:
+                then(p)
 
     def check_usable(self) -> None:
         if self.broken is not None:
@@ -397,3 +412,7 @@ def _touched(cls: type[P.Request], args: tuple[Any, ...]) -> list[int]:
     if cls is P.RunGraph:
         return [*args[1], *args[2]]
     return []
+
+
+def _is_free(req: P.Request) -> bool:
+    return type(req) is P.Define and req.kind == P.DEF_FREE

@@ -274,6 +274,10 @@ class DeferredState:
         self.home_device = home_device
         self.buffers: dict[int, DeferredBuffer] = {}  # segment id -> buffer not yet defined
         self.frees: list[int] = []
+        #: What to do once the daemon has answered a free, by VA (`free_remote`); set to the
+        #: client's `ClientCore.after` by request id when the free is sent.
+        self.when_freed: dict[int, Callable[[Any], None]] = {}
+        self.after: dict[int, Callable[[Any], None]] = {}
 
     def alloc(self, nbytes: int, device: int, site: str) -> DeferredBuffer:
         if not self.arenas:
@@ -354,6 +358,14 @@ class DeferredState:
         self.frees.append(buf.va)
         self._recycle(buf)
 
+    def free_remote(self, va: int, then: Callable[[Any], None]) -> None:
+        """A remote segment the daemon has mapped, freed: the free travels with the next frame
+        (its id is the arena's again at once: the free goes ahead of any reuse), and `then`
+        runs when its answer is read (the memory may be deregistered then, not before)."""
+        self.frees.append(va)  # (the same list: the submission state watches it)
+        self.when_freed[va] = then
+        self.forget(va)
+
     def _recycle(self, buf: DeferredBuffer) -> None:
         arena = self.arenas[buf.device]
         arena.used -= buf.nbytes
@@ -363,7 +375,12 @@ class DeferredState:
         """Define requests that must precede a request touching `vas` and using `objects`."""
         out: list[P.Request] = []
         if self.frees:
-            out.extend(new(P.Define, P.DEF_FREE, 0, 0, va, "") for va in self.frees)
+            for va in self.frees:
+                req = new(P.Define, P.DEF_FREE, 0, 0, va, "")
+                then = self.when_freed.pop(va, None)
+                if then is not None:
+                    self.after[req.id] = then
+                out.append(req)
             self.frees.clear()  # (the same list: the submission state watches it)
         for va in vas:
             buf = self.buffers.get(va >> OFFSET_BITS)

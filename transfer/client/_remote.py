@@ -10,7 +10,11 @@ destination (WRITE). The bytes never cross the control socket.
 Order on release matters (docs/rdma.md: deregistration is not revocation):
 the daemon drops the segment and acknowledges *before* the producer
 deregisters or frees the memory. `RemoteSegment.free()` / `Client.free()`
-does exactly that.
+does exactly that: the free travels with the client's next frame, as a
+deferred buffer's does (a client without arenas sends an Unregister and
+waits), and its answer, read with that frame's, deregisters the memory
+(`ClientCore.after`). Registering the same memory again in between sends
+the free and waits for its answer first.
 
 Registration is deferred, as allocation is (`client._deferred`): `register_remote` registers
 the memory with our agent, names it with a VA of the session's arena, and returns; the
@@ -49,10 +53,12 @@ class _Registered:
     Deferred (`ep` set): the daemon has not been sent it until `defined`; its `define(new)`
     is the RegisterRemote that goes ahead of the first request naming `va`."""
 
-    __slots__ = ("va", "reg", "refs", "array", "ep", "site", "defined", "freed")
+    __slots__ = ("va", "reg", "refs", "array", "key", "ep", "site", "defined", "freed")
 
     def __init__(self, va: int, reg: Any, array: np.ndarray, ep: Any = None, site: str = "") -> None:
         self.va, self.reg, self.refs, self.array = va, reg, 1, array
+        #: What `RemoteAgent.live` knows it by: (address, bytes).
+        self.key = (int(reg.addr), int(reg.nbytes))
         self.ep, self.site = ep, site
         self.defined = ep is None  # (eager: the daemon answered before we got here)
         self.freed = False
@@ -82,9 +88,20 @@ class RemoteAgent:
         self.name = f"tx-s{session_id}-p{os.getpid()}-{secrets.token_hex(4)}"
         self.ep = NixlEndpoint(self.name, progress="event")
         self.live: dict[tuple[int, int], _Registered] = {}
+        #: Memory freed whose free the daemon has not answered yet, by (address, bytes) (the
+        #: answer deregisters it).
+        self.leaving: dict[tuple[int, int], _Registered] = {}
+
+    def let_go(self, shared: _Registered) -> None:
+        """Deregister `shared`'s memory (the daemon has let go of it, or never had it)."""
+        if self.live.get(shared.key) is shared:
+            del self.live[shared.key]
+        if not self.ep.closed:
+            self.ep.deregister(shared.reg)
 
     def close(self) -> None:
         self.live.clear()
+        self.leaving.clear()
         self.ep.close()
 
 
@@ -127,7 +144,7 @@ class RemoteSegment(Addressed):
 
     def _release(self) -> bool:
         """This handle goes: True if it was the last of its memory's (the daemon's segment and
-        the registration go then, in that order: `_deregister`)."""
+        the registration go then, in that order: `Session._op_free_remote`)."""
         shared, self._array = self._shared, None
         if shared is None:
             return False
@@ -136,13 +153,9 @@ class RemoteSegment(Addressed):
             self._shared = None
         return not shared.refs
 
-    def _deregister(self, agent: RemoteAgent | None) -> None:
-        shared, self._shared = self._shared, None
-        if shared is not None and agent is not None:
-            if agent.live.get((int(shared.array.ctypes.data), int(shared.array.nbytes))) is shared:
-                del agent.live[(int(shared.array.ctypes.data), int(shared.array.nbytes))]
-            if not agent.ep.closed:
-                agent.ep.deregister(shared.reg)
+    def _detach(self) -> None:
+        """This handle no longer names the memory (its registration is the caller's to end)."""
+        self._shared = None
 
     def __repr__(self) -> str:
         return f"<RemoteSegment va={self.va:#x} nbytes={self.nbytes}{' freed' if self.freed else ''}>"
@@ -158,6 +171,8 @@ def register(client: Any, agent: RemoteAgent, array: np.ndarray, call: Callable[
     if not array.flags.c_contiguous or not array.flags.writeable or array.nbytes == 0:
         raise E.InvalidField("register_remote needs a writable, C-contiguous, non-empty array")
     key = (int(array.ctypes.data), int(array.nbytes))
+    if key in agent.leaving:  # freed, the daemon's answer still to come: it deregisters, then we register anew
+        yield from call(P.Ping)  # (the free travels ahead of it)
     shared = agent.live.get(key)
     if shared is not None:  # the same memory again: its registration and segment, reused
         shared.refs += 1

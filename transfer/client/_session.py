@@ -224,29 +224,38 @@ class Session:
         elif isinstance(resource, RemoteSegment):
             shared = resource._shared
             if resource._release():  # (the last handle of its memory: the daemon lets go first, then we deregister)
+                resource._detach()
                 yield from self._op_free_remote(shared)
-                resource._deregister(core.remote)
         else:
             raise TypeError(f"cannot free {type(resource).__name__}")
 
     free = operation(_op_free)
 
     def _op_free_remote(self, shared: Any) -> Op[None]:
-        """The daemon lets go of a registration's segment (if it was ever sent it); a deferred
-        one's arena id is free again after."""
-        state = self._core.deferred
+        """The daemon lets go of a registration's segment, then we deregister the memory (and a
+        deferred one's arena id is free again). A deferred registration's free travels with
+        the next frame, as a deferred buffer's does, and its answer deregisters
+        (`ClientCore.after`); a registration never sent is deregistered at once."""
+        core, agent = self._core, self._core.remote
+        assert agent is not None
+        state = core.deferred
+
+        def gone(p: Pending | None = None) -> None:
+            agent.leaving.pop(shared.key, None)
+            agent.let_go(shared)
+
         with self._lock:
             shared.freed = True
-            sent = shared.defined
-        if sent:
-            try:
-                yield from self._op_call(P.Unregister, shared.va)
-            except E.InvalidAddress:
-                if not shared.deferred:
-                    raise  # (else a deferred registration the daemon refused: its first use had that error)
-        if shared.deferred and state is not None:
-            with self._lock:
-                state.forget(shared.va)
+            if shared.deferred and state is not None:
+                if shared.defined:
+                    agent.leaving[shared.key] = shared
+                    state.free_remote(shared.va, gone)
+                else:
+                    state.forget(shared.va)
+                    gone()
+                return
+        yield from self._op_call(P.Unregister, shared.va)  # (eager: as its registration was)
+        gone()
 
     def _op_register_remote(self, array: np.ndarray) -> Op[RemoteSegment]:
         """Register `array` (this process's memory) with NIXL and map it in the daemon as a

@@ -37,12 +37,17 @@ def define(resources: Resources, session: Session, req: P.Define) -> Any:
         va, nbytes, device = d
         return _alloc(resources, session, va, nbytes, device, "alloc", where)
     if req.kind == P.DEF_FREE:
-        if type(d) is not int:
-            raise E.InvalidField("free definition is the buffer's VA")
+        if type(d) is not int or not 0 <= d < 1 << 64:
+            raise E.InvalidField("free definition is the buffer's or remote segment's VA")
+        if resources.table.get(d >> OFFSET_BITS) is None:
+            # An id of this session's arena that nothing holds: a definition this daemon refused
+            # (its first use had that error). Freeing it frees nothing; any other VA is refused.
+            resources.arena_slot(session, d, f"deferred free of {d:#x}")
+            return None
         seg = resources.table.lookup(d, session.id)
-        if d != seg.va or seg.kind != SegmentKind.DEVICE:
-            raise E.InvalidAddress(f"deferred free of {d:#x}: not a device buffer's base VA")
-        resources.free(session, d, SegmentKind.DEVICE)
+        if d != seg.va or seg.kind not in (SegmentKind.DEVICE, SegmentKind.REMOTE):
+            raise E.InvalidAddress(f"deferred free of {d:#x}: not a device buffer's or remote segment's base VA")
+        resources.free(session, d, seg.kind)
         return None
     if req.kind == P.DEF_TENSOR:
         (t,) = F.tensors([d], f"tensor #{req.obj}{where}")

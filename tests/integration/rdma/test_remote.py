@@ -331,6 +331,62 @@ def test_registering_the_same_memory_again_reuses_its_registration(client: trans
         client.free(s)
 
 
+def test_free_does_not_wait_and_the_daemon_s_answer_deregisters(client: transfer.Client) -> None:
+    """free() of a registration the daemon has mapped sends nothing: the free travels with
+    the next frame, and the memory stays registered with NIXL until its answer is read,
+    which deregisters it. Registering the same memory again before then sends the free and
+    waits for that answer, then registers afresh."""
+    arr = np.random.default_rng(8).integers(0, 256, 1 << 16, dtype=np.uint8)
+    buf = client.alloc(arr.nbytes)
+    seg = client.register_remote(arr)
+    client.copy(buf, seg).result()
+    agent, reg, va = client._remote, seg._reg, seg.va
+    assert agent is not None
+    frames = client.frames_sent
+    client.free(seg)
+    assert client.frames_sent == frames  # nothing went, nothing was waited for
+    assert reg.registered and (reg.addr, reg.nbytes) in agent.leaving
+    client.fence()  # (the free goes ahead of it, and its answer is read)
+    assert not reg.registered and not agent.leaving and not agent.live
+    with pytest.raises(transfer.InvalidAddress, match="freed"):
+        client.copy(buf, va, 16).result()
+    # Freed, and registered again before the answer was read: the new registration waits for it.
+    seg = client.register_remote(arr)
+    client.copy(buf, seg).result()
+    old = seg._reg
+    client.free(seg)
+    assert old.registered
+    again = client.register_remote(arr)
+    assert not old.registered and again._reg is not old
+    client.fill(buf, arr.nbytes, 0).result()
+    client.copy(buf, again).result()
+    assert client.checksum(buf).result() == transfer.checksum64(arr)
+    for s in (again, buf):
+        client.free(s)
+    client.fence()
+
+
+def test_a_free_whose_answer_never_comes_deregisters_when_the_session_fails(tmp_path: Path) -> None:
+    """The daemon dies with a free's Unregister unanswered: the session fails, and the memory
+    is deregistered then (nothing left registered behind a session that is gone)."""
+    endpoint = loopback_endpoint()
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o700)
+    d = start_daemon([*FAST, "--endpoint", endpoint, "--allow-insecure-tcp"], workdir=tmp_path, shm_dir=shm)
+    try:
+        with transfer.connect(endpoint, name="rdma-dies", liveness_timeout=2.0) as c:
+            seg, buf = c.register_remote(np.ones(4096, np.uint8)), c.alloc(4096)
+            c.copy(buf, seg).result()
+            reg = seg._reg
+            d.kill()
+            c.free(seg)
+            with pytest.raises(transfer.TransferError):
+                c.fence(timeout=30)
+            assert not reg.registered and not c._remote.leaving
+    finally:
+        d.stop()
+
+
 def test_a_registration_travels_with_its_first_use(client: transfer.Client) -> None:
     """register_remote sends nothing: the daemon maps the segment when the first request
     naming it arrives (the RegisterRemote goes ahead of it in the same frame); a registration
@@ -373,6 +429,8 @@ def test_a_refused_deferred_registration_fails_its_first_use_naming_where_it_was
             assert c.checksum(buf).result() == transfer.checksum64(b"\x07" * 4096)
             c.free(seg)
             c.free(buf)
+            c.fence()  # (the free of a segment the daemon refused frees nothing: no error)
+            assert seg.freed and not c._remote.leaving
         with transfer.connect(endpoint, name="rdma-eager", deferred=False) as c:  # eager: the answer at once
             with pytest.raises(transfer.InvalidField, match="remote segments are disabled"):
                 c.register_remote(np.ones(4096, np.uint8))
