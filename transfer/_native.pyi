@@ -15,6 +15,10 @@ def _set_corrupt_error(cls: type[BaseException]) -> None: ...
 def checksum64(data: Any) -> int:
     """checksum64 of a C-contiguous buffer (BufferError / ValueError for another)."""
 
+def bias_relu_f32(out: Any, bias: Any) -> None:
+    """out = max(out + bias, 0) in place, one pass: out C-contiguous float32 whose last axis
+    is bias's length, bias C-contiguous float32 (TypeError / ValueError otherwise)."""
+
 def ints_within(args: tuple[Any, ...], bounds: tuple[tuple[int, str, int, int], ...]) -> bool:
     """Every integer field an exact int within its bounds: (position, name, lo, hi)."""
 
