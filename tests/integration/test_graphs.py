@@ -493,6 +493,23 @@ def test_a_graph_run_is_one_op(socket_client: transfer.Client) -> None:
     np.testing.assert_allclose(ys.ndarray((8, 4), np.float32), mlp_ref(x, ws), rtol=1e-4, atol=1e-4)
 
 
+def test_a_device_process_run_leaves_the_bytes_of_its_operators_one_by_one(socket_client: transfer.Client) -> None:
+    """Sent to the CPU device's process, an MLP run's linears and the relus sharing their
+    blocks run fused there too (`kernels.fuse_steps`); the output is, byte for byte, the
+    operators' sent one request at a time into buffers of their own."""
+    c = socket_client
+    g, ws = mlp(c, 8, [16, 12, 4])
+    xs, ys, zs = c.segment(8 * 16 * 4), c.segment(8 * 4 * 4), c.segment(8 * 4 * 4)
+    h, a = c.segment(8 * 12 * 4), c.segment(8 * 12 * 4)
+    refs = weights(c, *ws)
+    xs.ndarray((8, 16), np.float32)[...] = RNG.standard_normal((8, 16))
+    c.run_graph(g, [xs], [ys]).result()
+    c.compute("linear", [xs.tensor((8, 16), np.float32), refs[0], refs[1]], [h.tensor((8, 12), np.float32)])
+    c.compute("relu", [h.tensor((8, 12), np.float32)], [a.tensor((8, 12), np.float32)])
+    c.compute("linear", [a.tensor((8, 12), np.float32), refs[2], refs[3]], [zs.tensor((8, 4), np.float32)]).result()
+    assert ys.ndarray((8, 4), np.float32).tobytes() == zs.ndarray((8, 4), np.float32).tobytes()
+
+
 def test_a_repeated_run_plans_nothing_until_a_segment_goes(socket_client: transfer.Client) -> None:
     """A run with the VAs of an earlier one reuses its plan (counted): nothing is translated
     or placed again. New VAs are planned once; once any segment is freed, the next run plans

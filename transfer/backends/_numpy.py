@@ -108,8 +108,8 @@ class NumpyBackend(Backend):
         (each view keeps its mapping: memory freed meanwhile stays mapped until the views go,
         so a run never touches unmapped pages), after the device work the worker queued
         before it (a copy from a GPU into its input). The same kernels the device's process
-        runs, but a linear and the relu that rectifies its output in place run as one
-        (`kernels.fuse_steps`: the bias and the relu in one pass)."""
+        runs, fused as it fuses them (`kernels.fuse_steps`: a linear and the relu that
+        rectifies its output in place, the bias and the relu in one pass)."""
         def bound(pairs: Any) -> list[np.ndarray]:
             return [np.ndarray(t.shape, DTYPES[t.dtype], s.mem.array if s.kind is SegmentKind.HOST else s.mem, s.offset, t.strides)
                     for t, s in pairs]

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from .. import errors as E
+from ._layers import fuse_steps
 from ._registry import REGISTRY
 from ._steps import run_steps
 from ._tensors import DTYPES
@@ -52,7 +53,8 @@ def serve(sock: socket.socket) -> None:
     """Messages (pickles, from the daemon only: the socket is one end of its socketpair):
     ``("map", key, nbytes)`` with the memfd, ``("unmap", key)``, and ``("run", steps,
     failed)``, answered with `run_steps`' outcomes. Steps name kernels by (operator,
-    signature, device kind) and operands by (key, offset, shape, dtype, strides)."""
+    signature, device kind) and operands by (key, offset, shape, dtype, strides); a run's
+    are bound to views first and fused as the ring worker fuses them (`fuse_steps`)."""
     maps: dict[int, np.ndarray] = {}
     kernels: dict[Any, Any] = {}
 
@@ -65,13 +67,19 @@ def serve(sock: socket.socket) -> None:
             out.append(np.ndarray(shape, DTYPES[dtype], base, off, strides))
         return out
 
-    def compute(kernel: Any, ins: list[Any], outs: list[Any], params: Any) -> Any:
+    def kernel_of(kernel: Any) -> Any:
         k = kernels.get(kernel)
         if k is None:
             k = kernels[kernel] = REGISTRY.get(*kernel)
             if k is None:
                 raise E.BackendError(f"no {kernel[2]} kernel {kernel[0]} for {kernel[1]}")
-        return k.run(views(ins), views(outs), params, np)
+        return k
+
+    def compute(kernel: Any, ins: list[Any], outs: list[Any], params: Any) -> Any:
+        return kernel_of(kernel).run(views(ins), views(outs), params, np)
+
+    def run_bound(kernel: Any, ins: list[Any], outs: list[Any], params: Any) -> Any:
+        return kernel.run(ins, outs, params, np)
 
     buf = bytearray(MAX_MESSAGE)  # (received into: a fresh 1 MiB buffer per message costs ~50 us)
     fd_space = socket.CMSG_SPACE(array.array("i").itemsize)
@@ -97,4 +105,11 @@ def serve(sock: socket.socket) -> None:
             maps.pop(rest[0], None)  # unmapped when no view is left
         else:
             steps, failed = rest
-            sock.send(pickle.dumps(run_steps(steps, failed, compute), 5))
+            try:  # bound first, so that a linear and its in-place relu run as one (`fuse_steps`)
+                ready = fuse_steps([(i, kernel_of(k), views(ins), views(outs), p, deps, name)
+                                    for i, k, ins, outs, p, deps, name in steps])
+            except Exception:  # noqa: BLE001 - memory gone, a kernel missing: each node fails on its own
+                outcomes = run_steps(steps, failed, compute)
+            else:
+                outcomes = run_steps(ready, failed, run_bound)
+            sock.send(pickle.dumps(outcomes, 5))
