@@ -11,7 +11,9 @@
  *    FAKECUDA_SPIN_US (200) before it sleeps. Nothing queued has run when the call returns;
  *    an event is not ready until the work recorded before it has run.
  *  - The destination of a copy into host memory is poisoned (0xDB) when it is queued, so a
- *    reader that does not wait sees garbage. A pageable (unregistered) host source is read when
+ *    reader that does not wait sees garbage (unless queued work not yet done writes those
+ *    bytes, or what a queued reader of them reads: in stream order that reader must see what
+ *    the earlier work leaves). A pageable (unregistered) host source is read when
  *    the copy is queued, and a copy into pageable memory returns once it has run, as the driver
  *    does.
  *  - Misuse is counted as a violation (and written to FAKECUDA_REPORT at once): a range that
@@ -501,6 +503,34 @@ CUresult cuEventSynchronize(void *h)
     return atomic_load(&sticky) ? ILLEGAL_ADDRESS : OK;
 }
 
+/* Whether a copy queued (or running) and not yet done writes any of [p, p + n) (under mu). */
+static int queued_write(const uint8_t *p, uint64_t n)
+{
+    if (running_op && running_op->kind == K_COPY && running_op->dst < p + n && p < running_op->dst + running_op->n)
+        return 1;
+    for (stream_t *t = streams; t; t = t->next)
+        for (op_t *q = t->head; q; q = q->next)
+            if (q->kind == K_COPY && q->dst < p + n && p < q->dst + q->n)
+                return 1;
+    return 0;
+}
+
+/* Whether a copy into host bytes [p, p + n) may poison them when queued (under mu): not when
+ * work not yet done writes them, or writes what a queued reader of them reads. Such readers
+ * must see, in stream order, what that work leaves, not what the bytes hold now (the snapshot
+ * the poison gives them); the earlier write's own poison already stands for a host that reads
+ * early. */
+static int poisonable(const uint8_t *p, uint64_t n)
+{
+    if (queued_write(p, n))
+        return 0;
+    for (stream_t *t = streams; t; t = t->next)
+        for (op_t *q = t->head; q; q = q->next)
+            if (q->kind == K_COPY && !q->snap && q->src < p + n && p < q->src + q->n && queued_write(q->src, q->n))
+                return 0;
+    return 1;
+}
+
 /* Queue `o` on `s` (under mu), as the driver queues an async copy or fill: its memory
  * classified, a pageable source read now, a host destination poisoned until it runs.
  * 0, or a CUresult (o freed). */
@@ -535,7 +565,7 @@ static CUresult queue_locked(op_t *o, stream_t *s)
         }
         memcpy(o->snap, o->src, n);
     }
-    if (o->dclass != DEV) {
+    if (o->dclass != DEV && poisonable(o->dst, n)) {
         /* Poisoned until the copy runs. Work queued before it that reads these bytes runs first
          * (in stream order) and must see them as they are now: it reads a copy taken here, and
          * one running now finishes first. */

@@ -144,6 +144,28 @@ def test_poison_never_reaches_work_queued_before_it() -> None:
     """))
 
 
+def test_a_reader_between_two_writes_sees_the_first_write() -> None:
+    """On one stream: a copy into registered host bytes, a copy out of them, a copy into them
+    again, all queued before any runs. The reader sees what the first write leaves (stream
+    order), not the second write's poison; in the end the bytes hold the second write."""
+    _ok(_script("""
+        s, e = stream(), event()
+        d, h = alloc(BIG), np.full(BIG, 4, np.uint8)
+        assert cu.cuMemHostRegister_v2(h.ctypes.data, BIG, 1) == 0
+        other = alloc(64)
+        assert cu.cuMemcpyAsync(d, h.ctypes.data, BIG, s) == 0 and cu.cuStreamSynchronize(s) == 0  # d holds 4s
+        view(d, 128)[64:] = 9
+        cu.fakecuda_pause(1)
+        assert cu.cuMemcpyAsync(h.ctypes.data, d, 64, s) == 0         # h[:64] = 4 (poisoned now)
+        assert cu.cuMemcpyAsync(other, h.ctypes.data, 64, s) == 0     # reads h[:64]: the 4s
+        assert cu.cuMemcpyAsync(h.ctypes.data, d + 64, 64, s) == 0    # then h[:64] = 9
+        assert cu.cuEventRecord(e, s) == 0
+        cu.fakecuda_pause(0)
+        assert cu.cuEventSynchronize(e) == 0
+        assert (view(other, 64) == 4).all() and (h[:64] == 9).all()
+    """))
+
+
 def test_capture_records_and_each_launch_replays_in_stream_order() -> None:
     """Between begin and end capture nothing runs; each launch of the instantiated graph queues
     the recorded copies and host functions again, in order on the launching stream; freeing
