@@ -577,8 +577,8 @@ def daemons() -> Iterator[dict[str, DaemonProcess]]:
             wd.mkdir(mode=0o700)
             env = {"TRANSFER_CUDA_DRIVER": str(fakecuda.build()), "FAKECUDA_REPORT": str(report)} if name == "fakecuda" else {}
             with _environ(env):
-                # (each path's session idles while the others run, kept by heartbeats from one busy test
-                # process: the suite's 2 s timeout reaped one beside two busy loops)
+                # (each path's session idles while the others run, kept alive by heartbeats from one
+                # busy test process: on a loaded machine the suite's 2 s timeout can reap one)
                 started[name] = start_daemon([*FAST, "--session-timeout", "30", *extra], workdir=wd, shm_dir=shm)
         assert "CUDA device" in started["fakecuda"].ready.get("data_plane", "CUDA device"), started["fakecuda"].ready
         yield started
