@@ -227,7 +227,7 @@ class Backend(abc.ABC):
     def inline_steps(self, steps: Sequence[Any], device: int, counters: dict[str, int]) -> Callable[[Any], tuple[float, Any]] | None:
         """A graph run's stretch as a call a ring's worker makes on its thread (`server._inline`):
         `call(worker)` runs it (its operands bound once) and returns what is known at once: its
-        kernels' seconds and the run's error (`kernels.first_error`), or None; None where this
+        kernels' seconds and the run's error, or None (`kernels.run_through`); None where this
         backend cannot."""
         return None
 

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import mmap
 import os
-import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from .._checksum import checksum64
 from ..addressing import SegmentKind
-from ..kernels import DTYPES, FAILED, first_error, fuse_steps, run_steps
+from ..kernels import DTYPES, FAILED, fuse_steps, run_through
 from ..memory._shm import new_memfd
 from ._base import Answer, Backend, Span, Then, host_bytes
 from ._devproc import DeviceProcess, SharedIndex
@@ -116,20 +115,9 @@ class NumpyBackend(Backend):
 
         ready = fuse_steps([(i, kernel, bound(ins), bound(outs), params, deps, name) for i, kernel, ins, outs, params, deps, name in steps])
 
-        clock = time.perf_counter
-
         def run(worker: Any) -> tuple[float, Any]:
             worker.device_wait()
-            t0 = clock()
-            try:
-                for _, kernel, ins, outs, params, _, _ in ready:
-                    kernel.run(ins, outs, params, np)
-            except Exception:  # noqa: BLE001 - a node failed: run again node by node, for its error
-                # (kernels are pure, and a run writes no input of its own: a second run from the
-                # start leaves what the first would have; `run_steps` names the failing node)
-                outcomes = run_steps(ready, set(), _run_kernel)
-                return sum(o[2] for o in outcomes), first_error(outcomes)
-            return clock() - t0, None
+            return run_through(ready, _run_kernel)  # (timed once; node by node only to name a failure)
 
         return run
 

@@ -101,9 +101,7 @@ class ClientCore:
         # Deferred creation: allocations, descriptors and plans are answered here and
         # travel with their first use. deferred=False sends each at once (for debugging).
         self.home_device = info.home_device
-        self.deferred = DeferredState(info.arenas, self.home_device) if deferred and info.arenas else None
-        if self.deferred is not None:
-            self.deferred.after = self.after
+        self.deferred = DeferredState(info.arenas, self.home_device, self.after) if deferred and info.arenas else None
         self._watch()
 
     def hold_while(self, held: Any) -> None:

@@ -268,16 +268,17 @@ class DeferredState:
     and anything else with `defined`, `freed` and `define(new)` (a remote segment's
     registration, `client._remote`)."""
 
-    def __init__(self, arenas: Iterable[R.Arena], home_device: int = -1) -> None:
+    def __init__(self, arenas: Iterable[R.Arena], home_device: int = -1,
+                 after: dict[int, Callable[[Any], None]] | None = None) -> None:
         self.arenas = {a.device: Arena(a.device, a.first_id, a.count, a.quota) for a in arenas}
         #: The session's home device (hello): device -1 means its arena, as eager alloc means it.
         self.home_device = home_device
         self.buffers: dict[int, DeferredBuffer] = {}  # segment id -> buffer not yet defined
         self.frees: list[int] = []
-        #: What to do once the daemon has answered a free, by VA (`free_remote`); set to the
-        #: client's `ClientCore.after` by request id when the free is sent.
+        #: What to do once the daemon has answered a free, by VA (`free_remote`); filed into
+        #: `after` (the client's `ClientCore.after`) by request id when the free is sent.
         self.when_freed: dict[int, Callable[[Any], None]] = {}
-        self.after: dict[int, Callable[[Any], None]] = {}
+        self.after = after if after is not None else {}
 
     def alloc(self, nbytes: int, device: int, site: str) -> DeferredBuffer:
         if not self.arenas:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from . import _basic, _images, _layers  # noqa: F401  (registers the operators)
 from ._registry import OPERATORS, REGISTRY, Kernel, Operator, Registry, Sig, signature
-from ._steps import DONE, FAILED, SKIPPED, Step, first_error, run_steps
+from ._steps import DONE, FAILED, SKIPPED, Step, run_steps, run_through
 from ._layers import fuse_steps
 from ._process import MAX_MESSAGE, process_argv
 from ._graph import GRAPH_ALIGN, MAX_GRAPH_NODES, MAX_GRAPH_TENSORS, GraphNode, GraphSpec, graph_wire, parse_graph
@@ -32,7 +32,7 @@ __all__ = [
     "MAX_MESSAGE",
     "process_argv",
     "run_steps",
-    "first_error",
+    "run_through",
     "fuse_steps",
     "Step",
     "DONE",

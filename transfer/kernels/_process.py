@@ -67,18 +67,21 @@ def serve(sock: socket.socket) -> None:
             out.append(np.ndarray(shape, DTYPES[dtype], base, off, strides))
         return out
 
-    def kernel_of(kernel: Any) -> Any:
-        k = kernels.get(kernel)
-        if k is None:
-            k = kernels[kernel] = REGISTRY.get(*kernel)
+    def bind(step: Any) -> Any:
+        """A step with its kernel and its operands' views; one that cannot be bound (memory
+        gone, no such kernel) fails as its node when it runs, as any kernel's error does."""
+        i, kernel, ins, outs, params, deps, name = step
+        try:
+            k = kernels.get(kernel)
             if k is None:
-                raise E.BackendError(f"no {kernel[2]} kernel {kernel[0]} for {kernel[1]}")
-        return k
+                k = kernels[kernel] = REGISTRY.get(*kernel)
+                if k is None:
+                    raise E.BackendError(f"no {kernel[2]} kernel {kernel[0]} for {kernel[1]}")
+            return (i, k, views(ins), views(outs), params, deps, name)
+        except Exception as exc:  # noqa: BLE001 - raised again by the step, where run_steps reports it
+            return (i, _Unbound(exc), ins, outs, params, deps, name)
 
     def compute(kernel: Any, ins: list[Any], outs: list[Any], params: Any) -> Any:
-        return kernel_of(kernel).run(views(ins), views(outs), params, np)
-
-    def run_bound(kernel: Any, ins: list[Any], outs: list[Any], params: Any) -> Any:
         return kernel.run(ins, outs, params, np)
 
     buf = bytearray(MAX_MESSAGE)  # (received into: a fresh 1 MiB buffer per message costs ~50 us)
@@ -105,11 +108,17 @@ def serve(sock: socket.socket) -> None:
             maps.pop(rest[0], None)  # unmapped when no view is left
         else:
             steps, failed = rest
-            try:  # bound first, so that a linear and its in-place relu run as one (`fuse_steps`)
-                ready = fuse_steps([(i, kernel_of(k), views(ins), views(outs), p, deps, name)
-                                    for i, k, ins, outs, p, deps, name in steps])
-            except Exception:  # noqa: BLE001 - memory gone, a kernel missing: each node fails on its own
-                outcomes = run_steps(steps, failed, compute)
-            else:
-                outcomes = run_steps(ready, failed, run_bound)
-            sock.send(pickle.dumps(outcomes, 5))
+            # (bound first, so that a linear and its in-place relu run as one: `fuse_steps`)
+            sock.send(pickle.dumps(run_steps(fuse_steps([bind(s) for s in steps]), failed, compute), 5))
+
+
+class _Unbound:
+    """A step that could not be bound: running it raises why."""
+
+    op, sig = "", ()
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+    def run(self, ins: Any, outs: Any, params: Any, xp: Any) -> None:
+        raise self.exc
