@@ -123,16 +123,22 @@ def test_an_injected_fault_is_sticky() -> None:
     assert codes[:2] == [0, 0] and codes[3] == ILLEGAL_ADDRESS and set(codes[4:]) == {ILLEGAL_ADDRESS}, codes
 
 
-def test_poison_never_reaches_work_queued_before_it() -> None:
-    """A copy out of registered host memory, then one into the same bytes, on one stream: the
-    first reads the bytes as they were (stream order), though the second poisons them when
-    queued; readers of the poisoned bytes afterwards see the poison until it has run."""
-    _ok(_script("""
+#: A registered host buffer `h` of 4s, a device buffer `d` holding them, `other` (64 bytes of
+#: device memory), stream `s` and event `e`.
+_FOURS = """
         s, e = stream(), event()
         d, h = alloc(BIG), np.full(BIG, 4, np.uint8)
         assert cu.cuMemHostRegister_v2(h.ctypes.data, BIG, 1) == 0
         other = alloc(64)
-        assert cu.cuMemcpyAsync(d, h.ctypes.data, BIG, s) == 0 and cu.cuStreamSynchronize(s) == 0  # d holds 4s
+        assert cu.cuMemcpyAsync(d, h.ctypes.data, BIG, s) == 0 and cu.cuStreamSynchronize(s) == 0
+"""
+
+
+def test_poison_never_reaches_work_queued_before_it() -> None:
+    """A copy out of registered host memory, then one into the same bytes, on one stream: the
+    first reads the bytes as they were (stream order), though the second poisons them when
+    queued; readers of the poisoned bytes afterwards see the poison until it has run."""
+    _ok(_script(_FOURS + """
         cu.fakecuda_pause(1)  # both are queued before either runs
         assert cu.cuMemcpyAsync(other, h.ctypes.data, 64, s) == 0     # reads h[:64] = 4
         assert cu.cuMemcpyAsync(h.ctypes.data, d + 64, 64, s) == 0    # then writes it (poisoned now)
@@ -148,12 +154,7 @@ def test_a_reader_between_two_writes_sees_the_first_write() -> None:
     """On one stream: a copy into registered host bytes, a copy out of them, a copy into them
     again, all queued before any runs. The reader sees what the first write leaves (stream
     order), not the second write's poison; in the end the bytes hold the second write."""
-    _ok(_script("""
-        s, e = stream(), event()
-        d, h = alloc(BIG), np.full(BIG, 4, np.uint8)
-        assert cu.cuMemHostRegister_v2(h.ctypes.data, BIG, 1) == 0
-        other = alloc(64)
-        assert cu.cuMemcpyAsync(d, h.ctypes.data, BIG, s) == 0 and cu.cuStreamSynchronize(s) == 0  # d holds 4s
+    _ok(_script(_FOURS + """
         view(d, 128)[64:] = 9
         cu.fakecuda_pause(1)
         assert cu.cuMemcpyAsync(h.ctypes.data, d, 64, s) == 0         # h[:64] = 4 (poisoned now)
