@@ -20,9 +20,16 @@ Two figures per size (median of --reps; 1 GB = 1e9 B):
   and fenced (the daemon posts them as ONE transfer), against the raw initiator
   posting the same burst as one READ transfer per copy, each waited.
 
-And one 64 B request at a time over the same tcp control socket (a copy between two daemon
-buffers, and a 64 B READ of the producer's memory), against pyzmq's own REQ/REP round trip
-of 64 B to an echoing process on loopback tcp, alternated in one run: p50 and p99.
+The channels a remote ring could take, 64-byte round trips in the same rounds: plain
+TCP with Python at both ends (`python_tcp`; the data channel's bridges are C), and NIXL
+notifications echoed between two agents (`nixl_notif`; polled from Python, as they can
+only be: NIXL's wheel ships no C API).
+
+And one 64 B request at a time (a copy between two daemon buffers, and a 64 B READ of the
+producer's memory) on the session's data channel (its ring carried over tcp: the daemon's
+native worker serves the copy), the same copy from a session without one (`ring=False`:
+the control socket and the event loop), against pyzmq's own REQ/REP round trip of 64 B to
+an echoing process on loopback tcp, alternated in one run: p50 and p99.
 
 UCX_TLS is inherited (unset: `cma` for same-host RMA). Prints a table and
 writes JSON.
@@ -100,6 +107,46 @@ def reqrep_echo(port: int, ready: Any) -> None:
     s.close(0)
 
 
+def tcp_echo(port: int, ready: Any) -> None:
+    """Plain TCP from Python: what a channel whose ends are Python costs (64-byte messages)."""
+    with socket.create_server(("127.0.0.1", port)) as srv:
+        ready.set()
+        conn, _ = srv.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with conn:
+            while msg := conn.recv(64, socket.MSG_WAITALL):
+                conn.sendall(msg)
+
+
+def notif_echo(conn: Any) -> None:
+    """NIXL notifications echoed, polled from Python (NIXL's wheel has no C API to do it natively)."""
+    from transfer.transport._nixl import NixlEndpoint
+
+    ep = NixlEndpoint("bench-notif-echo", progress="none")
+    conn.send(ep.metadata)
+    peer = ep.add_peer(conn.recv())
+    conn.send("ready")
+    while True:
+        for msgs in ep.get_notifs().values():
+            for msg in msgs:
+                ep.send_notif(peer, msg)
+                if msg == b"q":
+                    ep.close()
+                    return
+
+
+def start_echo(ctx: Any, target: Any) -> tuple[int, Any]:
+    """A free loopback port and an echo process serving it, ready when this returns."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ready = ctx.Event()
+    proc = ctx.Process(target=target, args=(port, ready), daemon=True)
+    proc.start()
+    ready.wait(30)
+    return port, proc
+
+
 def round_trips(one: Any, n: int) -> list[float]:
     out = []
     for _ in range(n):
@@ -130,6 +177,7 @@ def main() -> None:
     src = np.random.default_rng(0).integers(0, 256, BUF, dtype=np.uint8)
     results: dict = {}
     with run_daemon(daemon_args), transfer.connect(endpoint, name="bench-remote") as c:
+        assert c._ring is not None and c._ring.channel is not None, "no data channel"
         seg = c.register_remote(src)
         dev = c.alloc(BUF)
         c.copy(dev, seg).result()  # wire-up, and verify once
@@ -181,13 +229,7 @@ def main() -> None:
         # 64 B round trips: transfer's control socket against pyzmq's REQ/REP, alternated.
         import zmq
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            zport = s.getsockname()[1]
-        ready = ctx.Event()
-        echo = ctx.Process(target=reqrep_echo, args=(zport, ready), daemon=True)
-        echo.start()
-        ready.wait(30)
+        zport, echo = start_echo(ctx, reqrep_echo)
         req = zmq.Context.instance().socket(zmq.REQ)
         req.connect(f"tcp://127.0.0.1:{zport}")
         payload = bytes(64)
@@ -200,16 +242,55 @@ def main() -> None:
         def copy_one() -> None:
             c.copy(other, dev, 64).result()
 
+        plain = transfer.connect(endpoint, name="bench-remote-socket", ring=False)
+        pa, pb = plain.alloc(4096), plain.alloc(4096)
+
+        def socket_one() -> None:
+            plain.copy(pb, pa, 64).result()
+
         def read_one() -> None:
             c.copy(other, seg, 64).result()
 
-        rt: dict[str, list[float]] = {"transfer_copy": [], "transfer_read": [], "pyzmq_reqrep": []}
-        for fn in (zmq_one, copy_one, read_one):
+        # The channels a data channel could have been: a TCP socket (here with Python at both
+        # ends; the bridge is C), and NIXL notifications (Python polls them).
+        tport, techo = start_echo(ctx, tcp_echo)
+        tcp = socket.create_connection(("127.0.0.1", tport))
+        tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        def tcp_one() -> None:
+            tcp.sendall(payload)
+            tcp.recv(64, socket.MSG_WAITALL)
+
+        from transfer.transport._nixl import NixlEndpoint
+
+        na, nb = ctx.Pipe()
+        necho = ctx.Process(target=notif_echo, args=(nb,), daemon=True)
+        necho.start()
+        pinger = NixlEndpoint("bench-notif-ping", progress="none")
+        npeer = pinger.add_peer(na.recv())
+        na.send(pinger.metadata)
+        assert na.recv() == "ready"
+
+        def notif_one(msg: bytes = payload) -> None:
+            pinger.send_notif(npeer, msg)
+            while not pinger.get_notifs():
+                pass
+
+        rt: dict[str, list[float]] = {"transfer_copy": [], "transfer_copy_socket": [], "transfer_read": [], "pyzmq_reqrep": [],
+                                      "python_tcp": [], "nixl_notif": []}
+        ways = {"pyzmq_reqrep": zmq_one, "transfer_copy": copy_one, "transfer_copy_socket": socket_one, "transfer_read": read_one,
+                "python_tcp": tcp_one, "nixl_notif": notif_one}
+        for fn in ways.values():
             round_trips(fn, 200)  # (warm)
         for _ in range(5):
-            rt["pyzmq_reqrep"] += round_trips(zmq_one, 400)
-            rt["transfer_copy"] += round_trips(copy_one, 400)
-            rt["transfer_read"] += round_trips(read_one, 400)
+            for name, fn in ways.items():
+                rt[name] += round_trips(fn, 400)
+        plain.close()
+        tcp.close()
+        techo.join(10)
+        notif_one(b"q")
+        necho.join(10)
+        pinger.close()
         req.send(b"q")
         req.recv()
         req.close(0)

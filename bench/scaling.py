@@ -24,6 +24,10 @@ daemon and the producers spent per group.
    every process shares this host's cores), line rate / bytes per group).
 3. **Measure** N = 2, 4 and report the error of the prediction.
 
+With `--channel`, each group's copies are between two of the daemon's buffers instead
+(what a producer asks once its batch has landed): the session's data channel carries them
+and its ring worker serves them, off the event loop (docs/ring.md, "Remote rings").
+
 Writes JSON (the model's coefficients, each run, each prediction and its
 error) and prints a table. docs/scaling.md reads it.
 
@@ -80,7 +84,8 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
-def producer(endpoint: str, rank: int, size: int, k: int, depth: int, seconds: float, ready: Any, go: Any, out: Any) -> None:
+def producer(endpoint: str, rank: int, size: int, k: int, depth: int, seconds: float, ready: Any, go: Any, out: Any,
+             channel: bool = False) -> None:
     import transfer
 
     src = np.random.default_rng(rank).integers(0, 256, BUF, dtype=np.uint8)
@@ -88,6 +93,10 @@ def producer(endpoint: str, rank: int, size: int, k: int, depth: int, seconds: f
         seg = c.register_remote(src)
         dev = c.alloc(BUF)
         c.copy(dev, seg, 1 << 20).result()  # wire-up: the daemon's NIXL peer, the first READ
+        if channel:  # copies between daemon buffers: the data channel carries them, the worker serves them
+            assert c._ring is not None and c._ring.channel is not None, "no data channel"
+            c.copy(dev, seg).result()
+            seg, dev = dev, c.alloc(BUF)
         span = size * k
         slots = max(1, BUF // span)
         ready.put(rank)
@@ -113,10 +122,10 @@ def producer(endpoint: str, rank: int, size: int, k: int, depth: int, seconds: f
     out.put({"rank": rank, "groups": groups, "elapsed_s": elapsed, "cpu_s": cpu, "verified": bool(ok)})
 
 
-def run(endpoint: str, daemon_pid: int, n: int, size: int, k: int, depth: int, seconds: float) -> dict[str, Any]:
+def run(endpoint: str, daemon_pid: int, n: int, size: int, k: int, depth: int, seconds: float, channel: bool = False) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=producer, args=(endpoint, r, size, k, depth, seconds, ready, go, out)) for r in range(n)]
+    procs = [ctx.Process(target=producer, args=(endpoint, r, size, k, depth, seconds, ready, go, out, channel)) for r in range(n)]
     for p in procs:
         p.start()
     for _ in procs:
@@ -267,6 +276,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=3.0, help="per run")
     ap.add_argument("--reps", type=int, default=2, help="runs per cell (the median is kept)")
     ap.add_argument("--depth", type=int, default=2, help="groups in flight per producer")
+    ap.add_argument("--channel", action="store_true",
+                    help="copies between the daemon's own buffers (each producer's batch already landed): its data "
+                         "channel carries them and its ring worker serves them, instead of NIXL READs through the event loop")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "scaling.json")
     args = ap.parse_args()
     if args.markdown:
@@ -287,7 +299,7 @@ def main() -> None:
     with run_daemon(["--endpoint", endpoint, "--allow-insecure-tcp", "--backend", "numpy", "--session-timeout", "30"]) as d:
         for n in counts:
             for name, size, k in WORKLOADS:
-                reps = [run(endpoint, d.pid, n, size, k, args.depth, args.seconds) for _ in range(args.reps)]
+                reps = [run(endpoint, d.pid, n, size, k, args.depth, args.seconds, args.channel) for _ in range(args.reps)]
                 med = sorted(reps, key=lambda r: r["groups_per_s"])[len(reps) // 2]
                 med = {**med, "workload": name, "reps_groups_per_s": [round(r["groups_per_s"], 1) for r in reps]}
                 med["verified"] = all(r["verified"] for r in reps)
@@ -332,7 +344,7 @@ def main() -> None:
         "ucx_tls": os.environ.get("UCX_TLS"),
         "command": "python bench/scaling.py " + " ".join(sys.argv[1:]),
         "wall_s": round(time.perf_counter() - t_start, 1),
-        "seconds": args.seconds, "reps": args.reps, "depth": args.depth,
+        "seconds": args.seconds, "reps": args.reps, "depth": args.depth, "channel": args.channel,
         "model": model, "runs": runs, "checks": checks,
         "projection_200gbit_8_producers": projection,
         "projection_200gbit_8_producers_to_h100": projection_gpu,

@@ -16,7 +16,7 @@
 
 /* The exception for a corrupted ring (module.c: set by _set_corrupt_error). */
 extern PyObject *CorruptError;
-extern PyTypeObject QueueType, TableType, WorkerType, SubmissionType;
+extern PyTypeObject QueueType, TableType, WorkerType, SubmissionType, BridgeType;
 
 typedef struct {
     uint32_t offset, size, is_signed;

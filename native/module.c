@@ -1,7 +1,7 @@
 /*
  * module.c: transfer._native, the package's one native core: the ring's queues
  * (queue_type.c), the data plane's table and workers (dataplane_type.c), the client's
- * submission (submission.c), CUDA graphs for the workers' graph runs (cudagraph.c) and
+ * submission (submission.c), the remote ring's bridge (bridge.c), CUDA graphs for the workers' graph runs (cudagraph.c) and
  * the utilities (util.c). It reports the layout it was
  * built with (`layout()`), which transfer/ring checks against its own at import.
  */
@@ -186,7 +186,7 @@ static struct PyModuleDef moduledef = {
 PyMODINIT_FUNC PyInit__native(void)
 {
     if (PyType_Ready(&QueueType) < 0 || PyType_Ready(&TableType) < 0 || PyType_Ready(&WorkerType) < 0 ||
-        PyType_Ready(&SubmissionType) < 0)
+        PyType_Ready(&SubmissionType) < 0 || PyType_Ready(&BridgeType) < 0)
         return NULL;
     if (pthread_atfork(NULL, NULL, bump_fork_generation) != 0) {
         PyErr_SetString(PyExc_RuntimeError, "pthread_atfork failed");
@@ -206,9 +206,11 @@ PyMODINIT_FUNC PyInit__native(void)
     Py_INCREF(&TableType);
     Py_INCREF(&WorkerType);
     Py_INCREF(&SubmissionType);
+    Py_INCREF(&BridgeType);
     if (PyModule_AddObject(m, "Table", (PyObject *)&TableType) < 0 ||
         PyModule_AddObject(m, "Worker", (PyObject *)&WorkerType) < 0 ||
-        PyModule_AddObject(m, "Submission", (PyObject *)&SubmissionType) < 0) {
+        PyModule_AddObject(m, "Submission", (PyObject *)&SubmissionType) < 0 ||
+        PyModule_AddObject(m, "Bridge", (PyObject *)&BridgeType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

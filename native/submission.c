@@ -342,6 +342,7 @@ typedef struct {
     PyObject *kinds;       /* request type -> kind code (_ringlink._KINDS) */
     PyObject *sums;        /* what gathers a vector's answers (_ringlink._Sums) */
     PyObject *buffers;     /* dict: segment id -> a deferred buffer not defined yet (or NULL) */
+    PyObject *elsewhere;   /* set: segment ids whose requests take the socket (remote segments), or NULL */
     PyObject *holds;       /* tuple of containers: submit declines while any is not empty */
     PyObject *kick;        /* called after submit publishes (an event loop's reaper), or None */
     PyObject *acquire, *release; /* the client's lock (bound methods), or NULL: none to take */
@@ -464,6 +465,7 @@ static int Submission_init(SubmissionObject *self, PyObject *args, PyObject *kwd
     Py_XSETREF(self->holds, PyTuple_New(0));
     Py_XSETREF(self->kick, Py_NewRef(Py_None));
     self->next_id = 1;
+    self->shift = TDP_OFFSET_BITS; /* (until watch says) */
     self->fork = fork_generation;
     if (!self->holds)
         return -1;
@@ -481,6 +483,7 @@ static int Submission_traverse(SubmissionObject *self, visitproc visit, void *ar
     Py_VISIT(self->kinds);
     Py_VISIT(self->sums);
     Py_VISIT(self->buffers);
+    Py_VISIT(self->elsewhere);
     Py_VISIT(self->holds);
     Py_VISIT(self->kick);
     Py_VISIT(self->acquire);
@@ -501,6 +504,7 @@ static int Submission_clear(SubmissionObject *self)
     Py_CLEAR(self->kinds);
     Py_CLEAR(self->sums);
     Py_CLEAR(self->buffers);
+    Py_CLEAR(self->elsewhere);
     Py_CLEAR(self->holds);
     Py_CLEAR(self->kick);
     Py_CLEAR(self->acquire);
@@ -679,15 +683,28 @@ static int plain_u64(PyObject *o, uint64_t max, uint64_t *out)
     return 1;
 }
 
-/* Whether segment (va >> shift) holds a deferred buffer not defined yet: 1, 0, -1 (error). */
-static int undefined_at(SubmissionObject *self, uint64_t va)
+/* Whether a plain request of `kind` names a segment `has(where, id)` finds (its dst, unless a
+ * checksum; its src, unless a fill): 1, 0, -1 (error). The deferred buffers not defined yet
+ * (a dict) and the segments whose requests take the socket (a set) are asked the same way. */
+static int names_any(SubmissionObject *self, PyObject *where, int (*has)(PyObject *, PyObject *), long kind, uint64_t dst,
+                     uint64_t src)
 {
-    PyObject *sid = PyLong_FromUnsignedLongLong(va >> self->shift);
-    if (!sid)
-        return -1;
-    int r = PyDict_Contains(self->buffers, sid);
-    Py_DECREF(sid);
-    return r;
+    uint64_t vas[2];
+    int n = 0;
+    if (kind != K_CHECKSUM)
+        vas[n++] = dst;
+    if (kind != K_FILL)
+        vas[n++] = src;
+    for (int i = 0; i < n; i++) {
+        PyObject *sid = PyLong_FromUnsignedLongLong(vas[i] >> self->shift);
+        if (!sid)
+            return -1;
+        int r = has(where, sid);
+        Py_DECREF(sid);
+        if (r)
+            return r;
+    }
+    return 0;
 }
 
 /* A vector operand of submit: a 1-D uint64 array of `*k` ranges (the first sets *k); 1,
@@ -711,7 +728,8 @@ static int range_array(PyObject *o, Py_ssize_t *k, vec_arg_t *v)
  * that is not 1-D uint64 of one length (the general path converts or names what is wrong),
  * a vector longer than the ring carries, the session broken or forked, a batch open,
  * something held or owed first (frees, held requests, the definition of a deferred buffer
- * it touches: for a vector, any not defined yet), no ring, the socket's turn (route), or
+ * it touches: for a vector, any not defined yet), a segment whose requests take the socket
+ * (`elsewhere`; for a vector, while there is any), no ring, the socket's turn (route), or
  * not enough credits (the general path waits for them). */
 static PyObject *submit_locked(SubmissionObject *self, PyObject *const *a)
 {
@@ -773,19 +791,17 @@ static PyObject *submit_locked(SubmissionObject *self, PyObject *const *a)
     PyObject *out = NULL, *id = NULL, *p = NULL;
     if (!ok || k > self->credits - self->in_flight)
         goto decline;
-    if (self->buffers && PyDict_GET_SIZE(self->buffers)) {
-        if (vector)
-            goto decline; /* (its definitions go first: the general path finds which) */
-        int u = 0;
-        if (kind != K_CHECKSUM)
-            u = undefined_at(self, dst);
-        if (u == 0 && kind != K_FILL)
-            u = undefined_at(self, src);
-        if (u < 0)
-            goto done;
-        if (u)
-            goto decline;
-    }
+    /* The definitions of deferred buffers it names go first, and a remote segment's
+     * requests take the socket: the general path finds which (for a vector, while any). */
+    int held = 0;
+    if (self->buffers && PyDict_GET_SIZE(self->buffers))
+        held = vector ? 1 : names_any(self, self->buffers, PyDict_Contains, kind, dst, src);
+    if (!held && self->elsewhere && PySet_GET_SIZE(self->elsewhere))
+        held = vector ? 1 : names_any(self, self->elsewhere, PySet_Contains, kind, dst, src);
+    if (held < 0)
+        goto done;
+    if (held)
+        goto decline;
     long long route = route_of(self, 0); /* (before this request is in the pending table) */
     if (route < 0)
         goto decline;
@@ -950,8 +966,25 @@ static PyObject *Submission_get_templated(SubmissionObject *self, void *c)
     return PyBool_FromLong(self->ntemplate >= 0);
 }
 
+static PyObject *Submission_get_elsewhere(SubmissionObject *self, void *c)
+{
+    return Py_NewRef(self->elsewhere ? self->elsewhere : Py_None);
+}
+
+static int Submission_set_elsewhere(SubmissionObject *self, PyObject *v, void *c)
+{
+    if (v && v != Py_None && !PySet_CheckExact(v)) {
+        PyErr_SetString(PyExc_TypeError, "elsewhere: a set of segment ids, or None");
+        return -1;
+    }
+    Py_XSETREF(self->elsewhere, v && v != Py_None ? Py_NewRef(v) : NULL);
+    return 0;
+}
+
 static PyGetSetDef Submission_getset[] = {
     {"templated", (getter)Submission_get_templated, NULL, "submit makes a Pending without calling its class", NULL},
+    {"elsewhere", (getter)Submission_get_elsewhere, (setter)Submission_set_elsewhere,
+     "segment ids whose requests take the socket, not the ring (remote segments: a set), or None", NULL},
     {NULL}};
 
 PyTypeObject SubmissionType = {

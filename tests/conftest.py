@@ -31,7 +31,7 @@ import zmq  # noqa: E402
 
 import transfer  # noqa: E402
 from transfer import protocol as P  # noqa: E402
-from transfer.testing import DaemonProcess, start_daemon  # noqa: E402
+from transfer.testing import DaemonProcess, loopback_endpoint, start_daemon  # noqa: E402
 
 FAST = ["--heartbeat", "0.2", "--session-timeout", "2.0", "--backend", "numpy"]
 #: Added to FAST for the tests that let a session idle past the timeout: each waits it out.
@@ -49,6 +49,24 @@ def segment_files(shm_dir: Path) -> list[str]:
 def leftovers(shm_dir: Path) -> list[str]:
     """Everything in shm_dir but lock files: after a daemon stopped, this must be empty."""
     return sorted(n for n in os.listdir(shm_dir) if not n.endswith(".lock"))
+
+
+def tcp_daemon(args: list[str], prefix: str = "tcp") -> Iterator[tuple[DaemonProcess, str]]:
+    """A daemon with a tcp endpoint on loopback (and its ipc one), in a shm dir of its own:
+    (the daemon, the tcp endpoint). It must stop cleanly and leave no memory behind."""
+    shm = Path("/dev/shm") / f"transfer-{prefix}-{uuid.uuid4().hex[:8]}"
+    shm.mkdir(mode=0o700)
+    wd = Path(tempfile.mkdtemp(prefix=f"transferd-{prefix}-"))
+    endpoint = loopback_endpoint()
+    d = start_daemon([*FAST, "--endpoint", endpoint, *args], workdir=wd, shm_dir=shm)
+    try:
+        yield d, endpoint
+    finally:
+        assert d.stop() == 0
+        shutil.rmtree(wd, ignore_errors=True)
+        left = [n for n in os.listdir(shm) if not n.endswith(".lock")]
+        shutil.rmtree(shm, ignore_errors=True)
+        assert left == [], "shared memory left behind"
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from .addressing import MAX_SEGMENT_ID
 
 __all__ = [
     "Result", "WireLimits", "DeviceInfo", "Arena", "HelloResult", "Registered", "Allocated",
-    "RemoteRegistered", "Shared", "Attached", "RingOpened", "NodeProfile", "GraphProfile",
+    "RemoteRegistered", "Shared", "Attached", "RingOpened", "ChannelOpened", "NodeProfile", "GraphProfile",
 ]
 
 #: A handover token (`transport._fds.TOKEN_BYTES`).
@@ -126,6 +126,18 @@ class RingOpened(Result):
     token: Token
     bell: Token
     cbell: Token | None
+    capacity: Capacity
+    completion_capacity: Capacity
+    graphs: bool = False
+    after: bool = False
+
+
+class ChannelOpened(Result):
+    """OpenChannel: where the session's data channel connects, and the one-time key it
+    presents; the ring's geometry; what the daemon serves on it (as `RingOpened`)."""
+
+    key: Token
+    port: Annotated[int, Meta(ge=1, le=65535)]
     capacity: Capacity
     completion_capacity: Capacity
     graphs: bool = False

@@ -231,6 +231,7 @@ def _defaults() -> tuple[Setting, ...]:
         ("remote_timeout_s", _float, "seconds one NIXL transfer may take before its requests fail", "--remote-timeout", {"minimum": 0.01, "metavar": "SECONDS"}),
         ("rings", _bool, "let same-host clients open a shared-memory request ring (docs/ring.md)", "--rings", {"boolean": True}),
         ("max_ring_capacity", _int, "largest request ring (descriptors) a session may open", "--max-ring-capacity", {"minimum": 2, "maximum": 1 << 20}),
+        ("channel_port", _int, "TCP port for remote sessions' data channels (their rings, carried over TCP) on the host of the tcp endpoint; 0: any free port", "--channel-port", {"minimum": 0, "maximum": 65535, "metavar": "PORT"}),
         ("ring_spin_s", _float, "seconds the daemon busy-polls rings after the last ring request, before it sleeps", "--ring-spin", {"minimum": 0, "maximum": 0.1, "metavar": "SECONDS"}),
         ("ring_workers", _bool, "serve each ring's copies, fills, checksums and fences on a native worker thread (docs/ring.md)", "--ring-workers", {"boolean": True}),
         ("device_workers", _bool, "let the ring workers queue copies and fills that touch GPU memory through the CUDA driver (native/device.c); off: the Python pass serves them", "--device-workers", {"boolean": True}),

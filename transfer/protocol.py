@@ -97,6 +97,7 @@ __all__ = [
     "Share",
     "Attach",
     "OpenRing",
+    "OpenChannel",
     "Copy",
     "CopyV",
     "Fill",
@@ -265,6 +266,19 @@ class OpenRing(Request, tag=18):
     completion_bell: bool = False
 
 
+class OpenChannel(Request, tag=19):
+    """Open this session's data channel: its ring carried over a TCP connection, for a
+    client on another host (docs/ring.md, "Remote rings").
+
+    Reply `_results.ChannelOpened`: the daemon's ring for the session is made, and waits
+    for one connection to `port` on the host of the daemon's tcp endpoint, whose first bytes
+    are the session's id and `key` (`transfer.ring._channel.HELLO`). The client keeps a ring
+    of the same geometry in its own memory; `capacity` is rounded up to a power of two.
+    """
+
+    capacity: U32 = 1024
+
+
 class Copy(Request, tag=20):
     """One copy of `nbytes` from `src` to `dst` (VAs); by far the most frequent request."""
 
@@ -404,6 +418,7 @@ REQUEST_TYPES: dict[int, type[Request]] = {
         Share,
         Attach,
         OpenRing,
+        OpenChannel,
         Copy,
         CopyV,
         Fill,
@@ -781,6 +796,7 @@ RESULTS: dict[type[Request], Any] = {
     Share: R.Shared,
     Attach: R.Attached,
     OpenRing: R.RingOpened,
+    OpenChannel: R.ChannelOpened,
     Define: Union[R.Allocated, None],  # an alloc's definition answers what it allocated
     Checksum: U64,
     ChecksumV: bytes,

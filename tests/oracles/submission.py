@@ -25,7 +25,7 @@ class PySubmission:
 
     __slots__ = ("_pending", "_pending_cls", "_waiter", "_outbox", "_push", "_outstanding", "_kinds", "_sums", "_buffers",
                  "_holds", "_shift", "kick", "next_id", "frames", "fenced", "pushed", "in_flight", "credits", "after",
-                 "batching", "broken")
+                 "batching", "broken", "elsewhere")
 
     def __init__(self, pending: dict[int, Any], pending_cls: type, waiter: Callable[..., Any]) -> None:
         self._pending = pending
@@ -44,6 +44,8 @@ class PySubmission:
         self.frames = self.fenced = self.pushed = 0
         self.in_flight = self.credits = 0
         self.after = self.batching = self.broken = False
+        #: Segment ids whose requests take the socket (the general path checks them here).
+        self.elsewhere: set[int] | None = None
 
     def attach(self, outbox: Any, push: Callable[..., tuple[int, int, int]], outstanding: dict[int, Any], credits: int,
                chain: int, after: bool, kinds: dict[type, int], sums: Any) -> None:

@@ -50,6 +50,10 @@ class ClientCore:
         self.pending: dict[int, Pending] = {}
         #: Ids, credits, the routing rule and the push (`_submission`), shared with the ring link.
         self.sub: Submission = Submission(self.pending, pending_cls, waiter)
+        #: Segment ids of this session's remote (NIXL) segments: requests that touch one take
+        #: the socket, not the ring (the daemon's event loop posts their transfers either way).
+        self.remote_sids: set[int] = set()
+        self.sub.elsewhere = self.remote_sids
         #: One data request made, routed and pushed in one call, or None when the general
         #: path (`prepare`, then the client's `_send`) must take it.
         self.submit: Callable[[type[P.Request], tuple[Any, ...]], Pending | None] = self.sub.submit
@@ -226,6 +230,8 @@ class ClientCore:
             return None
         if (len(reqs) != 1 or type(reqs[0]) not in PLAIN) and not link.takes_all(reqs):
             return None  # (one plain request, most submissions, is decided without a call)
+        if self.remote_sids and any(touches(r, self.remote_sids) for r in reqs):
+            return None
         sub = self.sub
         return route(len(self.pending), len(link.outstanding), unsent, sub.frames, sub.after)
 
@@ -260,6 +266,8 @@ class ClientCore:
         reason = self.ring.ring.close_reason if self.ring is not None else 0
         if reason == E.ShuttingDown.code:
             err: E.TransferError = E.ShuttingDown("the daemon is shutting down: it closed this session's ring before this request ran")
+        elif self.ring is not None and self.ring.channel is not None:
+            err = E.SessionClosed("this session's data channel to the daemon closed (the daemon ended the session, or the connection was lost)")
         else:
             err = E.SessionClosed("the daemon ended this session (its ring is closed)")
         self.fail_all(err)
@@ -410,6 +418,20 @@ def _touched(cls: type[P.Request], args: tuple[Any, ...]) -> list[int]:
     if cls is P.RunGraph:
         return [*args[1], *args[2]]
     return []
+
+
+def touches(req: P.Request, sids: set[int]) -> bool:
+    """Whether a ring-able request names a VA in one of the segments `sids`."""
+    for name in ("dst", "src", "inputs", "outputs"):
+        v = getattr(req, name, None)
+        if v is None:
+            continue
+        if isinstance(v, int):
+            if v >> OFFSET_BITS in sids:
+                return True
+        elif any(int(va) >> OFFSET_BITS in sids for va in (_segment_vas(v) if isinstance(v, np.ndarray) else v)):
+            return True
+    return False
 
 
 def _is_free(req: P.Request) -> bool:

@@ -207,8 +207,8 @@ class LoopSession(Session):
             self._core.on_frame(part)
         self._release_held()
 
-    def _link(self, info: R.RingOpened) -> RingLink:
-        link = RingLink.open(info, self._core.collect, self._core.sub, completion_bell=True)
+    def _link(self, info: R.RingOpened | R.ChannelOpened) -> RingLink:
+        link = self._map(info)
         self._spawn_reaper(link)
         return link
 

@@ -25,12 +25,14 @@ import numpy as np
 from .. import _results as R
 from .. import errors as E
 from .. import protocol as P
+from ..addressing import OFFSET_BITS
 from ..memory import ShmFile
 from ._computes import ComputeGraphs
 from ._core import ClientCore
 from ._deferred import DeferredBuffer, Graph, Plan, Tensor, creation_site
 from .._pending import Pending
 from ._pool import SlotPool
+from ._socket import connect_channel
 from ._remote import RemoteAgent, RemoteSegment, register as register_remote
 from ._resources import Addressable, DeviceBuffer, HostSegment, SharedSegment, resolve_va
 from ..ring import RingLink
@@ -94,9 +96,18 @@ class Session:
     #: the ring's futex (the blocking client): the daemon makes one only when asked.
     _completion_bell = False
 
-    def _link(self, info: R.RingOpened) -> RingLink:
-        """Map the ring the daemon made, with what this client needs to wait on it."""
+    def _link(self, info: R.RingOpened | R.ChannelOpened) -> RingLink:
+        """The session's ring, with what this client needs to wait on it (`_map`)."""
         raise NotImplementedError
+
+    def _map(self, info: R.RingOpened | R.ChannelOpened) -> RingLink:
+        """Map the ring the daemon made (same host), or make ours and connect its data
+        channel (another host)."""
+        bell = self._completion_bell
+        if isinstance(info, R.ChannelOpened):
+            sock = connect_channel(self.endpoint, info.port, self.session_id, info.key)
+            return RingLink.remote(info, sock, self._core.sub, completion_bell=bell)
+        return RingLink.open(info, self._core.collect, self._core.sub, completion_bell=bell)
 
     # --- session facts -------------------------------------------------------------------
     @property
@@ -143,23 +154,26 @@ class Session:
         self._core.on_hello(info, deferred)
 
     def _op_open_ring(self, capacity: int) -> Op[None]:
-        info = yield from self._op_call(P.OpenRing, capacity, self._completion_bell)
+        """The same-host ring (ipc), or on tcp the ring carried over a data channel."""
+        if ipc_path(self.endpoint) is None:
+            info = yield from self._op_call(P.OpenChannel, capacity)
+        else:
+            info = yield from self._op_call(P.OpenRing, capacity, self._completion_bell)
         self._core.ring = self._link(info)
 
     _open_ring = operation(_op_open_ring)
 
     def _op_start_ring(self, ring: bool | int | None) -> Op[None]:
-        """The ring, unless opted out (`ring=False`): by default every same-host (ipc) session
-        gets one; where the daemon cannot give one (no shared memory left, a ring quota) the
+        """The ring, unless opted out (`ring=False`): by default every session gets one (a
+        same-host one shares the daemon's; on tcp, a data channel carries it); where the
+        daemon cannot give one (no shared memory left, a ring quota, no channel port) the
         session stays on the socket, which carries everything too. An explicit `ring` raises."""
         if ring is False or (ring is not None and ring is not True and int(ring) <= 0):
             return
         if ring is None:
-            if ipc_path(self.endpoint) is None:
-                return  # tcp: another host, no shared memory
             try:
                 yield from self._op_open_ring(RING_CAPACITY)
-            except (E.RingUnavailable, E.ResourceError) as exc:
+            except (E.RingUnavailable, E.ResourceError, E.UnknownOperation) as exc:
                 log.info("no ring for this session (%s): requests go over the socket", exc)
             return
         yield from self._op_open_ring(RING_CAPACITY if ring is True else int(ring))
@@ -243,6 +257,7 @@ class Session:
         def gone(p: Pending | None = None) -> None:
             agent.leaving.pop(shared.key, None)
             agent.let_go(shared)
+            core.remote_sids.discard(shared.va >> OFFSET_BITS)
 
         with self._lock:
             shared.freed = True
@@ -265,7 +280,10 @@ class Session:
                 self._core.remote = RemoteAgent(self._core.session_id)
             agent = self._core.remote
             state = self._core.deferred
-        return (yield from register_remote(self, agent, array, self._op_call, state, self._lock))
+        seg = yield from register_remote(self, agent, array, self._op_call, state, self._lock)
+        with self._lock:  # its requests take the socket: the daemon posts NIXL for them on its loop
+            self._core.remote_sids.add(seg.va >> OFFSET_BITS)
+        return seg
 
     register_remote = operation(_op_register_remote)
 

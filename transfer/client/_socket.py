@@ -1,7 +1,7 @@
 """Connecting a client's control socket: a DEALER to the daemon's endpoint, CURVE on tcp://
 when keyed (the handshake waited for, so a refused key fails at connect), and on ipc:// a
 probe first, so that a missing, stale or forbidden socket file is a clear error at once
-instead of a connect timeout."""
+instead of a connect timeout. And a remote session's data channel (`connect_channel`)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ from typing import Any
 import zmq
 
 from .. import errors as E
+from ..ring._channel import ACK, hello
 from ..transport import _curve
 from ..transport._zmq import endpoint_error, ipc_path
 
-__all__ = ["open_socket"]
+__all__ = ["open_socket", "connect_channel"]
 
 
 def open_socket(endpoint: str, server_key: Any, client_keys: Any, connect_timeout: float) -> zmq.Socket[bytes]:
@@ -102,3 +103,35 @@ def _probe_ipc(endpoint: str, path: Path) -> None:
         pass  # too long a path: let zmq try and report
     finally:
         probe.close()
+
+
+#: Seconds a data channel may take to connect and be accepted.
+CHANNEL_TIMEOUT_S = 5.0
+
+
+def connect_channel(endpoint: str, port: int, session: int, key: bytes, timeout: float = CHANNEL_TIMEOUT_S) -> socket.socket:
+    """A session's data channel: a TCP connection to `port` on the tcp endpoint's host,
+    past its hello (the session and the key the daemon gave on the control socket)."""
+    host = endpoint[len("tcp://"):].rpartition(":")[0].strip("[]")
+    where = f"{host}:{port}"
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as exc:
+        raise E.RingUnavailable(f"cannot connect this session's data channel to {where}: {exc}") from None
+    try:
+        sock.sendall(hello(session, key))
+        got = b""
+        while len(got) < len(ACK):
+            chunk = sock.recv(len(ACK) - len(got))
+            if not chunk:
+                break
+            got += chunk
+        if got != ACK:
+            raise E.RingUnavailable(f"the daemon at {where} refused this session's data channel")
+    except OSError as exc:
+        sock.close()
+        raise E.RingUnavailable(f"this session's data channel to {where} failed: {exc}") from None
+    except BaseException:
+        sock.close()
+        raise
+    return sock

@@ -149,8 +149,8 @@ class Client(Session):
             except BaseException as exc:  # thrown in: the operation may clean up (and re-raises)
                 failed = exc
 
-    def _link(self, info: R.RingOpened) -> RingLink:
-        return RingLink.open(info, self._core.collect, self._core.sub)
+    def _link(self, info: R.RingOpened | R.ChannelOpened) -> RingLink:
+        return self._map(info)
 
     def run_graph(self, graph: Graph, inputs: Sequence[Addressable], outputs: Sequence[Addressable], *,
                   profile: bool = False, stream: int = 0) -> Any:

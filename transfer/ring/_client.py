@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import socket
 import stat
 import struct
 from typing import Any, Callable, Sequence
@@ -27,6 +28,7 @@ from .. import errors as E
 from .. import protocol as P
 from .._pending import Pending
 from ..memory._shm import check_sealed
+from ._channel import Channel
 from ._endpoint import Ring, RingError
 from ._layout import COMPLETION_DETAIL, KIND_NAMES, MAX_CHAIN
 
@@ -101,7 +103,7 @@ def _pipe_end(fd: int, mode: int, what: str) -> int:
 class RingLink:
     """One session's ring, mapped here: descriptors out, completions in."""
 
-    def __init__(self, ring: Ring, info: R.RingOpened, sub: Submission, bell_fd: int = -1, cbell_fd: int = -1) -> None:
+    def __init__(self, ring: Ring, info: R.RingOpened | R.ChannelOpened, sub: Submission, bell_fd: int = -1, cbell_fd: int = -1) -> None:
         """A client's end of a ring mapped here (`open`). `info`: the daemon's OpenRing reply
         (`graphs`, `after`); `sub`: the session's submission state (`_submission`), which
         takes the ring's credits and counts; `bell_fd`, `cbell_fd`: the request doorbell
@@ -109,6 +111,10 @@ class RingLink:
         self.sub = sub
         self.ring = ring
         self.bell_fd, self.cbell_fd = bell_fd, cbell_fd
+        #: A remote session's data channel (`remote`): the ring's far end, here.
+        self.channel: Channel | None = None
+        #: The completion doorbell's write end that channel's bridge rings (-1: none).
+        self._cbell_wr = -1
         if bell_fd >= 0:
             ring.set_doorbell(bell_fd)
         #: Never more descriptors outstanding than completion slots: the daemon never waits on us.
@@ -179,6 +185,32 @@ class RingLink:
             ring.close()
             raise
         return cls(ring, info, sub, bell_fd, cbell_fd)
+
+    @classmethod
+    def remote(cls, info: R.ChannelOpened, sock: socket.socket, sub: Submission, *, completion_bell: bool = False) -> RingLink:
+        """A ring in this process's memory whose far end is the daemon's, over the connected
+        data channel `sock` (ours from now on): a native bridge serves it here as a daemon's
+        worker would. `completion_bell`: the bridge also rings a pipe (for the trio client)."""
+        try:
+            ring = Ring.create(None, info.capacity, info.completion_capacity, role="client")
+        except BaseException:
+            sock.close()
+            raise
+        rd = wr = -1
+        try:
+            if completion_bell:
+                rd, wr = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+            channel = Channel(ring.fd, "server", sock, E.SessionClosed.code, bell=wr)
+        except BaseException:
+            for f in (rd, wr):
+                if f >= 0:
+                    os.close(f)
+            ring.close()
+            sock.close()
+            raise
+        link = cls(ring, info, sub, -1, rd)
+        link.channel, link._cbell_wr = channel, wr
+        return link
 
     @property
     def room(self) -> int:
@@ -355,9 +387,12 @@ class RingLink:
 
     def close(self) -> None:
         self.sub.detach()
+        if self.channel is not None:
+            self.channel.close()  # joins the bridge: nothing else touches the ring
+            self.channel = None
         if not self.ring.closed:
             self.ring.close()
-        for name in ("bell_fd", "cbell_fd"):
+        for name in ("bell_fd", "cbell_fd", "_cbell_wr"):
             fd = getattr(self, name)
             if fd >= 0:
                 os.close(fd)

@@ -22,7 +22,7 @@ __all__ = ["Accounting", "CONTROL_OPS"]
 CONTROL_OPS: dict[type, str] = {
     P.RegisterHost: "register_host", P.RegisterRemote: "register_remote", P.Unregister: "unregister",
     P.Alloc: "alloc", P.Free: "free", P.Share: "share", P.Attach: "attach", P.Define: "define",
-    P.OpenRing: "open_ring", P.Close: "close", P.Fence: "fence", P.Wait: "wait",
+    P.OpenRing: "open_ring", P.OpenChannel: "open_channel", P.Close: "close", P.Fence: "fence", P.Wait: "wait",
 }
 
 

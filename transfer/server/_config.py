@@ -7,20 +7,23 @@ from pathlib import Path
 
 from ..memory import default_shm_dir
 from ..protocol import Limits
-from ..transport._zmq import default_endpoint
+from ..transport._zmq import default_endpoint, tcp_host
 
 __all__ = ["DaemonConfig", "FdBudget", "fd_budget", "FDS_PER_SESSION", "FD_RESERVE"]
 
 #: File descriptors one session can make the daemon hold: its connection, its pidfd
 #: watcher, its ring's mapping (Python's mmap keeps a descriptor of the memfd) and the write
-#: end of its completion pipe (clients that poll one). Uncollected memfds are bounded apart
-#: (`FdChannel`).
+#: end of its completion pipe (clients that poll one); a remote session (no pidfd, no pipe):
+#: its connection, its ring's two mappings and its data channel's socket. Uncollected
+#: memfds are bounded apart (`FdChannel`).
 FDS_PER_SESSION = 4
 #: Descriptors kept for the daemon itself (zmq's threads and mailboxes, trio, the lock,
 #: logs, the listeners, the CPU devices' processes).
 FD_RESERVE = 256
 #: fd-socket peers that may wait for their token at once (`server._fds.FdChannel`).
 HANDOVER_WAITING = 16
+#: Data-channel connections that may wait for their hello at once (`server._channels`).
+CHANNEL_WAITING = 16
 #: The automatic session limit never exceeds this.
 MAX_AUTO_SESSIONS = 1024
 
@@ -84,6 +87,9 @@ class DaemonConfig:
     rings: bool = True
     #: Largest ring (descriptors) a session may ask for.
     max_ring_capacity: int = 1 << 16
+    #: The TCP port remote sessions' data channels connect to (their rings, carried over
+    #: TCP), on the host of the daemon's tcp endpoint; 0: any free port (announced per session).
+    channel_port: int = 0
     #: After the last ring request, the daemon busy-polls the rings this long before sleeping.
     ring_spin_s: float = 200e-6
     #: Each ring gets a native worker thread that executes its copies, fills, checksums and
@@ -138,12 +144,13 @@ class FdBudget:
 
 
 def fd_budget(config: DaemonConfig, nofile: int) -> FdBudget:
-    """Share `nofile` out: a reserve for the daemon itself, the metrics and fd-socket
-    listeners' caps, then 3/8 of the rest for sessions (`max_sessions` if set, at most
+    """Share `nofile` out: a reserve for the daemon itself, the metrics, fd-socket and
+    data-channel listeners' caps, then 3/8 of the rest for sessions (`max_sessions` if set, at most
     MAX_AUTO_SESSIONS), 3/8 for connections beyond the sessions' own, 1/8 for uncollected
     memfds and the rest for segment mappings."""
     metrics = config.metrics_connections if config.metrics_port else 0
-    free = max(16, nofile - min(FD_RESERVE, nofile // 4) - metrics - HANDOVER_WAITING)
+    channels = CHANNEL_WAITING if config.rings and tcp_host(config.endpoints) is not None else 0
+    free = max(16, nofile - min(FD_RESERVE, nofile // 4) - metrics - HANDOVER_WAITING - channels)
     sessions = config.max_sessions or max(1, min(MAX_AUTO_SESSIONS, free * 3 // 8 // FDS_PER_SESSION))
     idle = free * 3 // 8
     offers = max(1, free // 8)

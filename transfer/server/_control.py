@@ -1,6 +1,6 @@
 """Control requests: everything that is not data. Each is a barrier in its session's pass.
 
-Registering, allocating, freeing, sharing, definitions, rings, fences, stats
+Registering, allocating, freeing, sharing, definitions, rings and data channels, fences, stats
 and close are answered here, in order with the data requests around them;
 the pass runs each once what came before it has completed.
 """
@@ -17,6 +17,7 @@ from .. import protocol as P
 from ..addressing import SegmentKind
 from ._deferred import define
 from ._resources import Resources
+from ._channels import Channels
 from ._rings import Rings
 from ._session import Phase, Session
 
@@ -25,7 +26,7 @@ __all__ = ["Control", "BARRIERS", "AFTER_PASS", "STATS_PER_FRAME"]
 log = logging.getLogger("transfer.server")
 
 #: Requests that act as barriers: a pass stops before them, and runs them before what follows.
-BARRIERS: tuple[type[P.Request], ...] = (P.Define, P.OpenRing, P.RegisterHost, P.RegisterRemote, P.Unregister, P.Alloc, P.Free, P.Share, P.Attach, P.Close, P.Hello)
+BARRIERS: tuple[type[P.Request], ...] = (P.Define, P.OpenRing, P.OpenChannel, P.RegisterHost, P.RegisterRemote, P.Unregister, P.Alloc, P.Free, P.Share, P.Attach, P.Close, P.Hello)
 #: Answered once everything taken before them in the pass has completed.
 AFTER_PASS: tuple[type[P.Request], ...] = (P.Fence, P.Ping, P.Stats, P.Wait)
 #: Stats answered per frame (or pass): a reply is ~1 KiB, so many would amplify a small
@@ -34,9 +35,10 @@ STATS_PER_FRAME = 16
 
 
 class Control:
-    def __init__(self, resources: Resources, rings: Rings, stats: Callable[[Session], dict[str, Any]]) -> None:
+    def __init__(self, resources: Resources, rings: Rings, channels: Channels, stats: Callable[[Session], dict[str, Any]]) -> None:
         self.resources = resources
         self.rings = rings
+        self.channels = channels
         self.stats = stats
         #: Set by the daemon loop: where session-scoped tasks (the ring loop) start.
         self.nursery: trio.Nursery | None = None
@@ -125,6 +127,9 @@ class Control:
         if t is P.OpenRing:
             assert self.nursery is not None
             return self.rings.open(session, req.capacity, req.completion_bell, self.nursery)
+        if t is P.OpenChannel:
+            assert self.nursery is not None
+            return self.channels.open(session, req.capacity, self.nursery)
         if t is P.Close:
             session.to(Phase.CLOSING)
             log.info("session %d closed by its client", session.id, extra={"session": session.id})

@@ -182,6 +182,7 @@ async def serve(
                 nursery.start_soon(server.reap_silent)
                 nursery.start_soon(guard.run)
                 nursery.start_soon(server.fds.serve)  # clients collect their memfds here (server._fds)
+                nursery.start_soon(server.channels.serve)  # remote sessions' data channels (server._channels)
                 logging.getLogger(STARTUP_LOGGER).info(
                     "%s", startup_line(config, shm, server.backend.name, server.backend_reason, budget.sessions, budget.connections, memory,
                                        server.dataplane.describe())

@@ -72,7 +72,7 @@ class Rings:
         self.on_broken: Callable[[Session, str], None] = lambda s, why: None
 
     # --- setup ---------------------------------------------------------------------------------
-    def _create(self, session: Session, cap: int) -> tuple[Ring, int]:
+    def create(self, session: Session, cap: int) -> tuple[Ring, int]:
         """A ring in a sealed memfd (its size can never change under us: no SIGBUS), and the fd."""
         fd = new_memfd(f"{PREFIX}{self._instance()}.ring-{session.id}")
         try:
@@ -93,15 +93,10 @@ class Rings:
             raise E.RingUnavailable("request rings are disabled on this daemon (--no-rings)")
         if session.remote_peer:
             raise E.RingUnavailable("request rings are for clients on the daemon's host")
-        if session.ring is not None:
-            raise E.RingUnavailable("this session already has a ring")
-        limit = cfg.max_ring_capacity
-        if not 2 <= capacity <= limit:
-            raise E.InvalidField(f"ring capacity {capacity} is outside 2..{limit}")
-        cap = min(1 << (capacity - 1).bit_length(), 1 << (limit.bit_length() - 1))
+        cap = self.capacity(session, capacity)
         self.fds.check_room(session, 3 if completion_bell else 2)
         doorbell = self.loop.doorbell()  # made with the first ring: daemons without ring clients have none
-        ring, ring_fd = self._create(session, cap)
+        ring, ring_fd = self.create(session, cap)
         offered: list[bytes] = []
         wr = -1
         try:
@@ -125,16 +120,7 @@ class Rings:
         if wr >= 0:
             ring.set_doorbell(wr)  # our completion pushes ring it when the client sleeps armed
             session.ring_bell = wr
-        session.ring = ring
-        self.sessions[session.id] = session
-        try:
-            session.worker = self.dataplane.start(session, ring, doorbell.write_fd, wr)
-        except OSError as exc:  # no thread to be had: the loop serves this ring
-            log.warning("session %d: no ring worker (%s); the event loop serves its ring", session.id, exc, extra={"session": session.id})
-        if session.worker is None:
-            ring.arm()  # if the ring loop sleeps now, the client's first push must ring the bell
-        self.loop.start(nursery)
-        log.info("session %d opened a %d-descriptor ring", session.id, ring.request_capacity, extra={"session": session.id})
+        self.install(session, ring, nursery)
         return R.RingOpened(
             token, bell, cbell, ring.request_capacity, ring.completion_capacity,
             # Served beyond copy, fill, checksum and fence (a client takes the ring for a
@@ -143,6 +129,28 @@ class Rings:
             # Descriptors may wait for the socket frames sent before them (`FLAG_AFTER`).
             after=True,
         )
+
+    def capacity(self, session: Session, capacity: int) -> int:
+        """The ring a session may open (`capacity` rounded up to a power of two), or why not."""
+        if session.ring is not None:
+            raise E.RingUnavailable("this session already has a ring")
+        limit = self.config.max_ring_capacity
+        if not 2 <= capacity <= limit:
+            raise E.InvalidField(f"ring capacity {capacity} is outside 2..{limit}")
+        return min(1 << (capacity - 1).bit_length(), 1 << (limit.bit_length() - 1))
+
+    def install(self, session: Session, ring: Ring, nursery: trio.Nursery) -> None:
+        """The session's ring is served from now on: by its worker, else by the loop."""
+        session.ring = ring
+        self.sessions[session.id] = session
+        try:
+            session.worker = self.dataplane.start(session, ring, self.loop.doorbell().write_fd, -1 if session.ring_bell is None else session.ring_bell)
+        except OSError as exc:  # no thread to be had: the loop serves this ring
+            log.warning("session %d: no ring worker (%s); the event loop serves its ring", session.id, exc, extra={"session": session.id})
+        if session.worker is None:
+            ring.arm()  # if the ring loop sleeps now, the client's first push must ring the bell
+        self.loop.start(nursery)
+        log.info("session %d opened a %d-descriptor ring", session.id, ring.request_capacity, extra={"session": session.id})
 
     @staticmethod
     def _fd(what: str, make: Callable[[], Any]) -> Any:
@@ -158,6 +166,11 @@ class Rings:
         self.sessions.pop(session.id, None)
         session.ring_chain = session.ring_held = None
         self.dataplane.stop(session)  # joins its thread: nothing touches the ring after this
+        channel, session.channel = session.channel, None
+        if isinstance(channel, int):  # a data channel that never connected: its ring's memfd
+            os.close(channel)
+        elif channel is not None:
+            channel.close(reason.code)  # joins the bridge's threads; the client reads EOF
         ring, session.ring = session.ring, None
         if ring is not None:
             ring.close(reason.code)  # its memfd goes with the client's mapping (an uncollected one with its token)

@@ -35,6 +35,7 @@ from ._placement import POLICIES, VirtualDevice, make_policy
 from ._planner import Planner
 from ._remote import RemotePlane
 from ._resources import Resources
+from ._channels import Channels
 from ._rings import Rings
 from ._session import Session
 
@@ -118,7 +119,9 @@ class Server:
         self.dataplane = DataPlane(config, self.accounting, self.backends, pin_cap)
         self.resources = Resources(config, self.table, self.devices, self.backends, self.remote, lambda: self.instance, self.fds, self.dataplane)
         self.rings = Rings(config, lambda: self.instance, self.accounting, self.fds, self.dataplane)
-        self.control = Control(self.resources, self.rings, self.stats)
+        #: Remote sessions' rings, carried over TCP (their listener binds in `open`).
+        self.channels = Channels(config, self.rings)
+        self.control = Control(self.resources, self.rings, self.channels, self.stats)
         self.pass_ = Pass(config, self.planner, self.limiters, self.control, self.rings, self.accounting, self._send)
         self.front = Front(config, self.pass_, self.rings, self.resources, self.accounting, self._hello_info, self.control)
         self.rings.kick = self.pass_.kick
@@ -182,7 +185,9 @@ class Server:
         self._lock = DaemonLock(shm_dir)
         try:
             self.fds.open()
+            self.channels.bind()
         except BaseException:
+            self.fds.close()
             self._lock.release()
             self._lock = None
             raise
@@ -193,6 +198,7 @@ class Server:
             self.front.release(session)
         self.remote.close()
         self.rings.shutdown()
+        self.channels.close()
         self.fds.close()
         for backend in self.backends:
             backend.close()  # the CPU devices' processes
@@ -267,6 +273,7 @@ class Server:
             **self.remote.counters,
             **self.fds.counters,
             **self.connection_counters,
+            **self.channels.counters,
         }
 
 

@@ -124,6 +124,9 @@ class Session:
     ring: Any = None
     #: The pipe the daemon's end of the ring rings when the client sleeps on completions.
     ring_bell: Any = None
+    #: A remote session's data channel (`transfer.ring._channel.Channel`) once connected;
+    #: until then, its ring's memfd (an int), which the channel maps.
+    channel: Any = None
     #: The native worker serving the ring (`_dataplane`), or None.
     worker: Any = None
     #: A socket frame arrived while the worker still had this request index to go: the

@@ -23,13 +23,13 @@ import select
 import time
 from collections import deque
 from pathlib import Path
-from typing import Callable, TypeVar, cast
+from typing import Callable, Sequence, TypeVar, cast
 from urllib.parse import urlparse
 
 import trio
 import zmq
 
-__all__ = ["SocketPump", "monitor_socket", "stop_monitor", "ipc_path", "check_endpoint", "endpoint_error", "default_endpoint", "resolve_endpoint"]
+__all__ = ["SocketPump", "monitor_socket", "stop_monitor", "ipc_path", "check_endpoint", "endpoint_error", "default_endpoint", "resolve_endpoint", "tcp_host"]
 
 #: Messages received per pass before yielding to other tasks (fairness).
 _RECV_BURST = 256
@@ -253,6 +253,15 @@ def endpoint_error(endpoint: object) -> str | None:
     if sep:
         return f"{endpoint!r} is not ipc://PATH or tcp://HOST:PORT (unknown scheme {scheme!r})"
     return f"{endpoint!r} is not ipc://PATH or tcp://HOST:PORT (the scheme is required)"
+
+
+def tcp_host(endpoints: Sequence[str]) -> str | None:
+    """The host of the first tcp:// endpoint ("" for every interface), or None: no tcp."""
+    for ep in endpoints:
+        if ep.startswith("tcp://"):
+            host = ep[len("tcp://"):].rpartition(":")[0]
+            return "" if host == "*" else host.strip("[]")
+    return None
 
 
 def resolve_endpoint(endpoint: object) -> str:

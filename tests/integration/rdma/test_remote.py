@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Iterator
 
@@ -25,6 +22,7 @@ import pytest
 
 import transfer
 from transfer import protocol as P
+from conftest import tcp_daemon as loopback_daemon
 from transfer.testing import DaemonProcess, loopback_endpoint, start_daemon
 from transfer.transport import _nixl
 
@@ -38,19 +36,7 @@ FAST = ["--heartbeat", "0.2", "--session-timeout", "2.0", "--backend", "numpy"]
 
 
 def _daemon(args: list[str]) -> Iterator[tuple[DaemonProcess, str]]:
-    shm = Path("/dev/shm") / f"transfer-rdma-{uuid.uuid4().hex[:8]}"
-    shm.mkdir(mode=0o700)
-    wd = Path(tempfile.mkdtemp(prefix="transferd-rdma-"))
-    endpoint = loopback_endpoint()
-    d = start_daemon([*FAST, "--endpoint", endpoint, *args], workdir=wd, shm_dir=shm)
-    try:
-        yield d, endpoint
-    finally:
-        assert d.stop() == 0
-        shutil.rmtree(wd, ignore_errors=True)
-        left = [n for n in os.listdir(shm) if not n.endswith(".lock")]
-        shutil.rmtree(shm, ignore_errors=True)
-        assert left == [], "shared memory left behind"
+    yield from loopback_daemon(args, "rdma")
 
 
 @pytest.fixture(scope="module")
@@ -303,6 +289,31 @@ def test_remote_copies_land_in_gpu_memory_with_no_host_bounce() -> None:
                 c.free(s)
 
 
+def test_requests_that_touch_a_remote_segment_take_the_socket(client: transfer.Client) -> None:
+    """The daemon's loop posts NIXL for them either way: they skip the data channel (and
+    its worker's handover), every kind of them, and the rest of the session keeps it."""
+    link = client._ring
+    assert link is not None and link.channel is not None
+    arr = np.random.default_rng(5).integers(0, 256, 1 << 16, dtype=np.uint8)
+    orig = arr.copy()
+    seg = client.register_remote(arr)
+    buf = client.alloc(arr.nbytes)
+    sent = link.channel.counters()["sent"]
+    client.copy(buf, seg).result()
+    offs = np.arange(0, arr.nbytes, 4096, dtype=np.uint64)
+    sizes = np.full(len(offs), 4096, np.uint64)
+    client.copy_many(buf.va + offs, seg.va + offs, sizes).result()
+    client.copy(seg.at(64), buf, 64).result()
+    assert np.array_equal(seg.buffer[64:128], orig[:64])
+    assert link.channel.counters()["sent"] == sent, "none took the channel"
+    client.fill(buf, 64, 1).result()
+    assert link.channel.counters()["sent"] > sent  # (the session's other requests do)
+    assert client.checksum(buf, 4096).result() == transfer.checksum64(bytes([1] * 64) + orig[64:4096].tobytes())
+    client.free(seg)
+    client.stats()  # (a frame: the free travels with it, and its answer deregisters)
+    assert seg.va >> 40 not in client._core.remote_sids, "a freed segment's id routes nothing"
+
+
 def test_registering_the_same_memory_again_reuses_its_registration(client: transfer.Client) -> None:
     """The same memory registered again while it is registered: the same segment and NIXL
     registration (no round trip, no new metadata); each handle is freed on its own, and the
@@ -530,6 +541,7 @@ def curve_daemon(keys: Path) -> Iterator[tuple[DaemonProcess, str]]:
 
 def test_curve_keys_admit_the_pinned_client(keys: Path, curve_daemon: tuple[DaemonProcess, str]) -> None:
     with transfer.connect(curve_daemon[1], server_key=str(keys / "server.key"), client_keys=str(keys / "clients" / "good.key_secret")) as c:
+        assert c._ring is not None and c._ring.channel is not None, "a CURVE session gets its data channel"
         seg = c.remote_segment(4096)
         seg.buffer[:] = 9
         buf = c.alloc(4096)
@@ -577,9 +589,11 @@ def test_trio_client_with_curve_keys(keys: Path, curve_daemon: tuple[DaemonProce
 
     async def main() -> None:
         async with transfer.open_client(curve_daemon[1], server_key=str(keys / "server.key"), client_keys=str(keys / "clients" / "good.key_secret")) as c:
+            assert c._ring is not None and c._ring.channel is not None  # (its completions ring the trio client's pipe)
             buf = await c.alloc(4096)
             await c.fill(buf, 4096, 1)
             assert await c.checksum(buf, 4096) == transfer.checksum64(b"\x01" * 4096)
+            assert c._ring.channel.counters()["received"] >= 1
 
     trio.run(main)
 
