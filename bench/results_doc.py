@@ -174,9 +174,9 @@ def remote() -> str:
                  "pyzmq_reqrep": "pyzmq's own REQ/REP echo on loopback tcp",
                  "python_tcp": "a channel candidate: plain TCP echo, Python at both ends",
                  "nixl_notif": "a channel candidate: NIXL notifications echoed, polled from Python"}
-        rrows = [[names[k], f"{rt[k]['p50_us']:.1f}", f"{rt[k]['p99_us']:.1f}"] for k in names if k in rt]
-        out += ["", f"64 B, one request at a time, all in the same rounds (µs); pyzmq's p50 over the data channel's copy p50: "
-                    f"{rt['copy_vs_pyzmq']:.2f}x:", "", _table(["round trip", "p50", "p99"], rrows)]
+        parts = "; ".join(f"{names[k]}: {pp(k)}" for k in names if k in rt)
+        out += ["", f"64 B, one request at a time, all in the same rounds: {parts}. pyzmq's p50 over the data channel's "
+                    f"copy p50: {rt['copy_vs_pyzmq']:.2f}x."]
     return "\n".join(out)
 
 

@@ -279,6 +279,7 @@ def main() -> None:
     ap.add_argument("--channel", action="store_true",
                     help="copies between the daemon's own buffers (each producer's batch already landed): its data "
                          "channel carries them and its ring worker serves them, instead of NIXL READs through the event loop")
+    ap.add_argument("--daemon-args", default="", help="more transferd arguments, e.g. \"--worker-spin 0 --worker-spin-spare 0\"")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "scaling.json")
     args = ap.parse_args()
     if args.markdown:
@@ -296,7 +297,8 @@ def main() -> None:
     endpoint = loopback_endpoint()
     runs: list[dict[str, Any]] = []
     t_start = time.perf_counter()
-    with run_daemon(["--endpoint", endpoint, "--allow-insecure-tcp", "--backend", "numpy", "--session-timeout", "30"]) as d:
+    with run_daemon(["--endpoint", endpoint, "--allow-insecure-tcp", "--backend", "numpy", "--session-timeout", "30",
+                     *args.daemon_args.split()]) as d:
         for n in counts:
             for name, size, k in WORKLOADS:
                 reps = [run(endpoint, d.pid, n, size, k, args.depth, args.seconds, args.channel) for _ in range(args.reps)]

@@ -56,6 +56,8 @@ static void bridge_end(BridgeObject *b, int why)
     atomic_store(&b->interrupt, 1);
     trq_force_wake(b->in->q.data_waiter);   /* the consumer of what we produce */
     trq_force_wake(b->out->q.space_waiter); /* the producer of what we consume */
+    trq_force_wake(b->out->q.data_waiter);  /* our sender, if it sleeps for slots */
+    trq_force_wake(b->in->q.space_waiter);  /* our receiver, if it sleeps for room */
     if (b->in->bell >= 0) {
         ssize_t r = write(b->in->bell, "", 1);
         (void)r;
