@@ -15,7 +15,7 @@ import pytest
 
 import transfer
 from transfer import backends
-from transfer.testing import start_daemon
+from transfer.testing import loopback_endpoint, start_daemon
 
 
 def transferd(*args: str, timeout: float = 20) -> subprocess.CompletedProcess[str]:
@@ -25,6 +25,17 @@ def transferd(*args: str, timeout: float = 20) -> subprocess.CompletedProcess[st
 def test_refuses_unauthenticated_tcp_off_loopback(tmp_path: Path) -> None:
     r = transferd("--endpoint", "tcp://0.0.0.0:5999", "--shm-dir", str(tmp_path))
     assert r.returncode == 1 and "only allowed on loopback" in r.stderr
+
+
+def test_a_channel_port_in_use_is_a_clear_startup_error(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = transferd("--endpoint", loopback_endpoint(), "--allow-insecure-tcp", "--channel-port", str(port), "--shm-dir", str(tmp_path))
+    assert r.returncode == 1 and "cannot listen for data channels" in r.stderr and "--channel-port" in r.stderr, r.stderr[-2000:]
 
 
 def test_refuses_a_second_daemon_on_a_live_endpoint(daemon) -> None:

@@ -72,15 +72,20 @@ class Channels:
         host = tcp_host(self.config.endpoints)
         if host is None or not self.config.rings:
             return
-        family, kind, proto, _, addr = socket.getaddrinfo(host or None, self.config.channel_port, type=socket.SOCK_STREAM,
-                                                          flags=socket.AI_PASSIVE)[0]
-        sock = socket.socket(family, kind, proto)
+        sock = None
         try:
+            family, kind, proto, _, addr = socket.getaddrinfo(host or None, self.config.channel_port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE)[0]
+            sock = socket.socket(family, kind, proto)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(addr)
             sock.listen(CHANNEL_WAITING)
-        except BaseException:
-            sock.close()
+        except BaseException as exc:
+            if sock is not None:
+                sock.close()
+            if isinstance(exc, OSError):
+                raise RuntimeError(f"cannot listen for data channels on {host or '*'}:{self.config.channel_port} "
+                                   f"(--channel-port; 0 takes any free port): {exc}") from None
             raise
         self.port = sock.getsockname()[1]
         self.listener = trio.socket.from_stdlib_socket(sock)
@@ -109,7 +114,12 @@ class Channels:
             return
         async with trio.open_nursery() as nursery:
             while True:
-                conn, _ = await self.listener.accept()
+                try:
+                    conn, _ = await self.listener.accept()
+                except OSError as exc:  # EMFILE and friends: back off, never spin
+                    log.warning("data channels: accept failed: %s", exc)
+                    await trio.sleep(0.05)
+                    continue
                 if self.handshaking >= CHANNEL_WAITING:
                     conn.close()
                     self.counters["channels_busy"] += 1
