@@ -98,6 +98,7 @@ __all__ = [
     "Attach",
     "OpenRing",
     "OpenChannel",
+    "RingMark",
     "Copy",
     "CopyV",
     "Fill",
@@ -191,6 +192,15 @@ class Ping(Request, tag=3):
 
 class Wait(Request, tag=4):
     """Marks a frame whose replies the client blocks on: the daemon counts blocking round trips."""
+
+
+class RingMark(Request, tag=5):
+    """First in a frame that a session with a data channel sends while descriptors it pushed
+    on its ring may still be on their way (docs/ring.md, "Remote rings"): the frame's
+    requests go after the first `pushed` descriptors of the session's ring, as a same-host
+    frame goes after what its ring held when it arrived. Answered nil, after the pass."""
+
+    pushed: U64
 
 
 class RegisterHost(Request, tag=10):
@@ -410,6 +420,7 @@ REQUEST_TYPES: dict[int, type[Request]] = {
         Close,
         Ping,
         Wait,
+        RingMark,
         RegisterHost,
         Unregister,
         Alloc,

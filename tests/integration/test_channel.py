@@ -96,6 +96,52 @@ def test_a_failed_request_on_the_channel_gets_its_error(daemon: tuple[DaemonProc
         assert c.checksum(buf).result() == transfer.checksum64(np.full(4096, 3, np.uint8))
 
 
+@pytest.fixture(scope="module")
+def loop_daemon() -> Iterator[tuple[DaemonProcess, str]]:
+    """Rings served by the event loop (no native workers): the Python half of every rule."""
+    yield from _daemon(["--no-ring-workers"])
+
+
+@pytest.mark.parametrize("served", ["worker", "loop"])
+def test_a_socket_frame_waits_for_the_descriptors_pushed_before_it(request: pytest.FixtureRequest, served: str) -> None:
+    """Ring requests travel on the data channel, a compute on the control socket: two
+    connections, so the compute's frame can reach the daemon before the fills pushed ahead
+    of it. Its RingMark says how many came first, and the daemon waits for them (without
+    the mark, a compute overtook its fills by the second round)."""
+    endpoint = request.getfixturevalue("daemon" if served == "worker" else "loop_daemon")[1]
+    n = 64 << 10
+    with transfer.connect(endpoint) as c:
+        assert c._ring is not None and c._ring.channel is not None
+        buf = c.alloc(n)
+        c.fill(buf, n, 0).result()
+        for i in range(1, 101):
+            for v in range(40):
+                c.fill(buf, n, (i + v) & 0xFF)  # not waited for: pushed, on their way
+            got = c.compute("checksum", [buf.tensor(n, np.uint8)]).result()
+            assert got == transfer.checksum64(np.full(n, (i + 39) & 0xFF, np.uint8)), f"round {i}: the compute overtook the fills"
+
+
+def test_a_mark_ahead_of_what_was_pushed_holds_only_its_own_session(daemon: tuple[DaemonProcess, str]) -> None:
+    """A frame whose RingMark names descriptors not pushed yet waits for them; the daemon and
+    its other sessions do not."""
+    with transfer.connect(daemon[1]) as c, transfer.connect(daemon[1]) as other:
+        buf = c.alloc(4096)
+        c.fill(buf, 4096, 1).result()
+        core = c._core
+        with c._lock:
+            mark = core.new(P.RingMark, core.sub.pushed + 3)[0]
+            core.pending.pop(mark.id)
+            fence, held = core.new(P.Fence, 0)
+            c._send([mark, fence])
+        obuf = other.alloc(64)
+        other.fill(obuf, 64, 2).result()  # served meanwhile
+        assert other.checksum(obuf).result() == transfer.checksum64(np.full(64, 2, np.uint8))
+        for v in (3, 4, 5):  # the three descriptors it named: then the frame goes
+            c.fill(buf, 4096, v)
+        held.result(timeout=60)
+        assert c.checksum(buf).result() == transfer.checksum64(np.full(4096, 5, np.uint8))
+
+
 _OPS = st.lists(
     st.one_of(
         st.tuples(st.just("fill"), st.integers(0, 3), st.integers(0, 8191), st.integers(0, 8192), st.integers(0, 255)),

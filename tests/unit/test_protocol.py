@@ -90,6 +90,7 @@ requests = st.one_of(
     st.builds(P.Fence, rid, u32),
     st.builds(P.OpenRing, rid, u32),
     st.builds(P.OpenChannel, rid, u32),
+    st.builds(P.RingMark, rid, u64),
     st.builds(P.Stats, rid),
 )
 
@@ -111,7 +112,7 @@ def same(a: P.Request, b: P.Request) -> bool:
 
 
 def test_every_message_type_is_covered() -> None:
-    assert set(P.REQUEST_TYPES) == {1, 2, 3, 4, 10, 11, 12, 13, 14, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 30, 40, 50}
+    assert set(P.REQUEST_TYPES) == {1, 2, 3, 4, 5, 10, 11, 12, 13, 14, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 30, 40, 50}
 
 
 @given(st.lists(requests, min_size=1, max_size=20))

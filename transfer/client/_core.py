@@ -191,6 +191,17 @@ class ClientCore:
         alone, with its reason; the rest of its batch still leaves.
         """
         step = self.limits.max_batch
+        link = self.ring
+        if link is not None and link.channel is not None and link.outstanding:
+            # Descriptors pushed on the data channel may reach the daemon after this frame:
+            # each frame says how many came before it (a RingMark), and the daemon waits for them.
+            step = max(1, step - 1)
+            marked: list[P.Request] = []
+            for i in range(0, len(reqs), step):
+                mark = self.new(P.RingMark, self.sub.pushed)[0]
+                self.pending.pop(mark.id, None)  # (its reply only counts)
+                marked += [mark, *reqs[i : i + step]]
+            reqs, step = marked, step + 1
         frames = []
         for r in reqs:
             if type(r) is P.ChecksumV or (type(r) is P.CopyV and r.sums):

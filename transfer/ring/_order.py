@@ -15,7 +15,10 @@ transports are read independently, so three rules keep that order:
 3. **Socket after ring** (`frame_waits`): a socket frame that arrives while the ring holds
    descriptors published before it, which the worker has not yet done, waits until the
    worker's done index reaches the tail the client had published (or, if the worker hands
-   the ring over first, those descriptors are queued ahead of the frame).
+   the ring over first, those descriptors are queued ahead of the frame). A session on
+   another host publishes into a ring of its own, which a data channel carries to the
+   daemon's (docs/ring.md, "Remote rings"): the frame's own RingMark then names that tail,
+   since descriptors pushed before the frame may reach the daemon after it.
 
 The client's Python (`ClientCore.ring_route`) and the daemon's (`server/_rings.py`) follow
 these functions; the native submission (`native/submission.c`, its `route`) and the native

@@ -28,7 +28,7 @@ log = logging.getLogger("transfer.server")
 #: Requests that act as barriers: a pass stops before them, and runs them before what follows.
 BARRIERS: tuple[type[P.Request], ...] = (P.Define, P.OpenRing, P.OpenChannel, P.RegisterHost, P.RegisterRemote, P.Unregister, P.Alloc, P.Free, P.Share, P.Attach, P.Close, P.Hello)
 #: Answered once everything taken before them in the pass has completed.
-AFTER_PASS: tuple[type[P.Request], ...] = (P.Fence, P.Ping, P.Stats, P.Wait)
+AFTER_PASS: tuple[type[P.Request], ...] = (P.Fence, P.Ping, P.Stats, P.Wait, P.RingMark)
 #: Stats answered per frame (or pass): a reply is ~1 KiB, so many would amplify a small
 #: frame into megabytes. More get QuotaExceeded.
 STATS_PER_FRAME = 16
@@ -101,7 +101,7 @@ class Control:
         t = type(req)
         if t is P.BadRequest:
             raise req.error
-        if t is P.Fence or t is P.Ping:
+        if t is P.Fence or t is P.Ping or t is P.RingMark:
             return None  # a fence: everything before it in the session is done
         if t is P.Stats:
             return self.stats(session)

@@ -141,8 +141,9 @@ class Front:
             # Clients keep within the credits announced in hello; only a misbehaving one gets here.
             self._refuse(identity, session, reqs, E.QuotaExceeded(f"more than {self.config.max_inflight} requests in flight for this session"))
             return
-        if session.ring is not None:
-            self.rings.before_frame(session)  # what the client pushed before this frame goes first
+        if session.ring is not None:  # what the client pushed before this frame goes first
+            first = reqs[0]
+            self.rings.before_frame(session, first.pushed if type(first) is P.RingMark else None)
         session.queue.extend([(r, SOCKET) for r in reqs])
         session.inflight += len(reqs)
         self.pass_.kick(session)

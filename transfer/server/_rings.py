@@ -54,6 +54,14 @@ __all__ = ["Rings"]
 
 log = logging.getLogger("transfer.server")
 
+#: How soon a frame waiting for a data channel's descriptors still on their way first looks
+#: for them again while the event loop serves the ring (the worker's watch wakes it
+#: otherwise); each look doubles the wait, up to the second figure (a client whose mark
+#: names descriptors it never sends holds its own frames, at a few wake-ups a second).
+ARRIVAL_POLL_S = 200e-6
+ARRIVAL_POLL_MAX_S = 0.05
+
+
 class Rings:
     """Every session's ring: open, ingest into the queue, push completions, poll, sleep."""
 
@@ -323,15 +331,21 @@ class Rings:
         session.queue.extend(items)
 
     # --- the native worker's ring ----------------------------------------------------------------
-    def before_frame(self, session: Session) -> None:
-        """A socket frame arrived: what the client pushed on its ring before it goes first."""
-        worker = session.worker
+    def before_frame(self, session: Session, mark: int | None = None) -> None:
+        """A socket frame arrived: what the client pushed on its ring before it goes first.
+        `mark`: its RingMark, the descriptors pushed before it (a data channel's may still
+        be on their way: the frame waits for them too)."""
+        worker, ring = session.worker, session.ring
+        tail = None
         if worker is None or worker.mode != NATIVE:
             self.ingest(session)
+            taken = ring.inbox.index
+            if mark is not None and order.plausible(mark, taken, ring.request_capacity) and taken + ring.available() < mark:
+                tail = mark  # (an impossible mark is a hostile client's: its order is its own affair)
         else:
-            tail = order.frame_waits(worker.tail(), worker.done, session.ring.request_capacity)
-            if tail is not None:
-                session.ring_wait = tail if session.ring_wait is None else max(session.ring_wait, tail)
+            tail = order.frame_waits(max(worker.tail(), mark or 0), worker.done, ring.request_capacity)
+        if tail is not None:
+            session.ring_wait = tail if session.ring_wait is None else max(session.ring_wait, tail)
         if session.ring_wait is not None:  # this frame's requests begin here (`_queue` places ahead of them)
             session.waiting_frames.append((session.frames_seen + 1, session.queue_taken + len(session.queue)))
 
@@ -346,12 +360,18 @@ class Rings:
         """Wait until the worker has done what came before the waiting frame, or handed it over
         (then that rest is queued ahead of the frame)."""
         worker = session.worker
+        delay = ARRIVAL_POLL_S
         try:
-            while worker is not None and session.running and session.ring_wait is not None:
-                mode = worker.mode
+            while session.running and session.ring_wait is not None:
+                mode = PYTHON if worker is None else worker.mode
                 if mode != NATIVE:
                     if mode == PYTHON:
                         self.ingest(session, front=True)
+                        ring = session.ring
+                        if ring is not None and ring.inbox.index < session.ring_wait:  # (a data channel's, on their way)
+                            await trio.sleep(delay)
+                            delay = min(2 * delay, ARRIVAL_POLL_MAX_S)
+                            continue
                     return
                 session.ring_moved = trio.Event()
                 if worker.watch(session.ring_wait) >= session.ring_wait:
