@@ -287,6 +287,36 @@ def test_a_killed_client_s_session_and_channel_go(daemon: tuple[DaemonProcess, s
         c.fill(buf, 64, 1).result()
 
 
+def test_a_drain_answers_everything_the_channel_carried() -> None:
+    """SIGTERM with fills in flight on a data channel: each is done, or fails with a clear
+    error (what reached the daemon after its cut, or was still on its way); none is left
+    waiting, and the daemon exits cleanly. The client's close then knows the session is
+    over (it waited out its reply timeout, 5 s, before)."""
+    for d, endpoint in _daemon():
+        c = transfer.connect(endpoint, name="drained")
+        try:
+            assert c._ring is not None and c._ring.channel is not None
+            n = 4 << 20
+            buf = c.alloc(n)
+            c.fill(buf, n, 0).result()
+            pend = [c.fill(buf, n, i & 0xFF) for i in range(1, 51)]
+            d.proc.send_signal(signal.SIGTERM)
+            done = failed = 0
+            for p in pend:
+                try:
+                    p.result(timeout=60)
+                    done += 1
+                except (transfer.ShuttingDown, transfer.SessionClosed, transfer.ConnectionLost):
+                    failed += 1
+            assert done + failed == len(pend)
+            assert d.proc.wait(60) == 0
+            _wait_for(lambda: c._ring.channel.ended)  # (its end reaches the client)
+            c.close()  # knows the session is over: sends no Close to a daemon that is gone
+            assert isinstance(c._core.broken, transfer.SessionClosed)
+        finally:
+            c.close()
+
+
 def test_the_daemon_going_fails_what_waits_on_the_channel(tmp_path: Path) -> None:
     """A daemon killed under a session: its channel ends, and the client fails what it
     submits with a clear error instead of waiting for ever."""

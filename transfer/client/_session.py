@@ -182,6 +182,9 @@ class Session:
 
     def _op_close(self) -> Op[None]:
         """Tell the daemon (it releases everything the session holds), unless it is gone."""
+        link = self._core.ring
+        if link is not None and self._core.broken is None and link.ring.peer_closed:
+            self._core.ring_closed()  # its end of the ring (or the data channel) closed: nobody to tell
         if self._core.broken is None and os.getpid() == self._core.pid:
             yield from self._op_call(P.Close)
 
