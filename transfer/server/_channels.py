@@ -105,7 +105,11 @@ class Channels:
         ring, fd = self.rings.create(session, cap)
         key = secrets.token_bytes(KEY_BYTES)
         session.channel = Awaited(fd, key)
-        self.rings.install(session, ring, nursery)
+        try:
+            self.rings.install(session, ring, nursery)
+        except BaseException:
+            self.rings.close(session)  # (the ring, its memfd and whatever started)
+            raise
         return R.ChannelOpened(key, self.port, ring.request_capacity, ring.completion_capacity, graphs=True, after=True)
 
     async def serve(self) -> None:

@@ -175,9 +175,7 @@ class Rings:
         session.ring_chain = session.ring_held = None
         self.dataplane.stop(session)  # joins its thread: nothing touches the ring after this
         channel, session.channel = session.channel, None
-        if isinstance(channel, int):  # a data channel that never connected: its ring's memfd
-            os.close(channel)
-        elif channel is not None:
+        if channel is not None:  # (one that never connected holds the ring's memfd: it goes)
             channel.close(reason.code)  # joins the bridge's threads; the client reads EOF
         ring, session.ring = session.ring, None
         if ring is not None:

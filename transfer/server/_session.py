@@ -125,7 +125,7 @@ class Session:
     #: The pipe the daemon's end of the ring rings when the client sleeps on completions.
     ring_bell: Any = None
     #: A remote session's data channel (`transfer.ring._channel.Channel`) once connected;
-    #: until then, its ring's memfd (an int), which the channel maps.
+    #: until then, what it waits for (`_channels.Awaited`: the ring's memfd and the key).
     channel: Any = None
     #: The native worker serving the ring (`_dataplane`), or None.
     worker: Any = None
