@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import msgspec
 import numpy as np
 
 from .._native import Submission
@@ -432,17 +433,9 @@ def _touched(cls: type[P.Request], args: tuple[Any, ...]) -> list[int]:
 
 
 def touches(req: P.Request, sids: set[int]) -> bool:
-    """Whether a ring-able request names a VA in one of the segments `sids`."""
-    for name in ("dst", "src", "inputs", "outputs"):
-        v = getattr(req, name, None)
-        if v is None:
-            continue
-        if isinstance(v, int):
-            if v >> OFFSET_BITS in sids:
-                return True
-        elif any(int(va) >> OFFSET_BITS in sids for va in (_segment_vas(v) if isinstance(v, np.ndarray) else v)):
-            return True
-    return False
+    """Whether a ring-able request names a VA in one of the segments `sids` (`_touched`: its
+    fields after the id are the arguments it was made with)."""
+    return any(int(va) >> OFFSET_BITS in sids for va in _touched(type(req), msgspec.structs.astuple(req)[1:]))
 
 
 def _is_free(req: P.Request) -> bool:

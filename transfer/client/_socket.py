@@ -16,7 +16,7 @@ import zmq
 from .. import errors as E
 from ..ring._channel import ACK, hello
 from ..transport import _curve
-from ..transport._zmq import endpoint_error, ipc_path
+from ..transport._zmq import endpoint_error, ipc_path, tcp_host
 
 __all__ = ["open_socket", "connect_channel"]
 
@@ -112,7 +112,7 @@ CHANNEL_TIMEOUT_S = 5.0
 def connect_channel(endpoint: str, port: int, session: int, key: bytes, timeout: float = CHANNEL_TIMEOUT_S) -> socket.socket:
     """A session's data channel: a TCP connection to `port` on the tcp endpoint's host,
     past its hello (the session and the key the daemon gave on the control socket)."""
-    host = endpoint[len("tcp://"):].rpartition(":")[0].strip("[]")
+    host = tcp_host((endpoint,)) or "localhost"
     where = f"{host}:{port}"
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
