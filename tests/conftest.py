@@ -12,7 +12,7 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -49,6 +49,16 @@ def segment_files(shm_dir: Path) -> list[str]:
 def leftovers(shm_dir: Path) -> list[str]:
     """Everything in shm_dir but lock files: after a daemon stopped, this must be empty."""
     return sorted(n for n in os.listdir(shm_dir) if not n.endswith(".lock"))
+
+
+def wait_for(cond: Any, what: str, timeout: float = 10.0, on_fail: Any = None) -> None:
+    """Poll `cond()` (a counter, a state the daemon or client keeps: the event itself) until it
+    holds; fail naming `what` (and `on_fail()`) after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}" + (f": {on_fail()}" if on_fail else ""))
+        time.sleep(0.02)
 
 
 def tcp_daemon(args: list[str], prefix: str = "tcp") -> Iterator[tuple[DaemonProcess, str]]:

@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 from typing import Any, Iterator
@@ -26,7 +25,7 @@ from hypothesis import strategies as st
 import transfer
 from transfer import protocol as P
 from transfer.ring._channel import ACK, HELLO, hello
-from conftest import FAST, tcp_daemon
+from conftest import FAST, tcp_daemon, wait_for
 from transfer.server._config import CHANNEL_WAITING
 from transfer.testing import DaemonProcess, loopback_endpoint, start_daemon
 
@@ -44,14 +43,6 @@ def daemon() -> Iterator[tuple[DaemonProcess, str]]:
 def _daemon_stats(endpoint: str) -> dict[str, Any]:
     with transfer.connect(endpoint, ring=False) as c:
         return dict(c.stats()["daemon"])
-
-
-def _wait_for(what: Any, timeout: float = 30.0) -> None:
-    """Poll a daemon counter until `what()` holds (the daemon's own bookkeeping: an event, not a clock)."""
-    deadline = time.monotonic() + timeout
-    while not what():
-        assert time.monotonic() < deadline, "the daemon never got there"
-        time.sleep(0.02)
 
 
 def _awaited_channel(c: transfer.Client, capacity: int = 64) -> Any:
@@ -233,7 +224,7 @@ def test_silent_connections_cannot_hold_the_listener(daemon: tuple[DaemonProcess
     before = _daemon_stats(endpoint)["channels_busy"]
     silent = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(CHANNEL_WAITING)]
     try:
-        _wait_for(lambda: _daemon_stats(endpoint)["channels_busy"] > before or _extra_is_closed(port))
+        wait_for(lambda: _daemon_stats(endpoint)["channels_busy"] > before or _extra_is_closed(port), "the extra connection closed", timeout=30)
     finally:
         for s in silent:
             s.close()
@@ -280,7 +271,7 @@ def test_a_killed_client_s_session_and_channel_go(daemon: tuple[DaemonProcess, s
         if p.poll() is None:
             p.kill()
             p.wait()
-    _wait_for(lambda: _daemon_stats(endpoint)["sessions"] <= base)  # reaped (its heartbeats stopped)
+    wait_for(lambda: _daemon_stats(endpoint)["sessions"] <= base, "the session reaped", timeout=30)  # reaped (its heartbeats stopped)
     assert daemon[0].alive()
     with transfer.connect(endpoint) as c:
         buf = c.alloc(64)
@@ -310,7 +301,7 @@ def test_a_drain_answers_everything_the_channel_carried() -> None:
                     failed += 1
             assert done + failed == len(pend)
             assert d.proc.wait(60) == 0
-            _wait_for(lambda: c._ring.channel.ended)  # (its end reaches the client)
+            wait_for(lambda: c._ring.channel.ended, "the channel's end", timeout=30)  # (its end reaches the client)
             c.close()  # knows the session is over: sends no Close to a daemon that is gone
             assert isinstance(c._core.broken, transfer.SessionClosed)
         finally:

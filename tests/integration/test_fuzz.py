@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 import transfer
-from conftest import segment_files
+from conftest import segment_files, wait_for
 from transfer import errors as E
 from transfer import protocol as P
 from transfer.addressing import MAX_SEGMENT_ID, OFFSET_BITS
@@ -335,14 +335,6 @@ def test_frame_fuzzer(fuzzd, shm_dir: Path, depth: int) -> None:
         wait_for(lambda: c.stats()["daemon"]["segments"] == 0 and c.stats()["daemon"]["sessions"] == 1, "fuzz sessions to be released")
         assert c.stats()["daemon"]["device_bytes"] == 0
     assert segment_files(shm_dir) == []
-
-
-def wait_for(cond: Any, what: str, timeout: float = 10.0, on_fail: Any = None) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}" + (f": {on_fail()}" if on_fail else ""))
-        time.sleep(0.05)
 
 
 def test_pathological_frames_one_by_one(fuzzd) -> None:

@@ -15,18 +15,18 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import wait_for
 import transfer
 from transfer.server._metrics import LATENCY_BUCKETS, STATS_FAMILIES, STATS_NOT_EXPORTED, Metrics
 from transfer.server._metrics_series import OTHER, SessionSeries, client_label
@@ -277,7 +277,7 @@ def test_listener_refuses_beyond_its_cap_at_once() -> None:
             with pytest.raises(BlockingIOError):
                 s.recv(1)
         held.pop().close()  # a slot frees: the next one is served
-        wait_for(lambda: listener.connections == 1, "the closed connection's slot")
+        wait_for(lambda: listener.connections == 1, "the closed connection's slot", timeout=5.0)
         assert scrape(f"http://127.0.0.1:{port}/metrics")
     finally:
         for s in held:
@@ -481,14 +481,6 @@ def test_session_series_off() -> None:
 
 
 # --- real daemons ------------------------------------------------------------------------------
-def wait_for(fn: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
-    end = time.monotonic() + timeout
-    while not fn():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def test_transferd_metrics_port(shm_dir: Path, tmp_path: Path) -> None:
     port = free_port()
     wd = tmp_path / "run"
@@ -548,7 +540,7 @@ def test_daemon_scrape_follows_the_conventions(daemon_factory: Any, workers: boo
             text = scrape(url)
             return samples(text).get(("transfer_native_requests_total", ()), 0) >= stats["native_requests"]
 
-        wait_for(caught_up, "the native counts")
+        wait_for(caught_up, "the native counts", timeout=5.0)
     assert set(stats) <= set(STATS_FAMILIES) | set(STATS_NOT_EXPORTED), set(stats) - set(STATS_FAMILIES) - set(STATS_NOT_EXPORTED)
     types = check_conventions(text)
     assert served_families(types) == documented_families()
@@ -586,7 +578,7 @@ def test_session_labels_stay_bounded_under_many_sessions(daemon_factory: Any) ->
         second = samples(scrape(url))  # the labels moved to the heaviest after the first scrape
         for c in clients[:10]:
             c.close()
-        wait_for(lambda: samples(scrape(url))[("transfer_sessions", ())] == 10, "sessions to end")
+        wait_for(lambda: samples(scrape(url))[("transfer_sessions", ())] == 10, "sessions to end", timeout=5.0)
         third = samples(scrape(url))
     finally:
         for c in clients:
